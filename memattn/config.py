@@ -1,0 +1,291 @@
+"""Typed configuration: dataclasses, YAML presets and checked `key=value` overrides.
+
+A run is a `RunConfig` of `ModelConfig`, `DataConfig` and `TrainConfig`. Presets are YAML
+files in `memattn/configs/` (also reachable as `configs/` at the repository root); any
+field can be overridden from the command line as `section.field=value`, e.g.
+`model.d_model=128 train.steps=200 attention=softmax`. Unknown keys and values of the
+wrong type raise `ConfigError` naming the key.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal, Union
+
+import yaml
+
+from memattn.errors import ConfigError
+
+PRESET_DIR = Path(__file__).parent / "configs"
+
+
+def _one_of(name: str, value: Any, allowed) -> None:
+    if value not in allowed:
+        raise ConfigError(f"{name}: expected one of {', '.join(map(str, allowed))}, got {value!r}")
+
+
+def _positive(name: str, value, *, zero_ok: bool = False) -> None:
+    if value < 0 or (value == 0 and not zero_ok):
+        raise ConfigError(f"{name}: expected a {'non-negative' if zero_ok else 'positive'} number, got {value!r}")
+
+
+@dataclass
+class AttentionConfig:
+    """Which mechanism (a registry string) and its own options."""
+
+    name: str = "softmax"
+    options: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        from memattn.layers.base import parse_options
+
+        parse_options(self.name, self.options)  # unknown mechanism or option -> ConfigError
+
+
+@dataclass
+class ModelConfig:
+    vocab_size: int = 0  # 0: taken from the corpus
+    d_model: int = 256
+    n_layers: int = 4
+    n_heads: int = 4
+    ff_mult: float = 4.0
+    dropout: float = 0.0
+    positions: Literal["rotary", "learned", "none"] = "rotary"
+    max_len: int = 1024  # longest sequence learned positions cover
+    norm: Literal["layernorm", "rmsnorm"] = "layernorm"
+    tie_embeddings: bool = True
+    attention: AttentionConfig = field(default_factory=AttentionConfig)
+
+    def __post_init__(self) -> None:
+        _positive("model.vocab_size", self.vocab_size, zero_ok=True)
+        for name in ("d_model", "n_layers", "n_heads", "max_len"):
+            _positive(f"model.{name}", getattr(self, name))
+        _positive("model.ff_mult", self.ff_mult, zero_ok=True)
+        if self.d_model % self.n_heads:
+            raise ConfigError(f"model.d_model: {self.d_model} is not divisible by model.n_heads={self.n_heads}")
+        if self.positions == "rotary" and (self.d_model // self.n_heads) % 2:
+            raise ConfigError(f"model.positions: rotary needs an even head dim, got {self.d_model // self.n_heads}")
+        if not 0.0 <= self.dropout < 1.0:
+            raise ConfigError(f"model.dropout: expected a value in [0, 1), got {self.dropout}")
+        _one_of("model.positions", self.positions, ("rotary", "learned", "none"))
+        _one_of("model.norm", self.norm, ("layernorm", "rmsnorm"))
+
+
+@dataclass
+class DataConfig:
+    corpus: Literal["shakespeare", "text", "enwik8", "text8"] = "shakespeare"
+    path: str | None = None  # file or folder for text / enwik8 / text8
+    level: Literal["char", "byte"] = "char"
+    cache_dir: str = ".cache/memattn"
+
+    def __post_init__(self) -> None:
+        _one_of("data.corpus", self.corpus, ("shakespeare", "text", "enwik8", "text8"))
+        _one_of("data.level", self.level, ("char", "byte"))
+        if self.corpus != "shakespeare" and not self.path:
+            raise ConfigError(f"data.path: corpus {self.corpus!r} needs a path to a file or folder")
+
+
+@dataclass
+class TrainConfig:
+    steps: int = 1000
+    batch_size: int = 32  # sequences per step, over all processes
+    seq_len: int = 128
+    lr: float = 3e-3
+    min_lr_ratio: float = 0.1  # the cosine decays to lr · min_lr_ratio
+    warmup: int = 100
+    weight_decay: float = 0.1
+    betas: tuple[float, float] = (0.9, 0.95)
+    grad_clip: float = 1.0  # 0 disables clipping
+    eval_every: int = 200
+    eval_batches: int = 20  # batches of the validation split per evaluation (0: all)
+    log_every: int = 10
+    save_every: int = 200
+    seed: int = 0
+    device: str = "cpu"
+    threads: int = 0  # torch threads on CPU; 0 keeps torch's default
+    out_dir: str = "runs/default"
+
+    def __post_init__(self) -> None:
+        for name in ("steps", "batch_size", "seq_len", "log_every", "eval_every", "save_every"):
+            _positive(f"train.{name}", getattr(self, name))
+        for name in ("lr", "warmup", "weight_decay", "grad_clip", "eval_batches", "threads"):
+            _positive(f"train.{name}", getattr(self, name), zero_ok=name != "lr")
+        if not 0.0 <= self.min_lr_ratio <= 1.0:
+            raise ConfigError(f"train.min_lr_ratio: expected a value in [0, 1], got {self.min_lr_ratio}")
+
+
+@dataclass
+class RunConfig:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+
+
+# ---------------------------------------------------------------------------------------
+# Coercion of plain values (YAML / command line) into typed fields.
+
+def _hints(cls) -> dict[str, Any]:
+    return typing.get_type_hints(cls)
+
+
+def coerce(key: str, value: Any, annotation: Any, owner: type | None = None) -> Any:
+    """Convert `value` to the type `annotation` (a field's annotation) or raise ConfigError."""
+    if isinstance(annotation, str) and owner is not None:
+        annotation = _hints(owner)[key.rsplit(".", 1)[-1]]
+    origin = typing.get_origin(annotation)
+    args = typing.get_args(annotation)
+    if origin in (Union, types.UnionType):
+        if value is None and type(None) in args:
+            return None
+        errors = []
+        for arg in (a for a in args if a is not type(None)):
+            try:
+                return coerce(key, value, arg)
+            except ConfigError as e:
+                errors.append(str(e))
+        raise ConfigError(errors[0])
+    if origin is Literal:
+        if value not in args:
+            raise ConfigError(f"{key}: expected one of {', '.join(map(str, args))}, got {value!r}")
+        return value
+    if origin is tuple:
+        if not isinstance(value, (list, tuple)) or len(value) != len(args):
+            raise ConfigError(f"{key}: expected a list of {len(args)} values, got {value!r}")
+        return tuple(coerce(key, v, a) for v, a in zip(value, args))
+    if origin is dict or annotation is dict:
+        if not isinstance(value, dict):
+            raise ConfigError(f"{key}: expected a mapping, got {value!r}")
+        return dict(value)
+    if annotation is Any:
+        return value
+    if annotation is bool:
+        if isinstance(value, bool):
+            return value
+        raise ConfigError(f"{key}: expected true or false, got {value!r}")
+    if annotation is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        raise ConfigError(f"{key}: expected an integer, got {value!r}")
+    if annotation is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        raise ConfigError(f"{key}: expected a number, got {value!r}")
+    if annotation is str:
+        if isinstance(value, str):
+            return value
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return str(value)
+        raise ConfigError(f"{key}: expected a string, got {value!r}")
+    if dataclasses.is_dataclass(annotation):
+        if isinstance(value, annotation):
+            return value
+        if not isinstance(value, dict):
+            raise ConfigError(f"{key}: expected a mapping, got {value!r}")
+        return from_dict(annotation, value, key)
+    raise ConfigError(f"{key}: cannot read a value of type {annotation}")
+
+
+def from_dict(cls, data: dict[str, Any], prefix: str = ""):
+    """Build dataclass `cls` from a nested dict, checking every key and type."""
+    if cls is AttentionConfig:
+        data = dict(data)
+        name = data.pop("name", "softmax")
+        options = dict(data.pop("options", None) or {})
+        options.update(data)  # options may also sit beside `name`
+        return AttentionConfig(coerce(f"{prefix}.name", name, str), options)
+    hints = _hints(cls)
+    values = {}
+    for key, value in data.items():
+        full = f"{prefix}.{key}" if prefix else key
+        if key not in hints or key.startswith("_"):
+            known = ", ".join(f.name for f in dataclasses.fields(cls))
+            raise ConfigError(f"{full}: unknown key (known here: {known})")
+        values[key] = coerce(full, value, hints[key])
+    try:
+        return cls(**values)
+    except TypeError as e:
+        raise ConfigError(f"{prefix or cls.__name__}: {e}") from None
+
+
+def to_dict(cfg) -> dict[str, Any]:
+    """The config as plain nested dicts/lists (YAML/JSON ready)."""
+    out = dataclasses.asdict(cfg)
+    return _plain(out)
+
+
+def _plain(x):
+    if isinstance(x, dict):
+        return {k: _plain(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [_plain(v) for v in x]
+    return x
+
+
+_ALIASES = {"attention": "model.attention"}
+
+
+def parse_override(text: str) -> tuple[list[str], Any]:
+    """'model.d_model=128' -> (['model', 'd_model'], 128); values are read as YAML scalars."""
+    if "=" not in text:
+        raise ConfigError(f"{text}: expected key=value")
+    key, raw = text.split("=", 1)
+    key = key.strip()
+    head = key.split(".", 1)[0]
+    if head in _ALIASES:
+        key = _ALIASES[head] + key[len(head):]
+    if key == "model.attention":
+        key = "model.attention.name"
+    try:
+        value = yaml.safe_load(raw) if raw.strip() else ""
+    except yaml.YAMLError:
+        value = raw
+    return key.split("."), value
+
+
+def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
+    """Set each `key=value` in the nested dict `data` (a copy is returned)."""
+    import copy
+
+    data = copy.deepcopy(data)
+    for text in overrides:
+        path, value = parse_override(text)
+        node = data
+        for part in path[:-1]:
+            node = node.setdefault(part, {})
+            if not isinstance(node, dict):
+                raise ConfigError(f"{'.'.join(path)}: {part} is not a section")
+        if path[:2] == ["model", "attention"] and path[-1] == "name" and node.get("name") != value:
+            node.clear()  # a new mechanism starts from its own default options
+        node[path[-1]] = value
+    return data
+
+
+def preset_path(name: str) -> Path:
+    """A preset name ('demo') or a path to a YAML file."""
+    p = Path(name)
+    if p.suffix in (".yaml", ".yml") or p.exists():
+        if not p.exists():
+            raise ConfigError(f"config: no such file {name}")
+        return p
+    candidate = PRESET_DIR / f"{name}.yaml"
+    if not candidate.exists():
+        known = ", ".join(sorted(x.stem for x in PRESET_DIR.glob("*.yaml")))
+        raise ConfigError(f"config: unknown preset {name!r} (presets: {known})")
+    return candidate
+
+
+def load_config(preset: str | None = None, overrides: list[str] = (), base: dict | None = None) -> RunConfig:
+    """RunConfig from a preset (name or YAML path), then `key=value` overrides."""
+    data: dict[str, Any] = dict(base or {})
+    if preset:
+        with open(preset_path(preset)) as f:
+            loaded = yaml.safe_load(f) or {}
+        if not isinstance(loaded, dict):
+            raise ConfigError(f"config: {preset} does not hold a mapping")
+        data = loaded
+    data = apply_overrides(data, list(overrides))
+    return from_dict(RunConfig, data)

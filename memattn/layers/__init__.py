@@ -1,0 +1,11 @@
+"""Attention layers: projections + a write/read rule + cache I/O, one file a mechanism.
+
+Importing this package registers every built-in mechanism.
+"""
+
+from memattn.layers import softmax  # noqa: F401  (registers "softmax")
+from memattn.layers.base import (AttentionState, KVCache, LayerSpec, Mechanism,
+                                 build_attention, get_mechanism, mechanisms, register)
+
+__all__ = ["AttentionState", "KVCache", "LayerSpec", "Mechanism", "build_attention",
+           "get_mechanism", "mechanisms", "register"]

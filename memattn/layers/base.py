@@ -1,0 +1,180 @@
+"""What every attention layer shares: its build spec, its decoding state, and the registry.
+
+A mechanism is a write rule (how the memory is built from the sequence) and a read rule
+(how a query reads it). A layer registers under a config string; models look the string up
+and never change when a mechanism is added.
+
+Layer interface (all mechanisms)::
+
+    layer = build_attention(config, spec)
+    y, state = layer(x, memory_state=None, attention_mask=None)   # x, y [B, T, d]
+    state = layer.init_state(batch_size, device=..., dtype=...)    # empty decoding state
+
+With `memory_state` given, the layer continues after the tokens the state has seen and
+returns the updated state; token-by-token decoding must equal one full forward pass.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any, Callable, ClassVar
+
+import torch
+from torch import nn
+
+from memattn.errors import ConfigError
+
+
+@dataclass
+class LayerSpec:
+    """Everything a model tells an attention layer about where it sits."""
+
+    d_model: int
+    n_heads: int
+    causal: bool = True
+    layer_idx: int = 0
+    n_layers: int = 1
+    max_len: int = 1024
+    positions: str = "rotary"  # "rotary" rotates q/k inside the layer; others are the model's
+    dropout: float = 0.0
+    # Parameters shared between the layers of one model (e.g. a tied φ-MLP), keyed by name.
+    shared: dict[str, nn.Module] = field(default_factory=dict, repr=False)
+
+    @property
+    def head_dim(self) -> int:
+        return self.d_model // self.n_heads
+
+
+class AttentionState:
+    """A layer's decoding state. `fixed_size` says whether it stays the same size as it reads."""
+
+    fixed_size: ClassVar[bool] = True
+    seen: int = 0  # tokens consumed so far
+
+    def tensors(self) -> list[torch.Tensor]:
+        raise NotImplementedError
+
+    def nbytes(self) -> int:
+        """Bytes held by the state now (for a growing cache: its used part)."""
+        return sum(t.numel() * t.element_size() for t in self.tensors())
+
+
+class KVCache(AttentionState):
+    """The unbounded memory of softmax attention: every key and value seen, [B, T, H, D].
+
+    Storage grows by doubling, so appending one token is amortised O(1).
+    """
+
+    fixed_size = False
+
+    def __init__(self) -> None:
+        self.seen = 0
+        self._k: torch.Tensor | None = None
+        self._v: torch.Tensor | None = None
+
+    def update(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Append k [B, T, H, K], v [B, T, H, V]; return all keys and values so far."""
+        t = k.shape[1]
+        if self._k is None:
+            self._k, self._v = k.new_empty(k.shape), v.new_empty(v.shape)
+        need = self.seen + t
+        if need > self._k.shape[1]:
+            cap = max(need, 2 * self._k.shape[1])
+            self._k = _grow(self._k, cap, self.seen)
+            self._v = _grow(self._v, cap, self.seen)
+        self._k[:, self.seen:need] = k
+        self._v[:, self.seen:need] = v
+        self.seen = need
+        return self._k[:, :need], self._v[:, :need]
+
+    def tensors(self) -> list[torch.Tensor]:
+        if self._k is None:
+            return []
+        return [self._k[:, : self.seen], self._v[:, : self.seen]]
+
+
+def _grow(t: torch.Tensor, capacity: int, used: int) -> torch.Tensor:
+    out = t.new_empty((t.shape[0], capacity, *t.shape[2:]))
+    out[:, :used] = t[:, :used]
+    return out
+
+
+@dataclass
+class NoOptions:
+    """A mechanism with no options of its own."""
+
+
+@dataclass
+class Mechanism:
+    """A registry entry: the layer class, its typed options and what it can do."""
+
+    name: str
+    layer: Callable[..., nn.Module]
+    options: type
+    causal: bool = True  # usable in a causal model
+    bidirectional: bool = True  # usable in an encoder
+    replaces_feedforward: bool = False  # the block drops its feed-forward sublayer
+    summary: str = ""
+
+
+_REGISTRY: dict[str, Mechanism] = {}
+
+
+def register(name: str, *, options: type = NoOptions, causal: bool = True,
+             bidirectional: bool = True, replaces_feedforward: bool = False):
+    """Class decorator: make a layer available under the config string `name`."""
+
+    def wrap(cls):
+        if name in _REGISTRY:
+            raise ValueError(f"attention mechanism {name!r} is registered twice")
+        doc = (cls.__doc__ or "").strip().splitlines()
+        _REGISTRY[name] = Mechanism(name, cls, options, causal, bidirectional,
+                                    replaces_feedforward, doc[0] if doc else "")
+        return cls
+
+    return wrap
+
+
+def mechanisms() -> dict[str, Mechanism]:
+    """All registered mechanisms by name (importing memattn.layers registers the built-ins)."""
+    import memattn.layers  # noqa: F401  (registration happens on import)
+
+    return dict(sorted(_REGISTRY.items()))
+
+
+def get_mechanism(name: str) -> Mechanism:
+    known = mechanisms()
+    if name not in known:
+        raise ConfigError(f"attention: unknown mechanism {name!r}; known: {', '.join(known)}")
+    return known[name]
+
+
+def parse_options(name: str, options: dict[str, Any] | Any) -> Any:
+    """Turn a dict of options into the mechanism's typed options dataclass, checking keys."""
+    mech = get_mechanism(name)
+    if isinstance(options, mech.options):
+        return options
+    from memattn.config import coerce  # config depends on this module, not the reverse
+
+    known = {f.name: f for f in dataclasses.fields(mech.options)}
+    values = {}
+    for key, value in dict(options or {}).items():
+        if key not in known:
+            listed = ", ".join(known) or "none"
+            raise ConfigError(f"attention.{key}: not an option of {name!r} (its options: {listed})")
+        values[key] = coerce(f"attention.{key}", value, known[key].type, mech.options)
+    try:
+        return mech.options(**values)
+    except (TypeError, ValueError) as e:
+        raise ConfigError(f"attention ({name}): {e}") from None
+
+
+def build_attention(name: str, options: dict[str, Any] | Any, spec: LayerSpec) -> nn.Module:
+    """Build the registered layer `name` for the position described by `spec`."""
+    mech = get_mechanism(name)
+    if spec.causal and not mech.causal:
+        raise ConfigError(f"attention: {name!r} is bidirectional only and cannot be used causally")
+    if not spec.causal and not mech.bidirectional:
+        raise ConfigError(f"attention: {name!r} is causal only and cannot be used in an encoder")
+    return mech.layer(spec, parse_options(name, options))

@@ -1,0 +1,29 @@
+"""Position encodings that live inside the attention layer (rotary)."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+class Rotary(nn.Module):
+    """Rotary position embedding: rotates pairs of channels of q and k by position·θ_i.
+
+    Applied to x [B, T, H, D] whose first token sits at absolute position `offset`.
+    """
+
+    def __init__(self, head_dim: int, base: float = 10000.0) -> None:
+        super().__init__()
+        if head_dim % 2:
+            raise ValueError(f"rotary positions: head dim must be even, got {head_dim}")
+        inv_freq = base ** (-torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim)
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
+
+    def forward(self, x: torch.Tensor, offset: int = 0) -> torch.Tensor:
+        t = torch.arange(offset, offset + x.shape[1], device=x.device, dtype=torch.float32)
+        angles = torch.outer(t, self.inv_freq)  # [T, D/2]
+        cos = angles.cos()[None, :, None, :]
+        sin = angles.sin()[None, :, None, :]
+        x1, x2 = x.float().chunk(2, dim=-1)
+        out = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+        return out.to(x.dtype)

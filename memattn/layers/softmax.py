@@ -1,0 +1,48 @@
+"""`softmax`: standard multi-head softmax attention, the baseline every mechanism is held to."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from memattn.layers.base import KVCache, LayerSpec, register
+from memattn.layers.positions import Rotary
+from memattn.ops.softmax import softmax_attention
+
+
+@dataclass
+class SoftmaxOptions:
+    bias: bool = False  # biases on the q/k/v and output projections
+
+
+@register("softmax", options=SoftmaxOptions)
+class SoftmaxAttention(nn.Module):
+    """Softmax attention over every past token; decodes with a growing KV cache."""
+
+    def __init__(self, spec: LayerSpec, options: SoftmaxOptions) -> None:
+        super().__init__()
+        if spec.d_model % spec.n_heads:
+            raise ValueError(f"d_model={spec.d_model} is not divisible by n_heads={spec.n_heads}")
+        self.spec = spec
+        self.qkv = nn.Linear(spec.d_model, 3 * spec.d_model, bias=options.bias)
+        self.out = nn.Linear(spec.d_model, spec.d_model, bias=options.bias)
+        self.rotary = Rotary(spec.head_dim) if spec.positions == "rotary" else None
+        self.dropout = nn.Dropout(spec.dropout)
+
+    def init_state(self, batch_size: int, device=None, dtype=None) -> KVCache:
+        return KVCache()
+
+    def forward(self, x: torch.Tensor, *, memory_state: KVCache | None = None,
+                attention_mask: torch.Tensor | None = None):
+        """x [B, T, d] -> (y [B, T, d], memory_state)."""
+        B, T, _ = x.shape
+        q, k, v = self.qkv(x).view(B, T, 3, self.spec.n_heads, self.spec.head_dim).unbind(2)
+        offset = memory_state.seen if memory_state is not None else 0
+        if self.rotary is not None:
+            q, k = self.rotary(q, offset), self.rotary(k, offset)
+        if memory_state is not None:
+            k, v = memory_state.update(k, v)
+        o = softmax_attention(q, k, v, causal=self.spec.causal, attention_mask=attention_mask)
+        return self.dropout(self.out(o.reshape(B, T, -1))), memory_state

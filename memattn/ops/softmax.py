@@ -1,0 +1,41 @@
+"""Softmax attention, the unbounded memory: one slot per token (φ_i = e_i)."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from memattn.errors import ShapeError, check_tensor
+
+
+def softmax_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = True,
+                      scale: float | None = None,
+                      attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+    """o = softmax(scale · q kᵀ) v through `scaled_dot_product_attention`.
+
+    q [B, Tq, H, K], k [B, Tk, H, K], v [B, Tk, H, V] -> o [B, Tq, H, V].
+    causal: query i sits at position Tk - Tq + i and sees keys up to it (so a query
+    block that continues a cache lines up with the end of the keys).
+    attention_mask: optional bool [B, Tk], True for keys that may be attended.
+    """
+    B, Tq, H, K = q.shape if q.dim() == 4 else (None,) * 4
+    check_tensor("q", q, "[B, Tq, H, K]", None, None, None, None)
+    check_tensor("k", k, "[B, Tk, H, K]", B, None, H, K)
+    Tk = k.shape[1]
+    check_tensor("v", v, "[B, Tk, H, V]", B, Tk, H, None)
+    if causal and Tq > Tk:
+        raise ShapeError(f"q: causal attention needs Tq <= Tk, got Tq={Tq}, Tk={Tk}")
+    mask = None
+    if attention_mask is not None:
+        check_tensor("attention_mask", attention_mask, "[B, Tk]", B, Tk)
+        if attention_mask.dtype != torch.bool:
+            raise ShapeError(f"attention_mask: expected dtype torch.bool, got {attention_mask.dtype}")
+        mask = attention_mask[:, None, None, :]  # [B, 1, 1, Tk]
+    is_causal = causal and Tq == Tk and mask is None
+    if causal and not is_causal and Tq > 1:
+        rows = torch.arange(Tq, device=q.device)[:, None] + (Tk - Tq)
+        allowed = torch.arange(Tk, device=q.device)[None, :] <= rows  # [Tq, Tk]
+        mask = allowed if mask is None else mask & allowed
+    o = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                       attn_mask=mask, is_causal=is_causal, scale=scale)
+    return o.transpose(1, 2)
