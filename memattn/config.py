@@ -173,6 +173,11 @@ def coerce(key: str, value: Any, annotation: Any, owner: type | None = None) -> 
     if annotation is float:
         if isinstance(value, (int, float)) and not isinstance(value, bool):
             return float(value)
+        if isinstance(value, str):  # YAML 1.1 reads "1e-3" (no dot) as a string
+            try:
+                return float(value)
+            except ValueError:
+                pass
         raise ConfigError(f"{key}: expected a number, got {value!r}")
     if annotation is str:
         if isinstance(value, str):

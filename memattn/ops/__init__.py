@@ -5,6 +5,7 @@ Op signature shared by the mechanisms:
         -> (o, final_state)
 """
 
+from memattn.ops.linear import linear_attention, linear_attention_read, linear_attention_step
 from memattn.ops.softmax import softmax_attention
 
-__all__ = ["softmax_attention"]
+__all__ = ["linear_attention", "linear_attention_read", "linear_attention_step", "softmax_attention"]

@@ -1,0 +1,5 @@
+import sys
+
+from memattn.cli import main
+
+sys.exit(main())

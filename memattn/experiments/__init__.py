@@ -1,0 +1,40 @@
+"""Reproductions of the papers' experiments, small: `memattn experiment NAME`.
+
+Each module here is one experiment, named like the module with '-' for '_' (abc_lm.py ->
+`abc-lm`). A module defines:
+
+    DESCRIPTION: str                              one line for `--help`
+    def run(out_dir: Path, *, quick: bool, overrides: list[str]) -> dict
+
+`run` trains and evaluates what the experiment compares, writes its results table (JSON +
+markdown, plots where useful, and the command that made them) under `out_dir`, and returns
+the table. `quick` shrinks it to a smoke test that finishes in about a minute on a CPU.
+"""
+
+from __future__ import annotations
+
+import importlib
+import pkgutil
+from pathlib import Path
+from types import ModuleType
+
+from memattn.errors import ConfigError
+
+
+def experiments() -> dict[str, ModuleType]:
+    """Every experiment module by its command name."""
+    found = {}
+    for info in pkgutil.iter_modules([str(Path(__file__).parent)]):
+        if info.name.startswith("_"):
+            continue
+        module = importlib.import_module(f"memattn.experiments.{info.name}")
+        if hasattr(module, "run"):
+            found[info.name.replace("_", "-")] = module
+    return dict(sorted(found.items()))
+
+
+def get_experiment(name: str) -> ModuleType:
+    known = experiments()
+    if name not in known:
+        raise ConfigError(f"experiment: unknown experiment {name!r}; known: {', '.join(known) or 'none'}")
+    return known[name]

@@ -1,0 +1,6 @@
+"""Models compose attention layers from the registry; they never name a mechanism."""
+
+from memattn.models.encoder import Encoder
+from memattn.models.lm import CausalLM, ModelCache, Transformer
+
+__all__ = ["CausalLM", "Encoder", "ModelCache", "Transformer"]

@@ -1,0 +1,161 @@
+"""A decoder-only causal language model whose attention layer comes from the registry.
+
+Pre-norm blocks: x = x + attn(norm(x)); x = x + ff(norm(x)). Embeddings tied to the
+output head. Positions: rotary (inside each attention layer), learned (absolute, added to
+the embeddings), or none.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from memattn.config import ModelConfig
+from memattn.errors import ShapeError
+from memattn.layers.base import (
+    AttentionState,
+    LayerSpec,
+    build_attention,
+    get_mechanism,
+)
+
+
+def make_norm(kind: str, d: int) -> nn.Module:
+    return nn.RMSNorm(d) if kind == "rmsnorm" else nn.LayerNorm(d)
+
+
+class FeedForward(nn.Module):
+    """Position-wise MLP: d -> hidden -> d with GELU."""
+
+    def __init__(self, d: int, hidden: int, dropout: float) -> None:
+        super().__init__()
+        self.up = nn.Linear(d, hidden, bias=False)
+        self.down = nn.Linear(hidden, d, bias=False)
+        self.dropout = nn.Dropout(dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.dropout(self.down(nn.functional.gelu(self.up(x))))
+
+
+class Block(nn.Module):
+    """One pre-norm block: attention sublayer, then (unless the mechanism replaces it) a feed-forward."""
+
+    def __init__(self, cfg: ModelConfig, spec: LayerSpec) -> None:
+        super().__init__()
+        self.norm_attn = make_norm(cfg.norm, cfg.d_model)
+        self.attn = build_attention(cfg.attention.name, cfg.attention.options, spec)
+        hidden = int(cfg.ff_mult * cfg.d_model)
+        keep_ff = hidden > 0 and not get_mechanism(cfg.attention.name).replaces_feedforward
+        self.norm_ff = make_norm(cfg.norm, cfg.d_model) if keep_ff else None
+        self.ff = FeedForward(cfg.d_model, hidden, cfg.dropout) if keep_ff else None
+
+    def forward(self, x, state=None, attention_mask=None):
+        h, state = self.attn(self.norm_attn(x), memory_state=state, attention_mask=attention_mask)
+        x = x + h
+        if self.ff is not None:
+            x = x + self.ff(self.norm_ff(x))
+        return x, state
+
+
+@dataclass
+class ModelCache:
+    """Decoding state of a whole model: one state per layer and the position reached."""
+
+    states: list[AttentionState]
+    position: int = 0
+    extra: dict = field(default_factory=dict)
+
+    def nbytes(self) -> int:
+        return sum(s.nbytes() for s in self.states)
+
+    @property
+    def fixed_size(self) -> bool:
+        return all(s.fixed_size for s in self.states)
+
+
+class Transformer(nn.Module):
+    """Embeddings, positions and a stack of blocks: token ids [B, T] -> hidden [B, T, d].
+
+    `causal` says whether the attention layers are built for a decoder (causal) or an
+    encoder (bidirectional); subclasses add the heads.
+    """
+
+    def __init__(self, cfg: ModelConfig, *, causal: bool) -> None:
+        super().__init__()
+        if cfg.vocab_size <= 0:
+            raise ValueError("model.vocab_size: must be set (> 0) before building the model")
+        self.cfg = cfg
+        self.embed = nn.Embedding(cfg.vocab_size, cfg.d_model)
+        self.pos = nn.Embedding(cfg.max_len, cfg.d_model) if cfg.positions == "learned" else None
+        self.dropout = nn.Dropout(cfg.dropout)
+        shared: dict[str, nn.Module] = {}
+        self.blocks = nn.ModuleList(
+            Block(cfg, LayerSpec(cfg.d_model, cfg.n_heads, causal=causal, layer_idx=i,
+                                 n_layers=cfg.n_layers, max_len=cfg.max_len,
+                                 positions=cfg.positions, dropout=cfg.dropout, shared=shared))
+            for i in range(cfg.n_layers)
+        )
+        self.norm = make_norm(cfg.norm, cfg.d_model)
+
+    def init_weights(self) -> None:
+        """GPT-2 style: N(0, 0.02), residual output projections scaled by 1/√(2·layers)."""
+        self.apply(self._init)
+        for name, p in self.named_parameters():
+            if name.endswith(("attn.out.weight", "ff.down.weight")):
+                nn.init.normal_(p, std=0.02 / math.sqrt(2 * self.cfg.n_layers))
+
+    @staticmethod
+    def _init(m: nn.Module) -> None:
+        if isinstance(m, (nn.Linear, nn.Embedding)):
+            nn.init.normal_(m.weight, std=0.02)
+            if getattr(m, "bias", None) is not None:
+                nn.init.zeros_(m.bias)
+
+    def num_parameters(self) -> int:
+        return sum(p.numel() for p in self.parameters())
+
+    def hidden(self, idx: torch.Tensor, *, cache: ModelCache | None = None,
+               attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+        """idx [B, T] -> final-norm hidden states [B, T, d]; with `cache`, continue and update it."""
+        if idx.dim() != 2:
+            raise ShapeError(f"idx: expected token ids [B, T], got shape {tuple(idx.shape)}")
+        B, T = idx.shape
+        offset = cache.position if cache is not None else 0
+        x = self.embed(idx)
+        if self.pos is not None:
+            if offset + T > self.cfg.max_len:
+                raise ShapeError(f"idx: positions up to {offset + T} exceed model.max_len={self.cfg.max_len}"
+                                 " of the learned position table")
+            x = x + self.pos(torch.arange(offset, offset + T, device=idx.device))
+        x = self.dropout(x)
+        for i, block in enumerate(self.blocks):
+            state = cache.states[i] if cache is not None else None
+            x, state = block(x, state, attention_mask)
+            if cache is not None:
+                cache.states[i] = state
+        if cache is not None:
+            cache.position += T
+        return self.norm(x)
+
+
+class CausalLM(Transformer):
+    """Token ids [B, T] -> next-token logits [B, T, vocab]; decodes with a per-layer cache."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__(cfg, causal=True)
+        self.head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
+        self.init_weights()
+        if cfg.tie_embeddings:
+            self.head.weight = self.embed.weight
+
+    def init_cache(self, batch_size: int, device=None, dtype=None) -> ModelCache:
+        """An empty decoding cache: each layer's own state object."""
+        return ModelCache([b.attn.init_state(batch_size, device=device, dtype=dtype) for b in self.blocks])
+
+    def forward(self, idx: torch.Tensor, *, cache: ModelCache | None = None,
+                attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+        """idx [B, T] -> logits [B, T, vocab]. With `cache`, continue after its position and update it."""
+        return self.head(self.hidden(idx, cache=cache, attention_mask=attention_mask))

@@ -1,0 +1,65 @@
+"""Cheap (gated) linear attention, de Brébisson & Vincent 2016: a fixed-size memory read linearly.
+
+Write rule  C_t = α_t C_{t-1} + β_t v_t k_tᵀ     (with k = v = h: the paper's C = Σ h hᵀ)
+Read rule   o_t = scale · C_t q_t                 (O(K·V) per query, whatever the length)
+
+Notation: B batch, T length (Tq queries), H heads, K key / query dim, V value dim,
+C chunk length, N = ⌈T / C⌉ chunks. Activations [B, T, H, D]; the state is laid out
+[B, H, K, V], i.e. S = Cᵀ = Σ k vᵀ and o = Sᵀ q.
+
+Forms (all agree; tests hold each to the reference):
+    reference.py   loop over time, fp32: the ground truth
+    recurrent.py   one step at a time with the fixed-size state: decoding, and reading a
+                   stored memory with any number of queries
+    chunked.py     C×C matmuls inside chunks, the state between them: the fast forward
+    backward.py    autograd Function whose backward never stores the T states C_t
+"""
+
+from __future__ import annotations
+
+import torch
+
+from memattn.ops.linear.backward import (ALPHA_MIN, MAX_AMPLIFICATION, choose_state_mode,
+                                         linear_attention_autograd)
+from memattn.ops.linear.chunked import DEFAULT_CHUNK_SIZE, linear_attention_chunked
+from memattn.ops.linear.recurrent import (linear_attention_read, linear_attention_recurrent,
+                                          linear_attention_step)
+from memattn.ops.linear.reference import linear_attention_reference
+
+
+def linear_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = True,
+                     alpha: torch.Tensor | None = None, beta: torch.Tensor | None = None,
+                     scale: float | None = None, initial_state: torch.Tensor | None = None,
+                     output_final_state: bool = False
+                     ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Linear attention over the memory C_t = α_t C_{t-1} + β_t v_t k_tᵀ, read as scale · C_t q_t.
+
+    q [B, Tq, H, K], k [B, T, H, K], v [B, T, H, V]; alpha, beta [B, T, H] (gates >= 0 and
+    weights per step and head, default 1); scale: a float, None for 1 (the paper's read);
+    initial_state [B, H, K, V]: the memory left by the previous part of the sequence
+    (running x[:a] and then x[a:] from its final state equals running x whole).
+
+    causal: o_t reads C_t (Tq = T). Not causal: every query reads C_T (any Tq).
+    Returns o [B, Tq, H, V] in the dtype of q (fp16 / bf16 accumulate in fp32) and, if
+    output_final_state, C_Tᵀ as [B, H, K, V] in fp32 (fp64 for fp64 inputs), else None.
+
+    When a gradient is needed the chunked forward runs inside LinearAttentionFunction,
+    whose backward stores O(T·(K+V) + K·V) numbers, or O(T·(K+V) + (T/C)·K·V) when the
+    gates make inverting the updates unsafe (see backward.py).
+    """
+    inputs = (q, k, v, alpha, beta, initial_state)
+    if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in inputs):
+        o, state = linear_attention_autograd(q, k, v, causal=causal, alpha=alpha, beta=beta,
+                                             scale=scale, initial_state=initial_state)
+        return o, (state if output_final_state else None)
+    return linear_attention_chunked(q, k, v, causal=causal, alpha=alpha, beta=beta, scale=scale,
+                                    initial_state=initial_state,
+                                    output_final_state=output_final_state)
+
+
+__all__ = [
+    "ALPHA_MIN", "DEFAULT_CHUNK_SIZE", "MAX_AMPLIFICATION", "choose_state_mode",
+    "linear_attention", "linear_attention_autograd", "linear_attention_chunked",
+    "linear_attention_read", "linear_attention_recurrent", "linear_attention_reference",
+    "linear_attention_step",
+]

@@ -1,0 +1,285 @@
+"""Training loop for the causal LM: AdamW, warm-up + cosine, clipping, evaluation,
+atomic checkpoints, exact resume, and data-parallel training under torchrun.
+
+Determinism: the batch of step s and the dropout seed of step s are functions of
+(train.seed, s, rank) alone, so a resumed run sees the same data and randomness as an
+uninterrupted one, and its log holds the same losses.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+import yaml
+
+from memattn.checkpoint import load_checkpoint, restore, save_checkpoint
+from memattn.config import RunConfig, TrainConfig, from_dict, to_dict
+from memattn.errors import CheckpointError, ConfigError
+from memattn.evaluate import as_tensor, evaluate
+from memattn.models import CausalLM
+
+# Train fields a resumed run may change without changing what it computes up to the
+# checkpoint (steps may grow; the cosine then stretches from that point on).
+RESUMABLE_CHANGES = {"steps", "eval_every", "log_every", "save_every", "device", "threads", "out_dir"}
+
+
+def lr_at(step: int, cfg: TrainConfig) -> float:
+    """Learning rate of update `step` (0-based): linear warm-up, then cosine to lr·min_lr_ratio."""
+    if step < cfg.warmup:
+        return cfg.lr * (step + 1) / cfg.warmup
+    progress = min(1.0, (step - cfg.warmup) / max(1, cfg.steps - cfg.warmup))
+    return cfg.lr * (cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress)))
+
+
+def step_seed(seed: int, step: int, rank: int = 0) -> int:
+    return (seed * 1_000_003 + step) * 1009 + rank
+
+
+def sample_batch(ids: torch.Tensor, step: int, cfg: TrainConfig, rank: int = 0,
+                 world: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+    """This rank's share of step `step`'s global batch of random windows: x, y [b, seq_len]."""
+    gen = torch.Generator().manual_seed(step_seed(cfg.seed, step))
+    starts = torch.randint(0, len(ids) - cfg.seq_len - 1, (cfg.batch_size,), generator=gen)
+    starts = starts.chunk(world)[rank]
+    window = ids[starts[:, None] + torch.arange(cfg.seq_len + 1)[None, :]]
+    return window[:, :-1], window[:, 1:]
+
+
+def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict[str, Any]]:
+    """Weight decay on matrices only (not on norms, biases or gains)."""
+    decay, no_decay = [], []
+    for p in model.parameters():
+        (decay if p.dim() >= 2 else no_decay).append(p)
+    return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+
+
+class Distributed:
+    """Rank and world size from torchrun's environment; gloo on CPU, NCCL on CUDA."""
+
+    def __init__(self, device: str) -> None:
+        self.world = int(os.environ.get("WORLD_SIZE", "1"))
+        self.rank = int(os.environ.get("RANK", "0"))
+        self.local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+        self.enabled = self.world > 1
+        if self.enabled and not dist.is_initialized():
+            dist.init_process_group("nccl" if device.startswith("cuda") else "gloo")
+
+    @property
+    def main(self) -> bool:
+        return self.rank == 0
+
+    def mean(self, value: float) -> float:
+        if not self.enabled:
+            return value
+        t = torch.tensor([value], dtype=torch.float64)
+        dist.all_reduce(t)
+        return t.item() / self.world
+
+    def in_sync(self, model: torch.nn.Module) -> bool:
+        """Whether every rank holds bit-identical parameters (compared by checksums)."""
+        if not self.enabled:
+            return True
+        flat = torch.cat([p.detach().double().flatten() for p in model.parameters()])
+        sums = torch.stack([flat.sum(), (flat * torch.arange(len(flat), dtype=torch.float64, device=flat.device)).sum()])
+        gathered = [torch.empty_like(sums) for _ in range(self.world)]
+        dist.all_gather(gathered, sums)
+        return all(torch.equal(g, gathered[0]) for g in gathered)
+
+    def barrier(self) -> None:
+        if self.enabled:
+            dist.barrier()
+
+    def close(self) -> None:
+        if self.enabled and dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def resolve_device(name: str, ddp: Distributed) -> torch.device:
+    if name == "auto":
+        name = "cuda" if torch.cuda.is_available() else "cpu"
+    if name.startswith("cuda"):
+        if not torch.cuda.is_available():
+            raise ConfigError(f"train.device: {name!r} asked for, but no CUDA device is available")
+        if ddp.enabled:
+            name = f"cuda:{ddp.local_rank}"
+    return torch.device(name)
+
+
+def check_resumable(saved: dict[str, Any], cfg: RunConfig) -> None:
+    """Raise CheckpointError if `cfg` differs from the checkpoint's config in a way that matters."""
+    now = to_dict(cfg)
+    for section in ("model", "data", "train"):
+        for key, value in saved.get(section, {}).items():
+            if section == "train" and key in RESUMABLE_CHANGES:
+                continue
+            if now[section].get(key) != value:
+                raise CheckpointError(f"--resume: the checkpoint was made with {section}.{key}={value!r}, "
+                                      f"this run has {now[section].get(key)!r}")
+
+
+class JsonlLog:
+    """Append-only JSON lines; on resume, lines past the checkpoint's step are dropped."""
+
+    def __init__(self, path: Path, enabled: bool) -> None:
+        self.path, self.enabled = path, enabled
+
+    def truncate_after(self, step: int) -> None:
+        if not (self.enabled and self.path.exists()):
+            return
+        kept = [line for line in self.path.read_text().splitlines()
+                if line.strip() and json.loads(line).get("step", 0) <= step]
+        self.path.write_text("".join(f"{line}\n" for line in kept))
+
+    def write(self, record: dict[str, Any]) -> None:
+        if self.enabled:
+            with open(self.path, "a") as f:
+                f.write(json.dumps(record) + "\n")
+
+
+def load_run_corpus(cfg: RunConfig, ddp: Distributed | None = None):
+    """The corpus of `cfg.data`; under torchrun rank 0 prepares the cache first."""
+    from memattn.data import load_corpus
+
+    def load():
+        return load_corpus(corpus=cfg.data.corpus, path=cfg.data.path, level=cfg.data.level,
+                           cache_dir=cfg.data.cache_dir)
+
+    if ddp is None or not ddp.enabled:
+        return load()
+    corpus = load() if ddp.main else None
+    ddp.barrier()
+    return corpus if corpus is not None else load()
+
+
+def train(cfg: RunConfig, *, resume: bool = False, progress: bool = True,
+          on_step: Callable[[int, dict[str, Any]], None] | None = None) -> dict[str, Any]:
+    """Train `cfg` and return a summary. `on_step(step, record)` runs after each logged step."""
+    ddp = Distributed(cfg.train.device)
+    try:
+        return _train(cfg, ddp, resume, progress, on_step)
+    finally:
+        ddp.close()
+
+
+def _train(cfg: RunConfig, ddp: Distributed, resume: bool, progress: bool, on_step) -> dict[str, Any]:
+    tc = cfg.train
+    device = resolve_device(tc.device, ddp)
+    threads = tc.threads or (max(1, (os.cpu_count() or 1) // ddp.world) if ddp.enabled else 0)
+    if threads and device.type == "cpu":
+        torch.set_num_threads(threads)
+    if tc.batch_size % ddp.world:
+        raise ConfigError(f"train.batch_size: {tc.batch_size} does not split over {ddp.world} processes")
+    corpus = load_run_corpus(cfg, ddp)
+    if cfg.model.vocab_size not in (0, corpus.vocab.size):
+        raise ConfigError(f"model.vocab_size: {cfg.model.vocab_size} does not match the corpus "
+                          f"vocabulary of {corpus.vocab.size}")
+    cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, vocab_size=corpus.vocab.size))
+    train_ids, val_ids = as_tensor(corpus.train), as_tensor(corpus.val)
+
+    out = Path(tc.out_dir)
+    ckpt_path = out / "checkpoint.safetensors"
+    log = JsonlLog(out / "log.jsonl", ddp.main)
+    torch.manual_seed(tc.seed)
+    model = CausalLM(cfg.model).to(device)
+    optimizer = torch.optim.AdamW(param_groups(model, tc.weight_decay), lr=tc.lr, betas=tc.betas)
+    start = 0
+    if resume:
+        ckpt = load_checkpoint(ckpt_path)
+        check_resumable(ckpt.meta["config"], cfg)
+        restore(ckpt, model, optimizer)
+        start = ckpt.step
+        log.truncate_after(start)
+    elif ddp.main:
+        out.mkdir(parents=True, exist_ok=True)
+        log.path.unlink(missing_ok=True)
+    if ddp.main:
+        (out / "config.yaml").write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))
+    wrapped = model
+    if ddp.enabled:
+        wrapped = torch.nn.parallel.DistributedDataParallel(
+            model, device_ids=[device.index] if device.type == "cuda" else None)
+
+    meta = {"config": to_dict(cfg), "vocab": corpus.vocab.to_json(), "corpus": corpus.name}
+    n_params = model.num_parameters()
+    bar = None
+    if progress and ddp.main:
+        from tqdm.auto import tqdm
+
+        bar = tqdm(total=tc.steps, initial=start, desc=f"train {cfg.model.attention.name}",
+                   unit="step", dynamic_ncols=True)
+    model.train()
+    tokens_since, clock = 0, time.perf_counter()
+    wall_start = clock
+    last_val: dict[str, float] = {}
+    train_loss = float("nan")
+    tok_per_s = 0.0
+    for step in range(start, tc.steps):
+        lr = lr_at(step, tc)
+        for group in optimizer.param_groups:
+            group["lr"] = lr
+        x, y = sample_batch(train_ids, step, tc, ddp.rank, ddp.world)
+        x, y = x.to(device), y.to(device)
+        torch.manual_seed(step_seed(tc.seed, step, ddp.rank))  # dropout of this step
+        logits = wrapped(x)
+        loss = F.cross_entropy(logits.float().flatten(0, 1), y.flatten())
+        loss.backward()
+        if tc.grad_clip > 0:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), tc.grad_clip)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        tokens_since += x.numel() * ddp.world
+        done = step + 1
+        record: dict[str, Any] = {}
+        if done % tc.log_every == 0 or done == tc.steps:
+            now = time.perf_counter()
+            tok_per_s = tokens_since / max(now - clock, 1e-9)
+            train_loss = ddp.mean(loss.item())
+            tokens_since, clock = 0, now
+            record.update(step=done, loss=train_loss, lr=lr, tokens_per_s=round(tok_per_s, 1))
+        if done % tc.eval_every == 0 or done == tc.steps:
+            last_val = evaluate(model, val_ids, seq_len=tc.seq_len, batch_size=tc.batch_size,
+                                max_batches=tc.eval_batches, device=device)
+            record.update(step=done, val_loss=last_val["loss"], val_bpc=last_val["bpc"])
+            clock = time.perf_counter()  # evaluation time is not training throughput
+        if record:
+            log.write(record)
+            if bar is not None:
+                bar.set_postfix(loss=f"{train_loss:.3f}", tok_s=f"{tok_per_s:,.0f}",
+                                **({"val_bpc": f"{last_val['bpc']:.3f}"} if last_val else {}))
+            if on_step is not None:
+                on_step(done, record)
+        if (done % tc.save_every == 0 or done == tc.steps) and ddp.main:
+            save_checkpoint(ckpt_path, model, step=done, optimizer=optimizer,
+                            meta=dict(meta, metrics={"train_loss": train_loss, **{f"val_{k}": v for k, v in last_val.items()}}))
+        if done % tc.save_every == 0:
+            ddp.barrier()
+        if bar is not None:
+            bar.update(1)
+    if bar is not None:
+        bar.close()
+    wall = time.perf_counter() - wall_start
+    summary = {"attention": cfg.model.attention.name, "params": n_params, "steps": tc.steps,
+               "train_loss": train_loss, "val": last_val, "tokens_per_s": tok_per_s,
+               "wall_s": wall, "checkpoint": str(ckpt_path), "world_size": ddp.world,
+               "ranks_in_sync": ddp.in_sync(model)}
+    if ddp.main:
+        (out / "summary.json").write_text(json.dumps(summary, indent=2))
+    return summary
+
+
+def model_from_checkpoint(path: str | os.PathLike, device: str = "cpu"):
+    """(model in eval mode, RunConfig, vocab dict) from a checkpoint file or run folder."""
+    ckpt = load_checkpoint(path)
+    cfg = from_dict(RunConfig, ckpt.meta["config"])
+    model = CausalLM(cfg.model)
+    restore(ckpt, model)
+    return model.to(device).eval(), cfg, ckpt.meta["vocab"]

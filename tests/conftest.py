@@ -1,0 +1,29 @@
+import random
+
+import pytest
+import torch
+
+
+@pytest.fixture(autouse=True)
+def _seed():
+    torch.manual_seed(0)
+    random.seed(0)
+
+
+@pytest.fixture
+def text_file(tmp_path):
+    """A small local corpus (no download): a few thousand characters of varied text."""
+    rng = random.Random(0)
+    words = ["the", "king", "queen", "doth", "speak", "thou", "art", "my", "lord", "good",
+             "night", "sweet", "prince", "and", "to", "be", "or", "not", "what", "light"]
+    lines = [" ".join(rng.choice(words) for _ in range(rng.randint(3, 9))).capitalize() + "."
+             for _ in range(600)]
+    path = tmp_path / "corpus.txt"
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def tiny_overrides(text_file, root, *extra):
+    """Overrides for a seconds-long run on `text_file`, writing under the folder `root`."""
+    return ["data.corpus=text", f"data.path={text_file}", f"data.cache_dir={root / 'cache'}",
+            f"train.out_dir={root / 'run'}", "train.threads=1", *extra]

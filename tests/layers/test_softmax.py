@@ -1,0 +1,61 @@
+"""memattn.ops.softmax_attention and the `softmax` layer against an explicit reference."""
+
+import math
+
+import pytest
+import torch
+
+from memattn.errors import ShapeError
+from memattn.layers import KVCache
+from memattn.ops import softmax_attention
+
+
+def reference(q, k, v, causal, mask=None):
+    """o_t = Σ_j softmax_j(q_t·k_j / √K) v_j, query t at position Tk - Tq + t."""
+    B, Tq, H, K = q.shape
+    Tk = k.shape[1]
+    scores = torch.einsum("bthk,bshk->bhts", q, k) / math.sqrt(K)
+    if causal:
+        pos = torch.arange(Tq)[:, None] + Tk - Tq
+        scores = scores.masked_fill(torch.arange(Tk)[None, :] > pos, float("-inf"))
+    if mask is not None:
+        scores = scores.masked_fill(~mask[:, None, None, :], float("-inf"))
+    return torch.einsum("bhts,bshv->bthv", scores.softmax(-1), v)
+
+
+@pytest.mark.parametrize("tq, tk", [(7, 7), (3, 11), (1, 9)])
+@pytest.mark.parametrize("causal", [True, False])
+def test_matches_reference(tq, tk, causal):
+    q, k = torch.randn(2, tq, 3, 8, dtype=torch.float64), torch.randn(2, tk, 3, 8, dtype=torch.float64)
+    v = torch.randn(2, tk, 3, 5, dtype=torch.float64)
+    torch.testing.assert_close(softmax_attention(q, k, v, causal=causal), reference(q, k, v, causal))
+
+
+def test_key_padding_mask():
+    q, k, v = (torch.randn(2, 6, 2, 4, dtype=torch.float64) for _ in range(3))
+    mask = torch.ones(2, 6, dtype=torch.bool)
+    mask[1, 4:] = False
+    for causal in (True, False):
+        torch.testing.assert_close(softmax_attention(q, k, v, causal=causal, attention_mask=mask),
+                                   reference(q, k, v, causal, mask))
+
+
+@pytest.mark.parametrize("args, message", [
+    ((torch.randn(2, 3, 4), torch.randn(2, 3, 1, 4), torch.randn(2, 3, 1, 4)), r"q: expected 4 dims"),
+    ((torch.randn(2, 3, 1, 4), torch.randn(2, 3, 1, 5), torch.randn(2, 3, 1, 4)), r"k: expected \[B, Tk, H, K\] with dim 3 = 4"),
+    ((torch.randn(2, 3, 1, 4), torch.randn(2, 3, 1, 4), torch.randn(2, 2, 1, 4)), r"v: expected \[B, Tk, H, V\] with dim 1 = 3"),
+    ((torch.randn(1, 5, 1, 4), torch.randn(1, 3, 1, 4), torch.randn(1, 3, 1, 4)), r"causal attention needs Tq <= Tk"),
+])
+def test_bad_shapes(args, message):
+    with pytest.raises(ShapeError, match=message):
+        softmax_attention(*args)
+
+
+def test_kv_cache_appends_and_keeps_content():
+    cache = KVCache()
+    ks = [torch.randn(1, n, 2, 3) for n in (2, 1, 5, 1)]
+    for k in ks:
+        out_k, out_v = cache.update(k, -k)
+    torch.testing.assert_close(out_k, torch.cat(ks, 1))
+    torch.testing.assert_close(out_v, -torch.cat(ks, 1))
+    assert cache.seen == 9 and cache.nbytes() == 2 * 9 * 2 * 3 * 4

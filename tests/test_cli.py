@@ -1,0 +1,74 @@
+"""The `memattn` command line: help texts, one-line errors, train -> eval -> generate -> info."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+from conftest import tiny_overrides
+
+from memattn.cli import build_parser, main
+
+COMMANDS = ["train", "eval", "generate", "info", "demo", "experiment"]
+
+
+def run(*args, timeout=120):
+    return subprocess.run([sys.executable, "-m", "memattn", *args], capture_output=True, text=True,
+                          timeout=timeout)
+
+
+def test_every_command_has_complete_help(capsys):
+    subcommands = build_parser()._subparsers._group_actions[0].choices
+    assert sorted(subcommands) == sorted(COMMANDS)
+    for cmd in [None, *COMMANDS]:
+        with pytest.raises(SystemExit) as exit_:
+            main([cmd, "--help"] if cmd else ["--help"])
+        assert exit_.value.code == 0
+        out = capsys.readouterr().out
+        assert out.startswith("usage: memattn")
+        if cmd is None:
+            assert all(c in out for c in COMMANDS)
+            continue
+        for action in subcommands[cmd]._actions:
+            assert action.help, f"memattn {cmd}: {action.dest} has no help text"
+            for flag in action.option_strings:
+                assert flag in out
+
+
+@pytest.mark.parametrize("override, message", [
+    ("model.d_modle=3", "model.d_modle: unknown key"),
+    ("train.steps=lots", "train.steps: expected an integer, got 'lots'"),
+    ("attention=nonexistent", "unknown mechanism 'nonexistent'"),
+])
+def test_bad_override_is_one_line_without_traceback(override, message):
+    done = run("train", "--config", "tiny", override)
+    assert done.returncode == 2
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("memattn train: error: ") and message in lines[0]
+
+
+def test_corrupt_checkpoint_is_one_line(tmp_path):
+    bad = tmp_path / "checkpoint.safetensors"
+    bad.write_bytes(b"\x00" * 64)
+    done = run("eval", str(bad))
+    assert done.returncode == 2 and "Traceback" not in done.stderr
+    assert done.stderr.startswith("memattn eval: error: checkpoint")
+
+
+def test_train_eval_generate_info_end_to_end(text_file, tmp_path):
+    over = tiny_overrides(text_file, tmp_path, "train.steps=10")
+    assert main(["train", "--config", "tiny", "--quiet", *over]) == 0
+    run_dir = tmp_path / "run"
+    done = run("eval", str(run_dir), "--split", "val", "--json")
+    assert done.returncode == 0, done.stderr
+    result = json.loads(done.stdout)
+    assert result["split"] == "val" and 0 < result["bpc"] < 8
+    done = run("generate", str(run_dir), "--prompt", "The king", "--tokens", "40", "--seed", "1")
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.startswith("The king") and len(done.stdout.rstrip("\n")) >= len("The king") + 30
+    assert "tokens/s" in done.stderr
+    done = run("info", "--checkpoint", str(run_dir), "--json")
+    info = json.loads(done.stdout)
+    # softmax: a KV cache of 2 x d_model floats per layer per token, nothing fixed
+    assert info["state_bytes_per_token"] == 2 * 2 * 32 * 4 and info["state_fixed_bytes"] == 0
+    assert info["parameters"] > 0

@@ -1,0 +1,61 @@
+"""memattn.config: presets, typed key=value overrides and their errors."""
+
+import pytest
+
+from memattn.config import (
+    AttentionConfig,
+    ModelConfig,
+    RunConfig,
+    from_dict,
+    load_config,
+    to_dict,
+)
+from memattn.errors import ConfigError
+
+
+def test_overrides_are_typed_and_reach_nested_fields():
+    cfg = load_config("tiny", ["model.d_model=64", "train.lr=1e-3", "train.betas=[0.8, 0.9]",
+                               "attention=softmax", "attention.bias=true", "model.tie_embeddings=false"])
+    assert cfg.model.d_model == 64 and isinstance(cfg.train.lr, float) and cfg.train.lr == 1e-3
+    assert cfg.train.betas == (0.8, 0.9)
+    assert cfg.model.attention == AttentionConfig("softmax", {"bias": True})
+    assert cfg.model.tie_embeddings is False
+    assert cfg.train.steps == 20  # from the preset
+
+
+def test_int_accepted_for_float_but_not_the_reverse():
+    assert load_config(None, ["train.lr=1"]).train.lr == 1.0
+    with pytest.raises(ConfigError, match=r"model\.d_model: expected an integer, got 1\.5"):
+        load_config(None, ["model.d_model=1.5"])
+
+
+@pytest.mark.parametrize("override, message", [
+    ("model.d_modl=3", r"model\.d_modl: unknown key"),
+    ("train.steps=many", r"train\.steps: expected an integer, got 'many'"),
+    ("model.positions=sinusoid", r"expected one of rotary, learned, none, got 'sinusoid'"),
+    ("attention=nope", r"unknown mechanism 'nope'"),
+    ("attention.window=3", r"attention\.window: not an option of 'softmax'"),
+    ("model.n_heads=5", r"model\.d_model: 256 is not divisible by model\.n_heads=5"),
+    ("train.steps=0", r"train\.steps: expected a positive number"),
+    ("model.dropout=1.5", r"model\.dropout"),
+    ("tie_embeddings", r"expected key=value"),
+    ("data.corpus=text", r"data\.path: corpus 'text' needs a path"),
+])
+def test_bad_overrides_name_the_key(override, message):
+    with pytest.raises(ConfigError, match=message):
+        load_config(None, [override])
+
+
+def test_unknown_preset_lists_presets():
+    with pytest.raises(ConfigError, match=r"unknown preset 'nope' \(presets: .*demo.*tiny"):
+        load_config("nope")
+
+
+def test_round_trip_through_dict():
+    cfg = load_config("demo", ["attention.bias=true"])
+    assert from_dict(RunConfig, to_dict(cfg)) == cfg
+
+
+def test_dataclass_validation_applies_to_direct_construction():
+    with pytest.raises(ConfigError, match="model.n_layers"):
+        ModelConfig(n_layers=0)

@@ -1,0 +1,115 @@
+"""memattn.train: learning, exact resume, data-parallel runs under torchrun."""
+
+import json
+import math
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from conftest import tiny_overrides
+
+from memattn.config import TrainConfig, load_config
+from memattn.errors import CheckpointError
+from memattn.train import lr_at, model_from_checkpoint, sample_batch, train
+
+
+def read_log(run_dir):
+    return [json.loads(line) for line in (run_dir / "log.jsonl").read_text().splitlines()]
+
+
+def losses(log):
+    return [(r["step"], r.get("loss"), r.get("val_loss")) for r in log]
+
+
+def test_schedule_warms_up_then_decays_to_the_floor():
+    cfg = TrainConfig(steps=100, lr=1.0, warmup=10, min_lr_ratio=0.1)
+    assert lr_at(0, cfg) == pytest.approx(0.1) and lr_at(9, cfg) == pytest.approx(1.0)
+    assert lr_at(10, cfg) == pytest.approx(1.0)
+    assert lr_at(55, cfg) == pytest.approx(0.1 + 0.9 * 0.5)
+    assert lr_at(100, cfg) == pytest.approx(0.1)
+
+
+def test_batches_are_a_function_of_the_step_and_split_over_ranks():
+    ids = torch.arange(1000)
+    cfg = TrainConfig(batch_size=4, seq_len=8, seed=3)
+    x, y = sample_batch(ids, 5, cfg)
+    assert torch.equal(y, x + 1)  # targets are the next tokens
+    assert torch.equal(sample_batch(ids, 5, cfg)[0], x)
+    assert not torch.equal(sample_batch(ids, 6, cfg)[0], x)
+    halves = [sample_batch(ids, 5, cfg, rank=r, world=2)[0] for r in (0, 1)]
+    assert torch.equal(torch.cat(halves), x)
+
+
+def test_training_lowers_the_loss(text_file, tmp_path):
+    cfg = load_config("tiny", tiny_overrides(text_file, tmp_path, "train.steps=60", "train.eval_every=60"))
+    summary = train(cfg, progress=False)
+    log = read_log(tmp_path / "run")
+    assert log[-1]["loss"] < log[0]["loss"] - 0.5
+    assert summary["val"]["bpc"] < math.log2(summary_vocab(tmp_path))  # better than uniform
+    assert (tmp_path / "run" / "checkpoint.safetensors").exists()
+
+
+def summary_vocab(tmp_path):
+    _, cfg, _ = model_from_checkpoint(tmp_path / "run")
+    return cfg.model.vocab_size
+
+
+def test_interrupted_and_resumed_run_logs_the_same_losses(text_file, tmp_path):
+    extra = ("train.steps=9", "train.log_every=1", "train.save_every=3", "train.eval_every=4",
+             "model.dropout=0.1")
+    whole = load_config("tiny", tiny_overrides(text_file, tmp_path / "whole", *extra))
+    train(whole, progress=False)
+
+    class Crash(Exception):
+        pass
+
+    def crash_at_step_5(step, record):
+        if step == 5:
+            raise Crash
+
+    cut = load_config("tiny", tiny_overrides(text_file, tmp_path / "cut", *extra))
+    with pytest.raises(Crash):
+        train(cut, progress=False, on_step=crash_at_step_5)
+    assert max(r["step"] for r in read_log(tmp_path / "cut" / "run")) == 5
+    train(cut, resume=True, progress=False)
+
+    a, b = read_log(tmp_path / "whole" / "run"), read_log(tmp_path / "cut" / "run")
+    assert losses(a) == losses(b)  # bit-for-bit, including steps 4-5 logged before the crash
+    ma, _, _ = model_from_checkpoint(tmp_path / "whole" / "run")
+    mb, _, _ = model_from_checkpoint(tmp_path / "cut" / "run")
+    for (name, p), q in zip(ma.state_dict().items(), mb.state_dict().values()):
+        assert torch.equal(p, q), name
+
+
+def test_resume_with_a_different_model_is_refused(text_file, tmp_path):
+    train(load_config("tiny", tiny_overrides(text_file, tmp_path, "train.steps=2")), progress=False)
+    other = load_config("tiny", tiny_overrides(text_file, tmp_path, "train.steps=4", "model.d_model=48"))
+    with pytest.raises(CheckpointError, match=r"made with model\.d_model=32, this run has 48"):
+        train(other, resume=True, progress=False)
+
+
+def test_resume_without_checkpoint_is_a_clear_error(text_file, tmp_path):
+    cfg = load_config("tiny", tiny_overrides(text_file, tmp_path))
+    with pytest.raises(CheckpointError, match="no such file"):
+        train(cfg, resume=True, progress=False)
+
+
+@pytest.mark.slow
+def test_two_process_data_parallel_matches_one_process(text_file, tmp_path):
+    extra = ("train.steps=6", "train.log_every=1", "train.eval_every=6", "train.batch_size=8")
+    single = load_config("tiny", tiny_overrides(text_file, tmp_path / "one", *extra))
+    train(single, progress=False)
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+           "-m", "memattn", "train", "--config", "tiny", "--quiet",
+           *tiny_overrides(text_file, tmp_path / "two", *extra)]
+    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=240)
+    assert done.returncode == 0, done.stderr[:2000] + "\n...\n" + done.stderr[-2000:]
+    summary = json.loads((tmp_path / "two" / "run" / "summary.json").read_text())
+    assert summary["world_size"] == 2 and summary["ranks_in_sync"] is True
+    one, two = read_log(tmp_path / "one" / "run"), read_log(tmp_path / "two" / "run")
+    for r1, r2 in zip(one, two):
+        assert r1["step"] == r2["step"]
+        assert r2["loss"] == pytest.approx(r1["loss"], rel=1e-4)
