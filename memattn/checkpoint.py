@@ -1,7 +1,8 @@
 """Checkpoints: one safetensors file (no pickle) with the run's JSON in its metadata.
 
 Tensors: `model.<name>` (tied parameters stored once, their aliases listed in the JSON),
-`optim.<param index>.<key>` for the optimiser state. Metadata key "memattn" holds the
+`optim.<param index>.<key>` for the optimiser state, `extra.<name>` for any other run state
+(e.g. the memory carried between training segments). Metadata key "memattn" holds the
 JSON: format version, step, config, vocabulary, optimiser param groups, metrics.
 Writes are atomic: a temporary file in the same folder, fsync, then os.replace.
 """
@@ -34,6 +35,10 @@ class Checkpoint:
     def step(self) -> int:
         return int(self.meta["step"])
 
+    def extra(self) -> dict[str, torch.Tensor]:
+        """The `extra` tensors saved with the checkpoint, by name."""
+        return {k[len("extra."):]: v for k, v in self.tensors.items() if k.startswith("extra.")}
+
     def model_state(self) -> dict[str, torch.Tensor]:
         state = {k[len("model."):]: v for k, v in self.tensors.items() if k.startswith("model.")}
         for alias, target in self.meta.get("aliases", {}).items():
@@ -42,8 +47,9 @@ class Checkpoint:
 
 
 def save_checkpoint(path: str | os.PathLike, model: torch.nn.Module, *, step: int,
-                    meta: dict[str, Any], optimizer: torch.optim.Optimizer | None = None) -> None:
-    """Write model (+ optimiser) state and `meta` (JSON-able) atomically to `path`."""
+                    meta: dict[str, Any], optimizer: torch.optim.Optimizer | None = None,
+                    extra: dict[str, torch.Tensor] | None = None) -> None:
+    """Write model (+ optimiser, + `extra` tensors) state and `meta` (JSON-able) atomically to `path`."""
     tensors: dict[str, torch.Tensor] = {}
     aliases: dict[str, str] = {}
     seen: dict[int, str] = {}
@@ -54,6 +60,8 @@ def save_checkpoint(path: str | os.PathLike, model: torch.nn.Module, *, step: in
             continue
         seen[t.data_ptr()] = name
         tensors[f"model.{name}"] = t.detach().contiguous().cpu()
+    for name, t in (extra or {}).items():
+        tensors[f"extra.{name}"] = t.detach().contiguous().cpu()
     full = dict(meta, format=FORMAT, step=step, aliases=aliases)
     if optimizer is not None:
         sd = optimizer.state_dict()

@@ -1,4 +1,4 @@
-"""The `memattn` command line: train, eval, generate, info, demo.
+"""The `memattn` command line: train, eval, generate, info, demo, experiment, compress, decompress.
 
 Every command that builds a run takes `--config PRESET_OR_YAML` and `key=value` overrides,
 e.g. `memattn train --config demo model.n_layers=2 attention=softmax train.steps=100`.
@@ -10,6 +10,7 @@ import argparse
 import json
 import sys
 import time
+from pathlib import Path
 
 from memattn.errors import MemattnError
 
@@ -45,7 +46,7 @@ def cmd_eval(args) -> int:
     ids = as_tensor(getattr(corpus, args.split))
     seq_len = args.seq_len or cfg.train.seq_len
     result = evaluate(model, ids, seq_len=seq_len, batch_size=args.batch_size,
-                      max_batches=args.batches, device=args.device)
+                      max_batches=args.batches, device=args.device, segments=cfg.train.segments)
     result.update(split=args.split, seq_len=seq_len, checkpoint=str(args.checkpoint))
     print(json.dumps(result) if args.json else
           f"{args.split}: loss {result['loss']:.4f} nats, {result['bpc']:.4f} bits/char, "
@@ -104,7 +105,7 @@ def cmd_info(args) -> int:
     else:
         cfg = _run_config(args)
         vocab = cfg.model.vocab_size or 256
-        model = CausalLM(dataclasses.replace(cfg.model, vocab_size=vocab))
+        model = CausalLM(dataclasses.replace(cfg.model, vocab_size=vocab)).eval()
     fixed, per_token = state_memory(model, (min(64, cfg.model.max_len // 2), min(128, cfg.model.max_len)))
     m = cfg.model
     info = {
@@ -113,6 +114,9 @@ def cmd_info(args) -> int:
         "heads": m.n_heads, "positions": m.positions, "vocab_size": model.cfg.vocab_size,
         "state_fixed_bytes": fixed, "state_bytes_per_token": per_token,
     }
+    spans = {i: b.attn.spans() for i, b in enumerate(model.blocks) if getattr(b.attn, "spans", None)}
+    if any(spans.values()):  # adaptive attention span: z per head (tokens), per layer
+        info["spans"] = {str(i): [round(z, 1) for z in zs] for i, zs in spans.items() if zs}
     if args.json:
         print(json.dumps(info, indent=2))
         return 0
@@ -122,6 +126,8 @@ def cmd_info(args) -> int:
           f"{m.positions} positions, vocabulary {info['vocab_size']}")
     print(f"decoding state {fixed:,} bytes fixed + {per_token:,.0f} bytes per token of context"
           f" (batch 1, fp32{'; constant in context length' if per_token == 0 else ''})")
+    for n, (i, zs) in enumerate(info.get("spans", {}).items()):
+        print(f"{'learned spans' if n == 0 else '':<15}layer {i}: {', '.join(f'{z:g}' for z in zs)} tokens")
     if args.mechanisms or not args.checkpoint:
         print("mechanisms     " + ", ".join(mechanisms()))
     return 0
@@ -142,6 +148,52 @@ def cmd_experiment(args) -> int:
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "command.txt").write_text(args.command_line + "\n")
     module.run(out_dir, quick=args.quick, overrides=args.overrides)
+    return 0
+
+
+def cmd_compress(args) -> int:
+    from memattn.data import Vocab
+    from memattn.errors import ConfigError
+    from memattn.models.compressor import compress_ids, fingerprint, load_compressor, save_compressed
+
+    model, meta = load_compressor(args.checkpoint)
+    vocab = Vocab.from_json(meta["vocab"])
+    source = Path(args.input)
+    if not source.is_file():
+        raise ConfigError(f"input: no such file {source}")
+    text = source.read_text(encoding="utf-8")
+    seq_len = args.seq_len or int(meta["seq_len"])
+    memory, lengths = compress_ids(model, vocab.encode(text), seq_len=seq_len, batch_size=args.batch_size)
+    if args.half:
+        memory = memory.half()
+    save_compressed(args.out, memory, lengths, model_fingerprint=fingerprint(model), seq_len=seq_len,
+                    characters=len(text), num_memory=model.num_memory, d_model=model.cfg.d_model)
+    stored = memory.numel() * memory.element_size()
+    print(f"{len(text):,} characters -> {memory.shape[0]} sequences x {memory.shape[1]} vectors x "
+          f"{memory.shape[2]} ({stored:,} bytes of {str(memory.dtype).replace('torch.', '')}) in {args.out}")
+    return 0
+
+
+def cmd_decompress(args) -> int:
+    from memattn.data import Vocab
+    from memattn.errors import CheckpointError
+    from memattn.models.compressor import decompress_ids, fingerprint, load_compressed, load_compressor
+
+    compressed = load_compressed(args.compressed)
+    model, meta = load_compressor(args.checkpoint)
+    if compressed.meta.get("model") != fingerprint(model):
+        raise CheckpointError(f"compressed file {args.compressed} was made by another model than "
+                              f"{args.checkpoint} (their fingerprints differ)")
+    vocab = Vocab.from_json(meta["vocab"])
+    ids = decompress_ids(model, compressed.memory, compressed.lengths, n_symbols=vocab.size,
+                         batch_size=args.batch_size)
+    text = vocab.decode(ids)
+    if args.out:
+        Path(args.out).write_text(text, encoding="utf-8")
+        print(f"{len(text):,} characters from {compressed.memory.shape[0]} sequences -> {args.out}",
+              file=sys.stderr)
+    else:
+        sys.stdout.write(text)
     return 0
 
 
@@ -218,6 +270,29 @@ def build_parser() -> argparse.ArgumentParser:
     x.add_argument("--out-dir", help="where results go (default: results/NAME)")
     x.add_argument("--quick", action="store_true", help="a small smoke run, about a minute on a CPU")
     x.set_defaults(fn=cmd_experiment)
+
+    c = sub.add_parser("compress", help="compress a text into M memory vectors per sequence",
+                       description="Cut a text into sequences, compress each into the M memory "
+                       "vectors of a compressor checkpoint (GMAT sequence compression) and write "
+                       "them as one safetensors file. `memattn decompress` rebuilds the text from "
+                       "that file and the checkpoint alone.")
+    c.add_argument("checkpoint", help="compressor checkpoint (e.g. from `memattn experiment gmat-mlm`)")
+    c.add_argument("input", help="UTF-8 text file to compress")
+    c.add_argument("-o", "--out", required=True, help="compressed file to write (.safetensors)")
+    c.add_argument("--seq-len", type=int, default=0, help="tokens per sequence (default: the training length)")
+    c.add_argument("--half", action="store_true", help="store the vectors in float16 (half the bytes)")
+    c.add_argument("--batch-size", type=int, default=16, help="sequences per forward pass")
+    c.set_defaults(fn=cmd_compress)
+
+    dc = sub.add_parser("decompress", help="rebuild a text from its compressed memory vectors",
+                        description="Read a file written by `memattn compress` and rebuild every "
+                        "position of every sequence from its M memory vectors (the original text "
+                        "is not needed), with the compressor checkpoint that made it.")
+    dc.add_argument("compressed", help="file written by `memattn compress`")
+    dc.add_argument("--checkpoint", required=True, help="the compressor checkpoint that made the file")
+    dc.add_argument("-o", "--out", help="text file to write (default: standard output)")
+    dc.add_argument("--batch-size", type=int, default=16, help="sequences per forward pass")
+    dc.set_defaults(fn=cmd_decompress)
     return p
 
 

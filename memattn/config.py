@@ -21,6 +21,7 @@ import yaml
 from memattn.errors import ConfigError
 
 PRESET_DIR = Path(__file__).parent / "configs"
+SPLIT_BASE, SPLIT_BLOCKS = 512, 64  # split positions p = SPLIT_BASE·q + r, q < SPLIT_BLOCKS
 
 
 def _one_of(name: str, value: Any, allowed) -> None:
@@ -54,8 +55,9 @@ class ModelConfig:
     n_heads: int = 4
     ff_mult: float = 4.0
     dropout: float = 0.0
-    positions: Literal["rotary", "learned", "none"] = "rotary"
-    max_len: int = 1024  # longest sequence learned positions cover
+    # split: absolute p = 512·q + r as E_r[r] + E_q[q] (r < 512, q < 64), up to 32,768 tokens
+    positions: Literal["rotary", "learned", "none", "split"] = "rotary"
+    max_len: int = 1024  # longest sequence learned (or split) positions cover
     norm: Literal["layernorm", "rmsnorm"] = "layernorm"
     tie_embeddings: bool = True
     attention: AttentionConfig = field(default_factory=AttentionConfig)
@@ -71,7 +73,10 @@ class ModelConfig:
             raise ConfigError(f"model.positions: rotary needs an even head dim, got {self.d_model // self.n_heads}")
         if not 0.0 <= self.dropout < 1.0:
             raise ConfigError(f"model.dropout: expected a value in [0, 1), got {self.dropout}")
-        _one_of("model.positions", self.positions, ("rotary", "learned", "none"))
+        _one_of("model.positions", self.positions, ("rotary", "learned", "none", "split"))
+        if self.positions == "split" and self.max_len > SPLIT_BASE * SPLIT_BLOCKS:
+            raise ConfigError(f"model.max_len: split positions cover at most {SPLIT_BASE} x {SPLIT_BLOCKS} = "
+                              f"{SPLIT_BASE * SPLIT_BLOCKS} tokens, got {self.max_len}")
         _one_of("model.norm", self.norm, ("layernorm", "rmsnorm"))
 
 
@@ -107,6 +112,10 @@ class TrainConfig:
     seed: int = 0
     device: str = "cpu"
     threads: int = 0  # torch threads on CPU; 0 keeps torch's default
+    # Segment-level training (Transformer-XL style): batch_size contiguous streams read in
+    # consecutive segments of seq_len, each layer's bounded memory of the previous segment
+    # carried (detached) into the next; evaluation reads the same way.
+    segments: bool = False
     out_dir: str = "runs/default"
 
     def __post_init__(self) -> None:

@@ -14,14 +14,35 @@ def as_tensor(ids: np.ndarray) -> torch.Tensor:
     return torch.from_numpy(np.ascontiguousarray(ids).astype(np.int64, copy=False))
 
 
+def segment_window(ids: torch.Tensor, streams: int, seq_len: int, segment: int) -> torch.Tensor:
+    """Segment `segment` of each of `streams` contiguous streams: [streams, seq_len + 1] ids.
+
+    Stream b reads ids[b·S:(b + 1)·S + 1] with S = (len(ids) - 1) // streams, in segments of
+    seq_len (inputs, and targets shifted by one). Raises ValueError past its last segment.
+    """
+    length = (len(ids) - 1) // streams
+    if (segment + 1) * seq_len > length:
+        raise ValueError(f"segment {segment}: streams of {length} tokens hold only "
+                         f"{length // seq_len} segments of seq_len={seq_len}")
+    starts = torch.arange(streams) * length + segment * seq_len
+    return ids[starts[:, None] + torch.arange(seq_len + 1)[None, :]]
+
+
 @torch.no_grad()
 def evaluate(model: torch.nn.Module, ids: torch.Tensor, *, seq_len: int, batch_size: int,
-             max_batches: int = 0, device: str | torch.device = "cpu") -> dict[str, float]:
+             max_batches: int = 0, device: str | torch.device = "cpu",
+             segments: bool = False) -> dict[str, float]:
     """Loss over consecutive non-overlapping windows of `seq_len` + 1 tokens.
 
     ids: int64 [N]. max_batches > 0 evaluates only the first batches (deterministic).
+    segments: read the split as batch_size contiguous streams, segment after segment, with
+    the model's cache carrying each layer's memory from one segment to the next (as
+    `train.segments` trains); max_batches > 0 then reads the first segments of each stream.
     Returns {"loss": nats/token, "bpc": bits/token, "ppl": perplexity, "tokens": count}.
     """
+    if segments:
+        return _evaluate_segments(model, ids, seq_len=seq_len, streams=batch_size,
+                                  max_segments=max_batches, device=device)
     n_windows = (len(ids) - 1) // seq_len
     if n_windows == 0:
         raise ValueError(f"evaluate: split of {len(ids)} tokens is shorter than seq_len + 1 = {seq_len + 1}")
@@ -37,6 +58,27 @@ def evaluate(model: torch.nn.Module, ids: torch.Tensor, *, seq_len: int, batch_s
         logits = model(window[:, :-1])
         loss = F.cross_entropy(logits.float().flatten(0, 1), window[:, 1:].flatten(), reduction="sum")
         total += loss.item()
+        count += window[:, 1:].numel()
+    model.train(was_training)
+    loss = total / count
+    return {"loss": loss, "bpc": loss / math.log(2), "ppl": math.exp(min(loss, 50.0)), "tokens": count}
+
+
+def _evaluate_segments(model, ids, *, seq_len, streams, max_segments, device):
+    streams = min(streams, (len(ids) - 1) // seq_len)
+    if streams == 0:
+        raise ValueError(f"evaluate: split of {len(ids)} tokens is shorter than seq_len + 1 = {seq_len + 1}")
+    n_segments = (len(ids) - 1) // streams // seq_len
+    if max_segments > 0:
+        n_segments = min(n_segments, max_segments)
+    was_training = model.training
+    model.eval()
+    cache = model.init_cache(streams, device=device)
+    total, count = 0.0, 0
+    for segment in range(n_segments):
+        window = segment_window(ids, streams, seq_len, segment).to(device)
+        logits = model(window[:, :-1], cache=cache)
+        total += F.cross_entropy(logits.float().flatten(0, 1), window[:, 1:].flatten(), reduction="sum").item()
         count += window[:, 1:].numel()
     model.train(was_training)
     loss = total / count

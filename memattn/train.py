@@ -4,6 +4,14 @@ atomic checkpoints, exact resume, and data-parallel training under torchrun.
 Determinism: the batch of step s and the dropout seed of step s are functions of
 (train.seed, s, rank) alone, so a resumed run sees the same data and randomness as an
 uninterrupted one, and its log holds the same losses.
+
+Segment-level training (train.segments, Transformer-XL style): the batch is batch_size
+contiguous streams of the training split, step s reads their segment s mod n (n segments
+fit a stream; a stream that ends starts over with an empty memory), and the model's cache
+carries each layer's bounded, detached memory of the previous segment into the next step.
+That memory was made with the previous step's weights, so it cannot be rebuilt from a
+checkpoint's weights: checkpoints store it (gathered over the ranks) and --resume restores it.
+The objective adds the model's auxiliary losses (`aux_loss()`, e.g. adaptive-span penalties).
 """
 
 from __future__ import annotations
@@ -24,8 +32,8 @@ import yaml
 from memattn.checkpoint import load_checkpoint, restore, save_checkpoint
 from memattn.config import RunConfig, TrainConfig, from_dict, to_dict
 from memattn.errors import CheckpointError, ConfigError
-from memattn.evaluate import as_tensor, evaluate
-from memattn.models import CausalLM
+from memattn.evaluate import as_tensor, evaluate, segment_window
+from memattn.models import CausalLM, ModelCache
 
 # Train fields a resumed run may change without changing what it computes up to the
 # checkpoint (steps may grow; the cosine then stretches from that point on).
@@ -94,6 +102,14 @@ class Distributed:
         dist.all_gather(gathered, sums)
         return all(torch.equal(g, gathered[0]) for g in gathered)
 
+    def gather_batch(self, t: torch.Tensor) -> torch.Tensor:
+        """Every rank's `t` concatenated along dim 0, in rank order (the global batch)."""
+        if not self.enabled:
+            return t
+        parts = [torch.empty_like(t) for _ in range(self.world)]
+        dist.all_gather(parts, t.contiguous())
+        return torch.cat(parts)
+
     def barrier(self) -> None:
         if self.enabled:
             dist.barrier()
@@ -145,6 +161,43 @@ class JsonlLog:
                 f.write(json.dumps(record) + "\n")
 
 
+def check_segments(model: CausalLM, cfg: RunConfig) -> None:
+    """Raise ConfigError unless every layer's state can be carried between training segments."""
+    if cfg.model.positions in ("learned", "split"):
+        raise ConfigError(f"train.segments: a stream runs past any absolute position table; use "
+                          f"model.positions=rotary or none, got {cfg.model.positions!r}")
+    states = model.init_cache(1).states
+    if not all(s.carries_segments and s.fixed_size for s in states):
+        raise ConfigError(f"train.segments: attention {cfg.model.attention.name!r} with options "
+                          f"{cfg.model.attention.options or {}} keeps no bounded memory to carry from one "
+                          "segment to the next (attention=persistent with attention.context=window or "
+                          "attention.adaptive_span=true does)")
+
+
+def carried_memory(carry: ModelCache, ddp: Distributed) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """(tensors, JSON) of the segment memory for a checkpoint: every rank's share, gathered."""
+    tensors = {f"carry.{i}.{name}": ddp.gather_batch(t)
+               for i, state in enumerate(carry.states) for name, t in state.state_dict().items()}
+    return tensors, {"position": carry.position, "seen": [s.seen for s in carry.states]}
+
+
+def restore_carried_memory(ckpt, model: CausalLM, batch: int, ddp: Distributed,
+                           device: torch.device) -> ModelCache:
+    """The segment memory saved by `carried_memory`, this rank's share of it."""
+    info = ckpt.meta.get("segments")
+    if info is None:
+        raise CheckpointError(f"--resume: checkpoint {ckpt.path} holds no segment memory to carry on with")
+    carry = model.init_cache(batch, device=device)
+    saved = ckpt.extra()
+    for i, state in enumerate(carry.states):
+        prefix = f"carry.{i}."
+        mine = {name[len(prefix):]: t.chunk(ddp.world)[ddp.rank].to(device)
+                for name, t in saved.items() if name.startswith(prefix)}
+        state.load_state_dict(mine, info["seen"][i])
+    carry.position = info["position"]
+    return carry
+
+
 def load_run_corpus(cfg: RunConfig, ddp: Distributed | None = None):
     """The corpus of `cfg.data`; under torchrun rank 0 prepares the cache first."""
     from memattn.data import load_corpus
@@ -191,6 +244,13 @@ def _train(cfg: RunConfig, ddp: Distributed, resume: bool, progress: bool, on_st
     torch.manual_seed(tc.seed)
     model = CausalLM(cfg.model).to(device)
     optimizer = torch.optim.AdamW(param_groups(model, tc.weight_decay), lr=tc.lr, betas=tc.betas)
+    carry: ModelCache | None = None  # train.segments: the memory carried from step to step
+    if tc.segments:
+        check_segments(model, cfg)
+        n_segments = (len(train_ids) - 1) // tc.batch_size // tc.seq_len
+        if n_segments == 0:
+            raise ConfigError(f"train.segments: {tc.batch_size} streams of the training split "
+                              f"({len(train_ids):,} tokens) are shorter than train.seq_len={tc.seq_len}")
     start = 0
     if resume:
         ckpt = load_checkpoint(ckpt_path)
@@ -198,6 +258,8 @@ def _train(cfg: RunConfig, ddp: Distributed, resume: bool, progress: bool, on_st
         restore(ckpt, model, optimizer)
         start = ckpt.step
         log.truncate_after(start)
+        if tc.segments:
+            carry = restore_carried_memory(ckpt, model, tc.batch_size // ddp.world, ddp, device)
     elif ddp.main:
         out.mkdir(parents=True, exist_ok=True)
         log.path.unlink(missing_ok=True)
@@ -226,12 +288,20 @@ def _train(cfg: RunConfig, ddp: Distributed, resume: bool, progress: bool, on_st
         lr = lr_at(step, tc)
         for group in optimizer.param_groups:
             group["lr"] = lr
-        x, y = sample_batch(train_ids, step, tc, ddp.rank, ddp.world)
+        if tc.segments:
+            segment = step % n_segments
+            window = segment_window(train_ids, tc.batch_size, tc.seq_len, segment).chunk(ddp.world)[ddp.rank]
+            x, y = window[:, :-1], window[:, 1:]
+            if segment == 0:  # the streams (re)start: an empty memory
+                carry = model.init_cache(x.shape[0], device=device)
+        else:
+            x, y = sample_batch(train_ids, step, tc, ddp.rank, ddp.world)
         x, y = x.to(device), y.to(device)
         torch.manual_seed(step_seed(tc.seed, step, ddp.rank))  # dropout of this step
-        logits = wrapped(x)
+        logits = wrapped(x) if carry is None else wrapped(x, cache=carry)
         loss = F.cross_entropy(logits.float().flatten(0, 1), y.flatten())
-        loss.backward()
+        aux = model.aux_loss()  # e.g. adaptive-span penalties; None for most mechanisms
+        (loss if aux is None else loss + aux).backward()
         if tc.grad_clip > 0:
             torch.nn.utils.clip_grad_norm_(model.parameters(), tc.grad_clip)
         optimizer.step()
@@ -245,9 +315,11 @@ def _train(cfg: RunConfig, ddp: Distributed, resume: bool, progress: bool, on_st
             train_loss = ddp.mean(loss.item())
             tokens_since, clock = 0, now
             record.update(step=done, loss=train_loss, lr=lr, tokens_per_s=round(tok_per_s, 1))
+            if aux is not None:
+                record.update(aux_loss=aux.item())
         if done % tc.eval_every == 0 or done == tc.steps:
             last_val = evaluate(model, val_ids, seq_len=tc.seq_len, batch_size=tc.batch_size,
-                                max_batches=tc.eval_batches, device=device)
+                                max_batches=tc.eval_batches, device=device, segments=tc.segments)
             record.update(step=done, val_loss=last_val["loss"], val_bpc=last_val["bpc"])
             clock = time.perf_counter()  # evaluation time is not training throughput
         if record:
@@ -257,9 +329,12 @@ def _train(cfg: RunConfig, ddp: Distributed, resume: bool, progress: bool, on_st
                                 **({"val_bpc": f"{last_val['bpc']:.3f}"} if last_val else {}))
             if on_step is not None:
                 on_step(done, record)
-        if (done % tc.save_every == 0 or done == tc.steps) and ddp.main:
-            save_checkpoint(ckpt_path, model, step=done, optimizer=optimizer,
-                            meta=dict(meta, metrics={"train_loss": train_loss, **{f"val_{k}": v for k, v in last_val.items()}}))
+        saving = done % tc.save_every == 0 or done == tc.steps
+        extra, segments_meta = carried_memory(carry, ddp) if saving and carry is not None else ({}, None)
+        if saving and ddp.main:
+            save_checkpoint(ckpt_path, model, step=done, optimizer=optimizer, extra=extra,
+                            meta=dict(meta, segments=segments_meta,
+                                      metrics={"train_loss": train_loss, **{f"val_{k}": v for k, v in last_val.items()}}))
         if done % tc.save_every == 0:
             ddp.barrier()
         if bar is not None:

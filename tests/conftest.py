@@ -4,6 +4,13 @@ import pytest
 import torch
 
 
+@pytest.fixture(autouse=True, scope="session")
+def _one_thread():
+    """Each test process uses one thread: `make test` runs two processes on two cores, and
+    the many tiny ops of the references run faster without a second thread."""
+    torch.set_num_threads(1)
+
+
 @pytest.fixture(autouse=True)
 def _seed():
     torch.manual_seed(0)

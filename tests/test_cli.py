@@ -9,7 +9,7 @@ from conftest import tiny_overrides
 
 from memattn.cli import build_parser, main
 
-COMMANDS = ["train", "eval", "generate", "info", "demo", "experiment"]
+COMMANDS = ["train", "eval", "generate", "info", "demo", "experiment", "compress", "decompress"]
 
 
 def run(*args, timeout=120):

@@ -32,7 +32,7 @@ def test_int_accepted_for_float_but_not_the_reverse():
 @pytest.mark.parametrize("override, message", [
     ("model.d_modl=3", r"model\.d_modl: unknown key"),
     ("train.steps=many", r"train\.steps: expected an integer, got 'many'"),
-    ("model.positions=sinusoid", r"expected one of rotary, learned, none, got 'sinusoid'"),
+    ("model.positions=sinusoid", r"expected one of rotary, learned, none, split, got 'sinusoid'"),
     ("attention=nope", r"unknown mechanism 'nope'"),
     ("attention.window=3", r"attention\.window: not an option of 'softmax'"),
     ("model.n_heads=5", r"model\.d_model: 256 is not divisible by model\.n_heads=5"),

@@ -12,6 +12,11 @@ Layer interface (all mechanisms)::
 
 With `memory_state` given, the layer continues after the tokens the state has seen and
 returns the updated state; token-by-token decoding must equal one full forward pass.
+
+Memory tokens (optional): a layer class whose mechanism reads learned tokens placed in the
+sequence (GMAT's global memory) defines a static `memory_layout(options, causal)` returning
+a `MemoryLayout`. The model then inserts those tokens into the sequence every layer sees
+(and strips them from its output); a layer without it sees only the tokens.
 """
 
 from __future__ import annotations
@@ -59,6 +64,17 @@ class AttentionState:
         """Bytes held by the state now (for a growing cache: its used part)."""
         return sum(t.numel() * t.element_size() for t in self.tensors())
 
+    # Segment-level training (train.segments) carries one state from a step to the next. A
+    # state that can be carried keeps only detached tensors, is bounded (fixed_size), sets
+    # `carries_segments` and round-trips through state_dict / load_state_dict (checkpoints).
+    carries_segments: ClassVar[bool] = False
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        raise NotImplementedError(f"{type(self).__name__} cannot be carried between training segments")
+
+    def load_state_dict(self, tensors: dict[str, torch.Tensor], seen: int) -> None:
+        raise NotImplementedError(f"{type(self).__name__} cannot be carried between training segments")
+
 
 class KVCache(AttentionState):
     """The unbounded memory of softmax attention: every key and value seen, [B, T, H, D].
@@ -100,6 +116,25 @@ def _grow(t: torch.Tensor, capacity: int, used: int) -> torch.Tensor:
     return out
 
 
+@dataclass(frozen=True)
+class MemoryLayout:
+    """Learned memory tokens a model inserts into the sequence for its attention layers.
+
+    `tokens` (M > 0) memory embeddings form a block, which carries no position. every = 0:
+    one block before the sequence (a prefix). every = C > 0: a fresh block before main
+    tokens 0, C, 2C, … (inserted when that token arrives, so decoding sees the same layout).
+    The model keeps the memory rows through every block and drops them from its output.
+    """
+
+    tokens: int
+    every: int = 0
+
+    def __post_init__(self) -> None:
+        if self.tokens <= 0 or self.every < 0:
+            raise ConfigError(f"MemoryLayout: expected tokens > 0 and every >= 0, got "
+                              f"tokens={self.tokens}, every={self.every}")
+
+
 @dataclass
 class NoOptions:
     """A mechanism with no options of its own."""
@@ -116,13 +151,17 @@ class Mechanism:
     bidirectional: bool = True  # usable in an encoder
     replaces_feedforward: bool = False  # the block drops its feed-forward sublayer
     summary: str = ""
+    # (spec, options) -> a module of the mechanism's own for the block's feed-forward slot
+    # (pre-norm and residual kept), or None; it takes precedence over the model's MLP.
+    feedforward: Callable[[LayerSpec, Any], nn.Module | None] | None = None
 
 
 _REGISTRY: dict[str, Mechanism] = {}
 
 
 def register(name: str, *, options: type = NoOptions, causal: bool = True,
-             bidirectional: bool = True, replaces_feedforward: bool = False):
+             bidirectional: bool = True, replaces_feedforward: bool = False,
+             feedforward: Callable[[LayerSpec, Any], nn.Module | None] | None = None):
     """Class decorator: make a layer available under the config string `name`."""
 
     def wrap(cls):
@@ -130,7 +169,7 @@ def register(name: str, *, options: type = NoOptions, causal: bool = True,
             raise ValueError(f"attention mechanism {name!r} is registered twice")
         doc = (cls.__doc__ or "").strip().splitlines()
         _REGISTRY[name] = Mechanism(name, cls, options, causal, bidirectional,
-                                    replaces_feedforward, doc[0] if doc else "")
+                                    replaces_feedforward, doc[0] if doc else "", feedforward)
         return cls
 
     return wrap
@@ -168,6 +207,19 @@ def parse_options(name: str, options: dict[str, Any] | Any) -> Any:
         return mech.options(**values)
     except (TypeError, ValueError) as e:
         raise ConfigError(f"attention ({name}): {e}") from None
+
+
+def memory_layout(name: str, options: dict[str, Any] | Any, *, causal: bool) -> MemoryLayout | None:
+    """The memory tokens mechanism `name` with `options` needs in a causal or bidirectional
+    model, or None (most mechanisms): its layer's static `memory_layout(options, causal)`."""
+    layout = getattr(get_mechanism(name).layer, "memory_layout", None)
+    return None if layout is None else layout(parse_options(name, options), causal)
+
+
+def build_feedforward(name: str, options: dict[str, Any] | Any, spec: LayerSpec) -> nn.Module | None:
+    """The mechanism's own module for the block's feed-forward slot, or None (most mechanisms)."""
+    mech = get_mechanism(name)
+    return None if mech.feedforward is None else mech.feedforward(spec, parse_options(name, options))
 
 
 def build_attention(name: str, options: dict[str, Any] | Any, spec: LayerSpec) -> nn.Module:

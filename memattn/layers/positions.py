@@ -16,14 +16,15 @@ class Rotary(nn.Module):
         super().__init__()
         if head_dim % 2:
             raise ValueError(f"rotary positions: head dim must be even, got {head_dim}")
-        inv_freq = base ** (-torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim)
-        self.register_buffer("inv_freq", inv_freq, persistent=False)
+        self.head_dim, self.base = head_dim, base
 
     def forward(self, x: torch.Tensor, offset: int = 0) -> torch.Tensor:
-        t = torch.arange(offset, offset + x.shape[1], device=x.device, dtype=torch.float32)
-        angles = torch.outer(t, self.inv_freq)  # [T, D/2]
+        dtype = torch.promote_types(x.dtype, torch.float32)  # fp32 at least, fp64 kept
+        t = torch.arange(offset, offset + x.shape[1], device=x.device, dtype=dtype)
+        inv_freq = self.base ** (-torch.arange(0, self.head_dim, 2, device=x.device, dtype=dtype) / self.head_dim)
+        angles = torch.outer(t, inv_freq)  # [T, D/2]
         cos = angles.cos()[None, :, None, :]
         sin = angles.sin()[None, :, None, :]
-        x1, x2 = x.float().chunk(2, dim=-1)
+        x1, x2 = x.to(dtype).chunk(2, dim=-1)
         out = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
         return out.to(x.dtype)

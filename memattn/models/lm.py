@@ -2,7 +2,12 @@
 
 Pre-norm blocks: x = x + attn(norm(x)); x = x + ff(norm(x)). Embeddings tied to the
 output head. Positions: rotary (inside each attention layer), learned (absolute, added to
-the embeddings), or none.
+the embeddings), split (absolute p = 512·q + r as the sum of two learned tables, for long
+sequences), or none.
+
+Memory tokens: when the mechanism asks for them (`memattn.layers.base.MemoryLayout`), the
+trunk inserts M learned embeddings (no position) into the sequence before the blocks,
+as one prefix or a fresh block every C tokens, and drops them from the output.
 """
 
 from __future__ import annotations
@@ -13,13 +18,16 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from memattn.config import ModelConfig
+from memattn.config import SPLIT_BASE, ModelConfig
 from memattn.errors import ShapeError
 from memattn.layers.base import (
     AttentionState,
     LayerSpec,
+    MemoryLayout,
     build_attention,
+    build_feedforward,
     get_mechanism,
+    memory_layout,
 )
 
 
@@ -41,16 +49,19 @@ class FeedForward(nn.Module):
 
 
 class Block(nn.Module):
-    """One pre-norm block: attention sublayer, then (unless the mechanism replaces it) a feed-forward."""
+    """One pre-norm block: attention sublayer, then a feed-forward: the model's MLP, the mechanism's own
+    sublayer (`Mechanism.feedforward`), or none when the mechanism replaces it."""
 
     def __init__(self, cfg: ModelConfig, spec: LayerSpec) -> None:
         super().__init__()
         self.norm_attn = make_norm(cfg.norm, cfg.d_model)
         self.attn = build_attention(cfg.attention.name, cfg.attention.options, spec)
         hidden = int(cfg.ff_mult * cfg.d_model)
-        keep_ff = hidden > 0 and not get_mechanism(cfg.attention.name).replaces_feedforward
-        self.norm_ff = make_norm(cfg.norm, cfg.d_model) if keep_ff else None
-        self.ff = FeedForward(cfg.d_model, hidden, cfg.dropout) if keep_ff else None
+        ff = build_feedforward(cfg.attention.name, cfg.attention.options, spec)  # the mechanism's own, if any
+        if ff is None and hidden > 0 and not get_mechanism(cfg.attention.name).replaces_feedforward:
+            ff = FeedForward(cfg.d_model, hidden, cfg.dropout)
+        self.norm_ff = make_norm(cfg.norm, cfg.d_model) if ff is not None else None
+        self.ff = ff
 
     def forward(self, x, state=None, attention_mask=None):
         h, state = self.attn(self.norm_attn(x), memory_state=state, attention_mask=attention_mask)
@@ -58,6 +69,50 @@ class Block(nn.Module):
         if self.ff is not None:
             x = x + self.ff(self.norm_ff(x))
         return x, state
+
+
+class SplitPositions(nn.Module):
+    """Absolute positions p = base·q + r embedded as E_r[r] + E_q[q] (GMAT): positions [T] -> [T, d].
+
+    With base 512 and q < 64, two small tables cover 32,768 positions.
+    """
+
+    def __init__(self, max_len: int, d: int, base: int = SPLIT_BASE) -> None:
+        super().__init__()
+        self.base = base
+        self.low = nn.Embedding(min(base, max_len), d)  # r = p mod base
+        self.high = nn.Embedding(-(-max_len // base), d)  # q = p // base
+
+    def forward(self, positions: torch.Tensor) -> torch.Tensor:
+        return self.low(positions % self.base) + self.high(positions // self.base)
+
+
+def insert_memory(x: torch.Tensor, memory: torch.Tensor, layout: MemoryLayout, offset: int,
+                  attention_mask: torch.Tensor | None = None):
+    """Insert memory blocks into x [B, T, d] whose first token sits at position `offset`.
+
+    memory [M, d]. Returns (sequence [B, T + n·M, d], its attention mask or None, index [T]
+    of the tokens in it); a block goes before each token at a multiple of `layout.every`
+    (every = 0: before position 0 only).
+    """
+    B, T, d = x.shape
+    M = layout.tokens
+    if layout.every:
+        first = (-offset) % layout.every
+        starts = torch.arange(first, max(first, T), layout.every, device=x.device)
+    else:
+        starts = torch.arange(0 if offset == 0 else T, T, device=x.device)[:1]
+    n = len(starts)
+    blocks_before = torch.zeros(T, dtype=torch.long, device=x.device).index_fill(0, starts, 1).cumsum(0)
+    index = torch.arange(T, device=x.device) + M * blocks_before  # [T]
+    if n == 0:
+        return x, attention_mask, index
+    slots = (starts + M * torch.arange(n, device=x.device))[:, None] + torch.arange(M, device=x.device)
+    out = x.new_zeros(B, T + n * M, d).index_copy(1, index, x)
+    out = out.index_copy(1, slots.flatten(), memory.to(x.dtype).repeat(n, 1)[None].expand(B, -1, -1))
+    if attention_mask is not None:
+        attention_mask = attention_mask.new_ones(B, T + n * M).index_copy(1, index, attention_mask)
+    return out, attention_mask, index
 
 
 @dataclass
@@ -90,6 +145,11 @@ class Transformer(nn.Module):
         self.cfg = cfg
         self.embed = nn.Embedding(cfg.vocab_size, cfg.d_model)
         self.pos = nn.Embedding(cfg.max_len, cfg.d_model) if cfg.positions == "learned" else None
+        if cfg.positions == "split":
+            self.pos = SplitPositions(cfg.max_len, cfg.d_model)
+        self.memory_layout = memory_layout(cfg.attention.name, cfg.attention.options, causal=causal)
+        self.memory = (nn.Embedding(self.memory_layout.tokens, cfg.d_model)
+                       if self.memory_layout is not None else None)
         self.dropout = nn.Dropout(cfg.dropout)
         shared: dict[str, nn.Module] = {}
         self.blocks = nn.ModuleList(
@@ -117,6 +177,13 @@ class Transformer(nn.Module):
     def num_parameters(self) -> int:
         return sum(p.numel() for p in self.parameters())
 
+    def aux_loss(self) -> torch.Tensor | None:
+        """Sum of the attention layers' auxiliary losses (a layer's optional `aux_loss()`, e.g.
+        the adaptive-span penalty), to add to the training objective; None if no layer has one."""
+        losses = [b.attn.aux_loss() for b in self.blocks if hasattr(b.attn, "aux_loss")]
+        losses = [loss for loss in losses if loss is not None]
+        return torch.stack(losses).sum() if losses else None
+
     def hidden(self, idx: torch.Tensor, *, cache: ModelCache | None = None,
                attention_mask: torch.Tensor | None = None) -> torch.Tensor:
         """idx [B, T] -> final-norm hidden states [B, T, d]; with `cache`, continue and update it."""
@@ -131,6 +198,10 @@ class Transformer(nn.Module):
                                  " of the learned position table")
             x = x + self.pos(torch.arange(offset, offset + T, device=idx.device))
         x = self.dropout(x)
+        tokens = None
+        if self.memory is not None:
+            x, attention_mask, tokens = insert_memory(x, self.memory.weight, self.memory_layout, offset,
+                                                      attention_mask)
         for i, block in enumerate(self.blocks):
             state = cache.states[i] if cache is not None else None
             x, state = block(x, state, attention_mask)
@@ -138,6 +209,8 @@ class Transformer(nn.Module):
                 cache.states[i] = state
         if cache is not None:
             cache.position += T
+        if tokens is not None and x.shape[1] != T:
+            x = x[:, tokens]  # drop the memory rows
         return self.norm(x)
 
 

@@ -5,7 +5,12 @@ Op signature shared by the mechanisms:
         -> (o, final_state)
 """
 
+from memattn.ops.abc import abc_attention, bounded_memory_attention
+from memattn.ops.gmat import gmat_attention
 from memattn.ops.linear import linear_attention, linear_attention_read, linear_attention_step
+from memattn.ops.persistent import persistent_attention, persistent_attention_reference
 from memattn.ops.softmax import softmax_attention
 
-__all__ = ["linear_attention", "linear_attention_read", "linear_attention_step", "softmax_attention"]
+__all__ = ["abc_attention", "bounded_memory_attention", "gmat_attention", "linear_attention",
+           "linear_attention_read", "linear_attention_step", "persistent_attention",
+           "persistent_attention_reference", "softmax_attention"]

@@ -1,0 +1,111 @@
+"""What the GMAT experiments share: typed settings from key=value, a training loop for
+encoder objectives, and writing results (JSON, markdown, the command)."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import time
+import typing
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+from memattn.config import TrainConfig, coerce, parse_override
+from memattn.errors import ConfigError
+from memattn.fileio import atomic_write
+from memattn.train import lr_at, param_groups
+
+
+def parse_settings(cls, name: str, overrides: list[str], base: dict[str, Any]):
+    """Dataclass `cls` from `base` (defaults or quick values) and `key=value` overrides,
+    each checked against its field's type; unknown keys raise ConfigError naming them."""
+    values = dict(base)
+    hints = typing.get_type_hints(cls)
+    for text in overrides:
+        path, value = parse_override(text)
+        key = ".".join(path)
+        if key not in hints:
+            known = ", ".join(f.name for f in dataclasses.fields(cls))
+            raise ConfigError(f"{key}: unknown setting of {name} (known: {known})")
+        values[key] = coerce(key, value, hints[key])
+    return cls(**values)
+
+
+def train_steps(model: torch.nn.Module, loss_of: Callable[[int], torch.Tensor], *, steps: int, lr: float,
+                warmup: int, weight_decay: float = 0.01, grad_clip: float = 1.0, log_every: int = 10,
+                label: str = "", budget_s: float = 0.0) -> dict[str, Any]:
+    """AdamW with warm-up and cosine decay (memattn.train.lr_at) over `steps` calls of
+    loss_of(step) -> scalar loss. budget_s > 0 stops early once that many seconds passed.
+
+    Returns {"losses": [[step, loss], ...], "steps": steps run, "seconds": training time}.
+    """
+    schedule = TrainConfig(steps=steps, lr=lr, warmup=min(warmup, steps), weight_decay=weight_decay,
+                           grad_clip=grad_clip, min_lr_ratio=0.1)
+    optimizer = torch.optim.AdamW(param_groups(model, weight_decay), lr=lr, betas=(0.9, 0.98))
+    model.train()
+    losses, start, done = [], time.perf_counter(), 0
+    for step in range(steps):
+        for group in optimizer.param_groups:
+            group["lr"] = lr_at(step, schedule)
+        loss = loss_of(step)
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        if grad_clip > 0:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip)
+        optimizer.step()
+        done = step + 1
+        if done % log_every == 0 or done == steps:
+            losses.append([done, round(loss.item(), 5)])
+            if label:
+                print(f"{label}: step {done}/{steps} loss {loss.item():.4f} "
+                      f"({time.perf_counter() - start:.0f} s)", flush=True)
+        if budget_s and time.perf_counter() - start > budget_s:
+            break
+    model.eval()
+    return {"losses": losses, "steps": done, "seconds": round(time.perf_counter() - start, 1)}
+
+
+def command_of(out_dir: Path, name: str, quick: bool, overrides) -> str:
+    """The command that made out_dir (command.txt, written by the CLI), else its equivalent."""
+    written = out_dir / "command.txt"
+    if written.exists():
+        return written.read_text().strip()
+    return " ".join([f"memattn experiment {name}", *(["--quick"] if quick else []), *overrides])
+
+
+def write_results(out_dir: Path, results: dict[str, Any], markdown: str) -> None:
+    """results.json and results.md under out_dir, each written atomically."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    text = json.dumps(results, indent=2) + "\n"
+    atomic_write(out_dir / "results.json", lambda tmp: tmp.write_text(text))
+    atomic_write(out_dir / "results.md", lambda tmp: tmp.write_text(markdown))
+
+
+def plot_curves(path: Path, title: str, curves: dict[str, list[list[float]]], ylabel: str) -> None:
+    """Training curves {label: [[step, value], ...]} as one PNG (skipped without matplotlib)."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for label, points in curves.items():
+        if points:
+            steps, values = zip(*points)
+            ax.plot(steps, values, label=label)
+    ax.set_xlabel("step")
+    ax.set_ylabel(ylabel)
+    ax.set_title(title)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+
+    def write(tmp: Path) -> None:
+        fig.savefig(tmp, format="png", dpi=110)
+
+    atomic_write(path, write)
+    plt.close(fig)

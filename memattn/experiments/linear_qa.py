@@ -1,0 +1,415 @@
+"""Cheap linear attention (de Brébisson & Vincent 2016): question answering and lookup cost.
+
+Two measurements, as in the paper:
+
+1. Accuracy. The same QA model (bidirectional GRU document encoder, GRU query encoder,
+   `memattn.models.qa.ReadingQA`) is trained with attention none, softmax, linear and
+   gated-linear, with equal settings and the same data, on the synthetic reading task
+   (`memattn.data.reading`: cloze queries about entity facts spread through documents).
+   Test accuracy on fresh documents of the training lengths, and on longer ones; training
+   time; the linear forms' accuracy again from their stored k×k representations alone.
+2. Lookup cost. Answering a batch of queries against one document of n states (k = 100):
+   softmax attention reads all n states, O(n·k) a query; linear attention reads its
+   precomputed C, O(k²) a query. Median time over repeats for n = 250 … 8,000, and the
+   bytes each must keep per document (n·k against k²).
+
+    memattn experiment linear-qa [--quick] [steps=600 hidden=32 doc_len=[100,400] seed=0 ...]
+
+Writes results.json, results.md and linear_qa.png to the output folder.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import platform
+import statistics
+import time
+import typing
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from memattn.config import coerce, parse_override
+from memattn.data.reading import ReadingBatch, ReadingConfig, ReadingTask
+from memattn.errors import ConfigError
+from memattn.fileio import atomic_write
+from memattn.models.qa import ATTENTIONS, QAConfig, ReadingQA
+from memattn.ops.softmax import softmax_attention
+from memattn.representations import encode, lookup
+
+DESCRIPTION = ("cheap linear attention: QA accuracy of none / softmax / linear / gated-linear "
+               "and per-query lookup cost vs document length")
+
+
+@dataclass
+class Settings:
+    """What the experiment runs; every field can be overridden as key=value."""
+
+    variants: tuple[str, ...] = ATTENTIONS  # which attentions to train
+    steps: int = 600  # training steps per variant
+    batch: int = 32  # documents a step (each with `queries` queries)
+    lr: float = 3e-3  # Adam, warm-up then cosine decay to a tenth
+    hidden: int = 32  # GRU width per direction: k = 2·hidden
+    embed: int = 32
+    doc_len: tuple[int, int] = (100, 400)  # training and test documents, tokens
+    long_len: tuple[int, int] = (1000, 2000)  # the longer test documents (not trained on)
+    queries: int = 4  # cloze queries per document
+    entities: int = 40
+    places: int = 30  # answer classes: chance = 1 / places
+    relations: int = 4
+    test_docs: int = 500
+    seed: int = 0
+    threads: int = 1  # torch threads (GRUs on a shared CPU run fastest on one)
+    lookup_k: int = 100
+    lookup_lengths: tuple[int, ...] = (250, 500, 1000, 2000, 4000, 8000)
+    lookup_queries: int = 100  # queries answered per timed call
+    lookup_repeats: int = 21
+
+    def __post_init__(self) -> None:
+        unknown = [v for v in self.variants if v not in ATTENTIONS]
+        if unknown or len(set(self.variants)) != len(self.variants):
+            raise ConfigError(f"variants: expected distinct names among {', '.join(ATTENTIONS)}, "
+                              f"got {list(self.variants)}")
+        for f in dataclasses.fields(self):
+            if f.name == "variants":
+                continue
+            value = getattr(self, f.name)
+            values = value if isinstance(value, tuple) else (value,)
+            if any(v < 0 or (v == 0 and f.name != "seed") for v in values):
+                raise ConfigError(f"{f.name}: expected positive values, got {value!r}")
+        for name in ("doc_len", "long_len"):
+            lo, hi = getattr(self, name)
+            if lo > hi:
+                raise ConfigError(f"{name}: expected [shortest, longest], got {[lo, hi]}")
+
+
+_EXAMPLES = {"variants": "[softmax,linear]", "lookup_lengths": "[250,1000]"}
+QUICK = {"steps": 40, "batch": 16, "hidden": 16, "embed": 16, "doc_len": (100, 200),
+         "long_len": (300, 400), "test_docs": 64, "lookup_repeats": 5}
+
+
+def parse_settings(overrides: list[str], *, quick: bool) -> Settings:
+    """Settings from the defaults (or QUICK), then `key=value` overrides checked by type."""
+    values: dict[str, Any] = dict(QUICK) if quick else {}
+    hints = typing.get_type_hints(Settings)
+    known = [f.name for f in dataclasses.fields(Settings)]
+    for text in overrides:
+        path, value = parse_override(text)
+        key = ".".join(path)
+        if key not in hints:
+            raise ConfigError(f"{key}: unknown setting of linear-qa (known: {', '.join(known)})")
+        hint = hints[key]
+        if typing.get_args(hint)[1:] == (Ellipsis,):  # tuple[X, ...]
+            item = typing.get_args(hint)[0]
+            if not isinstance(value, list) or not value:
+                raise ConfigError(f"{key}: expected a list of {item.__name__} like "
+                                  f"{_EXAMPLES[key]}, got {value!r}")
+            values[key] = tuple(coerce(key, v, item) for v in value)
+        else:
+            values[key] = coerce(key, value, hint)
+    return Settings(**values)
+
+
+def run(out_dir: Path, *, quick: bool = False, overrides: list[str] = ()) -> dict:
+    """Train and evaluate the four variants, time lookups; write the results under out_dir."""
+    settings = parse_settings(list(overrides), quick=quick)
+    out_dir = Path(out_dir)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(settings.threads)
+    try:
+        task = ReadingTask(ReadingConfig(n_entities=settings.entities, n_places=settings.places,
+                                         n_relations=settings.relations, doc_len=settings.doc_len,
+                                         queries_per_doc=settings.queries))
+        long_task = ReadingTask(dataclasses.replace(task.config, doc_len=settings.long_len))
+        test = task.batch(settings.test_docs, seed=f"{settings.seed}/test")
+        test_long = long_task.batch(max(settings.test_docs // 4, 8), seed=f"{settings.seed}/long")
+        variants = {}
+        for attention in settings.variants:
+            variants[attention] = train_and_evaluate(attention, task, test, test_long, settings)
+            print(f"linear-qa: {attention:13s} accuracy {100 * variants[attention]['accuracy']:.1f} %"
+                  f"  train {variants[attention]['train_seconds']:.0f} s", flush=True)
+        costs = lookup_costs(settings)
+    finally:
+        torch.set_num_threads(threads)
+
+    results = {
+        "experiment": "linear-qa",
+        "settings": _plain(dataclasses.asdict(settings)),
+        "quick": quick,
+        "chance": task.chance,
+        "task": _plain(dataclasses.asdict(task.config)),
+        "variants": variants,
+        "lookup": costs,
+        "environment": {"torch": torch.__version__, "threads": settings.threads,
+                        "machine": platform.machine(), "processor": platform.processor()},
+    }
+    command = _command(out_dir, quick, overrides)
+    text = json.dumps(results, indent=2) + "\n"
+    atomic_write(out_dir / "results.json", lambda tmp: tmp.write_text(text))
+    markdown = render_markdown(results, command)
+    atomic_write(out_dir / "results.md", lambda tmp: tmp.write_text(markdown))
+    plot(results, out_dir / "linear_qa.png")
+    return results
+
+
+def _plain(x):
+    if isinstance(x, dict):
+        return {k: _plain(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [_plain(v) for v in x]
+    return x
+
+
+def _command(out_dir: Path, quick: bool, overrides) -> str:
+    written = out_dir / "command.txt"
+    if written.exists():
+        return written.read_text().strip()
+    return " ".join(["memattn experiment linear-qa", *(["--quick"] if quick else []), *overrides])
+
+
+# Accuracy -----------------------------------------------------------------------------------
+
+
+def train_and_evaluate(attention: str, task: ReadingTask, test: ReadingBatch,
+                       test_long: ReadingBatch, s: Settings) -> dict:
+    """Train one variant from seed `s.seed` on fresh batches; evaluate on the test sets."""
+    torch.manual_seed(s.seed)
+    model = ReadingQA(QAConfig(task.vocab_size, task.n_answers, attention=attention,
+                               embed=s.embed, hidden=s.hidden))
+    opt = torch.optim.Adam(model.parameters(), lr=s.lr)
+    warmup = max(1, s.steps // 20)
+
+    def lr_at(step: int) -> float:
+        if step < warmup:
+            return (step + 1) / warmup
+        progress = (step - warmup) / max(1, s.steps - warmup)
+        return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress))
+
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_at)
+    model.train()
+    seconds, losses = 0.0, []
+    for step in range(s.steps):
+        batch = task.batch(s.batch, seed=f"{s.seed}/train/{step}")  # same data for every variant
+        start = time.perf_counter()
+        logits = model(batch.docs, batch.doc_lengths, batch.queries, batch.query_lengths)
+        loss = F.cross_entropy(logits.flatten(0, 1), batch.answers.flatten())
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        sched.step()
+        seconds += time.perf_counter() - start
+        losses.append(loss.item())
+        if (step + 1) % max(1, s.steps // 6) == 0:
+            recent = statistics.fmean(losses[-max(1, s.steps // 6):])
+            print(f"linear-qa: {attention:13s} step {step + 1:5d}  loss {recent:.3f}  "
+                  f"{seconds:.0f} s", flush=True)
+    model.eval()
+    out = {
+        "accuracy": accuracy(model, test),
+        "accuracy_long": accuracy(model, test_long),
+        "train_seconds": round(seconds, 2),
+        "seconds_per_step": round(seconds / s.steps, 4),
+        "final_loss": round(statistics.fmean(losses[-max(1, s.steps // 10):]), 4),
+        "parameters": sum(p.numel() for p in model.parameters()),
+    }
+    if attention in ("linear", "gated-linear"):
+        out["accuracy_from_representations"] = accuracy(model, test, stored=True)
+    return out
+
+
+@torch.no_grad()
+def accuracy(model: ReadingQA, data: ReadingBatch, *, stored: bool = False,
+             chunk: int = 64) -> float:
+    """Fraction of queries answered right; stored=True answers from k×k representations."""
+    right = total = 0
+    for i in range(0, len(data), chunk):
+        part = slice(i, i + chunk)
+        docs, lengths = data.docs[part], data.doc_lengths[part]
+        docs = docs[:, : int(lengths.max())]
+        if stored:
+            logits = model.answer(model.represent(docs, lengths), data.queries[part],
+                                  data.query_lengths[part])
+        else:
+            logits = model(docs, lengths, data.queries[part], data.query_lengths[part])
+        right += int((logits.argmax(-1) == data.answers[part]).sum())
+        total += data.answers[part].numel()
+    return round(right / total, 4)
+
+
+# Lookup cost --------------------------------------------------------------------------------
+
+
+def _median_seconds(fn, repeats: int) -> float:
+    fn()  # warm-up
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+@torch.no_grad()
+def lookup_costs(s: Settings) -> list[dict]:
+    """Per-query time of softmax (over n states) and linear (C q) reads, and memory held."""
+    k, m = s.lookup_k, s.lookup_queries
+    g = torch.Generator().manual_seed(s.seed)
+    rows = []
+    for n in s.lookup_lengths:
+        h = torch.randn(1, n, k, generator=g) / math.sqrt(k)  # one document's states
+        q = torch.randn(1, m, k, generator=g)
+        reps = encode(h)  # C = Σ h hᵀ, once per document
+        encode_seconds = _median_seconds(lambda h=h: encode(h), max(1, s.lookup_repeats // 3))
+        states = h[:, :, None]  # [1, n, 1, k]: what softmax attention must keep
+
+        def softmax_read(q=q, states=states):
+            return softmax_attention(q[:, :, None], states, states, causal=False)
+
+        def linear_read(q=q, reps=reps):
+            return lookup(reps, q)
+
+        # Alternate the two so that a busy machine slows both alike.
+        soft, lin = [], []
+        for _ in range(3):
+            soft.append(_median_seconds(softmax_read, max(1, s.lookup_repeats // 3)))
+            lin.append(_median_seconds(linear_read, max(1, s.lookup_repeats // 3)))
+        soft_us, lin_us = 1e6 * min(soft) / m, 1e6 * min(lin) / m
+        rows.append({
+            "n": n, "k": k, "queries_per_call": m,
+            "softmax_us_per_query": round(soft_us, 3),
+            "linear_us_per_query": round(lin_us, 3),
+            "speedup": round(soft_us / lin_us, 2),
+            "n_over_k": round(n / k, 2),
+            "encode_ms": round(1e3 * encode_seconds, 3),
+            "softmax_bytes": states.numel() * states.element_size(),
+            "linear_bytes": reps.nbytes(),
+        })
+    return rows
+
+
+# Output -------------------------------------------------------------------------------------
+
+
+def render_markdown(results: dict, command: str) -> str:
+    s = results["settings"]
+    v = results["variants"]
+    lines = [
+        "# Cheap linear attention: question answering and lookup cost",
+        "",
+        "de Brébisson & Vincent 2016, *A cheap linear attention mechanism with fast lookups "
+        "and fixed-size representations*, reproduced small on a synthetic reading task.",
+        "",
+        "```sh",
+        command,
+        "```",
+        "",
+        "## Accuracy",
+        "",
+        f"Synthetic reading task (`memattn.data.reading`): documents of {s['doc_len'][0]}–"
+        f"{s['doc_len'][1]} tokens stating facts about {s['entities']} entities and "
+        f"{s['relations']} relations among filler sentences; {s['queries']} cloze queries a "
+        f"document (\"entity_17 lives in @placeholder\"), answered by one of {s['places']} "
+        f"places. Chance (any reader that ignores the document): "
+        f"{100 * results['chance']:.1f} %. Each variant: the same model (bidirectional GRU, "
+        f"hidden {s['hidden']} per direction, so k = {2 * s['hidden']}), {s['steps']} steps "
+        f"of {s['batch']} documents, the same batches and seed; {s['test_docs']} test "
+        f"documents ({s['test_docs'] * s['queries']} queries); \"longer\" are documents of "
+        f"{s['long_len'][0]}–{s['long_len'][1]} tokens, a length not trained on.",
+        "",
+        "| attention | test accuracy | longer documents | from stored C | training time (s) "
+        "| s / step | final loss | parameters |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for name, r in v.items():
+        stored = r.get("accuracy_from_representations")
+        lines.append(
+            f"| {name} | {100 * r['accuracy']:.1f} % | {100 * r['accuracy_long']:.1f} % | "
+            f"{'—' if stored is None else f'{100 * stored:.1f} %'} | {r['train_seconds']:.0f} | "
+            f"{r['seconds_per_step']:.3f} | {r['final_loss']:.3f} | {r['parameters']:,} |")
+    ranking = " > ".join(sorted(v, key=lambda n: -v[n]["accuracy"]))
+    lines += [
+        "",
+        "Training time counts the model's steps only (forward, backward, update; not the data "
+        "generation), on a CPU that may be shared with other jobs: compare variants within "
+        "one run. \"From stored C\": the same test queries answered from the documents' "
+        "k×k representations alone (`ReadingQA.represent` then `ReadingQA.answer`).",
+        "",
+        f"Measured ranking by test accuracy: {ranking}. The paper (CNN QA) found softmax > "
+        "gated linear > linear > none.",
+        "",
+        "## Lookup cost",
+        "",
+        f"One document of n states of size k = {s['lookup_k']}, a batch of "
+        f"{s['lookup_queries']} queries per call, {results['environment']['threads']} "
+        f"thread(s); the time per query is the best of three medians of "
+        f"{max(1, s['lookup_repeats'] // 3)} calls. Softmax attention reads the n states "
+        "(`softmax_attention`), linear attention reads C = Σ h hᵀ built once "
+        "(`memattn.representations.lookup`). The states are random: a read costs the same "
+        "whatever their values, so this part does not depend on the trained models (whose "
+        f"k = 2·hidden = {2 * s['hidden']}). Bytes: what each must keep per document.",
+        "",
+        "| n | softmax µs / query | linear µs / query | speedup | n / k | encode C (ms) "
+        "| softmax bytes | linear bytes |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for r in results["lookup"]:
+        lines.append(
+            f"| {r['n']:,} | {r['softmax_us_per_query']:.2f} | {r['linear_us_per_query']:.2f} | "
+            f"{r['speedup']:.1f}× | {r['n_over_k']:g} | {r['encode_ms']:.2f} | "
+            f"{r['softmax_bytes']:,} | {r['linear_bytes']:,} |")
+    env = results["environment"]
+    lines += ["", f"torch {env['torch']}, {env['machine']}, {env['threads']} thread(s).", ""]
+    if results["quick"]:
+        lines.insert(2, "**Quick smoke run: too small for its numbers to mean anything.**\n")
+    return "\n".join(lines)
+
+
+def plot(results: dict, path: Path) -> None:
+    """Accuracy per variant, and lookup time per query against n (log-log)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import matplotlib.ticker
+
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4.2))
+    names = list(results["variants"])
+    acc = [100 * results["variants"][n]["accuracy"] for n in names]
+    longer = [100 * results["variants"][n]["accuracy_long"] for n in names]
+    x = range(len(names))
+    ax1.bar([i - 0.2 for i in x], acc, 0.4, label="test (training lengths)")
+    lo, hi = results["settings"]["long_len"]
+    ax1.bar([i + 0.2 for i in x], longer, 0.4, label=f"longer documents ({lo}–{hi} tokens)")
+    ax1.axhline(100 * results["chance"], color="gray", ls="--", lw=1, label="chance")
+    ax1.set_xticks(list(x), names)
+    ax1.set_ylabel("accuracy (%)")
+    ax1.set_title("reading task: accuracy by attention")
+    ax1.set_ylim(0, 125)  # room for the legend above the bars
+    ax1.legend(fontsize=7, loc="upper center", ncol=3)
+
+    rows = results["lookup"]
+    n = [r["n"] for r in rows]
+    ax2.loglog(n, [r["softmax_us_per_query"] for r in rows], "o-", label="softmax: O(n·k)")
+    ax2.loglog(n, [r["linear_us_per_query"] for r in rows], "s-", label="linear C q: O(k²)")
+    for r in rows:
+        ax2.annotate(f"{r['speedup']:.0f}×", (r["n"], r["linear_us_per_query"]),
+                     textcoords="offset points", xytext=(0, 7), ha="center", fontsize=8)
+    ax2.set_xticks(n, [f"{x:,}" for x in n])
+    ax2.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
+    ax2.set_xlabel("document length n (labels: speedup of linear over softmax)")
+    ax2.set_ylabel("µs per query")
+    ax2.set_title(f"lookup cost, k = {rows[0]['k']}" if rows else "lookup cost")
+    ax2.legend(fontsize=8)
+    fig.tight_layout()
+
+    def write(tmp: Path) -> None:
+        fig.savefig(tmp, format="png", dpi=110)
+
+    atomic_write(path, write)
+    plt.close(fig)

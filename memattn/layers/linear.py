@@ -1,0 +1,233 @@
+"""`linear` and `gated-linear`: cheap linear attention (de Brébisson & Vincent 2016) as layers.
+
+The memory is one matrix per head, C_t = α_t C_{t-1} + β_t v_t k_tᵀ ([V, K]; kept as its
+transpose [B, H, K, V], the op's layout), read linearly as o_t = C_t q_t. It never grows:
+decoding costs O(K·V) a token whatever the length, and the decoding state is C itself.
+
+Write and read rules per layer (φ the feature map, g the gate, all per head):
+
+    linear         k_t = φ(W_k x_t)            v_t = W_v x_t        α = β = 1
+    gated-linear   k_t = g_t ⊙ φ(W_k x_t)      v_t = g_t ⊙ W_v x_t  g_t = σ(W_g x_t + b_g)
+                   (optionally α_t = σ(w_α·x_t + b_α), a forgetting gate per head)
+    read           o_t = C_t φ(q_t)                        (normalize=False: the paper's read)
+                   o_t = C_t φ(q_t) / (z_tᵀ φ(q_t))        (normalize=True)
+
+where z_t = α_t z_{t-1} + k_t, the memory of the keys alone ([B, H, K, 1] in the state),
+is written with the same keys and gates. Normalised, o_t is an average of past values
+weighted by φ(k_i)·φ(q_t) > 0, so its scale does not depend on t; the paper's C q grows
+with the number of tokens written. Normalising with elu+1 features is the default; the
+paper's form is feature_map=identity, normalize=false.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from memattn.errors import ConfigError, ShapeError, check_tensor
+from memattn.layers.base import AttentionState, LayerSpec, register
+from memattn.layers.positions import Rotary
+from memattn.ops.linear import linear_attention
+from memattn.ops.linear.common import accumulation_dtype
+
+# Smallest normaliser z·q divided by: guards tokens that have seen only padding (z = 0).
+NORMALIZER_EPS = 1e-6
+
+
+@dataclass
+class LinearOptions:
+    """Options of the `linear` layer.
+
+    feature_map: "elu+1" (φ(x) = elu(x) + 1 > 0) or "identity" (the paper's raw k and q).
+    normalize: divide each read by z_tᵀ φ(q_t), the running sum of keys read with the same
+        query (needs a positive feature map); False keeps the paper's unnormalised C q.
+    bias: biases on the q/k/v and output projections.
+    """
+
+    feature_map: Literal["elu+1", "identity"] = "elu+1"
+    normalize: bool = True
+    bias: bool = False
+
+    def __post_init__(self) -> None:
+        if self.normalize and self.feature_map == "identity":
+            raise ConfigError("attention.normalize: true needs a positive feature map "
+                              "(feature_map=elu+1); with feature_map=identity the normaliser "
+                              "z·q can be 0 or negative. Use normalize=false for the paper's C q")
+
+
+@dataclass
+class GatedLinearOptions(LinearOptions):
+    """Options of the `gated-linear` layer: those of `linear`, and
+
+    decay: also learn a forgetting gate α_t = σ(w_α·x_t + b_α) per head, C_t = α_t C_{t-1} + …
+        (the general α/β form; off by default, as in the paper's gated model).
+    decay_init: the initial α (through b_α), close to 1 so early training remembers.
+    """
+
+    decay: bool = False
+    decay_init: float = 0.95
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if not 0.0 < self.decay_init < 1.0:
+            raise ConfigError(f"attention.decay_init: expected a value in (0, 1), "
+                              f"got {self.decay_init!r}")
+
+
+class LinearState(AttentionState):
+    """The fixed-size memory of one linear attention layer.
+
+    memory [B, H, K, V]: Cᵀ = Σ k vᵀ (gated and decayed as the layer writes);
+    normalizer [B, H, K, 1] or None: z = Σ k, present when the layer normalises its reads.
+    Both are kept in the accumulation dtype (fp32, or fp64 for fp64 models).
+    """
+
+    fixed_size = True
+
+    def __init__(self, memory: torch.Tensor, normalizer: torch.Tensor | None) -> None:
+        self.memory = memory
+        self.normalizer = normalizer
+        self.seen = 0
+
+    def update(self, memory: torch.Tensor, normalizer: torch.Tensor | None, steps: int) -> None:
+        """Replace the memory after the layer has read `steps` more tokens."""
+        self.memory, self.normalizer = memory, normalizer
+        self.seen += steps
+
+    def tensors(self) -> list[torch.Tensor]:
+        return [self.memory] + ([] if self.normalizer is None else [self.normalizer])
+
+
+def feature(x: torch.Tensor, kind: str) -> torch.Tensor:
+    """The feature map φ applied to queries and keys, elementwise."""
+    return F.elu(x) + 1.0 if kind == "elu+1" else x
+
+
+@register("linear", options=LinearOptions)
+class LinearAttention(nn.Module):
+    """Linear attention: one K×V memory per head, C = Σ v φ(k)ᵀ, read as C φ(q); fixed-size state.
+
+    x [B, T, d] -> y [B, T, d]. Causal: token t reads C_t (its own and earlier tokens);
+    bidirectional: every token reads the memory of the whole sequence. Padding marked False
+    in attention_mask [B, T] writes nothing (its key, and its decay, are neutralised).
+
+    Rotary positions (spec.positions == "rotary") rotate φ(q) and φ(k) before they meet, so
+    C_t q_t weighs v_i by φ(q_t)ᵀ R_{i-t} φ(k_i), a relative-position score that the
+    absolute rotations of the running memory already give; the normaliser uses the
+    unrotated features so that its weights stay positive.
+    """
+
+    gated = False
+
+    def __init__(self, spec: LayerSpec, options: LinearOptions) -> None:
+        super().__init__()
+        if spec.d_model % spec.n_heads:
+            raise ConfigError(f"model.d_model={spec.d_model} is not divisible by "
+                              f"model.n_heads={spec.n_heads}")
+        self.spec, self.options = spec, options
+        self.qkv = nn.Linear(spec.d_model, 3 * spec.d_model, bias=options.bias)
+        self.out = nn.Linear(spec.d_model, spec.d_model, bias=options.bias)
+        self.rotary = Rotary(spec.head_dim) if spec.positions == "rotary" else None
+        self.dropout = nn.Dropout(spec.dropout)
+
+    def init_state(self, batch_size: int, device=None, dtype=None) -> LinearState:
+        """An empty memory: zeros [B, H, K, V] (and [B, H, K, 1] for the normaliser)."""
+        weight = self.qkv.weight
+        dt = accumulation_dtype(dtype or weight.dtype)
+        device = device if device is not None else weight.device
+        H, D = self.spec.n_heads, self.spec.head_dim
+        memory = torch.zeros(batch_size, H, D, D, device=device, dtype=dt)
+        normalizer = (torch.zeros(batch_size, H, D, 1, device=device, dtype=dt)
+                      if self.options.normalize else None)
+        return LinearState(memory, normalizer)
+
+    def write_gates(self, x: torch.Tensor
+                    ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """(g [B, T, H, D] multiplying keys and values, α [B, T, H]); None where unused."""
+        return None, None
+
+    def forward(self, x: torch.Tensor, *, memory_state: LinearState | None = None,
+                attention_mask: torch.Tensor | None = None):
+        """x [B, T, d], attention_mask [B, T] bool (True = real token) -> (y [B, T, d], state)."""
+        check_tensor("x", x, "[B, T, d]", None, None, self.spec.d_model)
+        B, T, _ = x.shape
+        H, D = self.spec.n_heads, self.spec.head_dim
+        q, k, v = self.qkv(x).view(B, T, 3, H, D).unbind(2)  # [B, T, H, D] each
+        q, k = feature(q, self.options.feature_map), feature(k, self.options.feature_map)
+        gate, alpha = self.write_gates(x)
+        if gate is not None:
+            k, v = gate * k, gate * v
+        if attention_mask is not None:
+            check_tensor("attention_mask", attention_mask, "[B, T]", B, T)
+            if attention_mask.dtype != torch.bool:
+                raise ShapeError(f"attention_mask: expected dtype torch.bool, "
+                                 f"got {attention_mask.dtype}")
+            k = k * attention_mask[:, :, None, None].to(k.dtype)  # padding writes nothing
+            if alpha is not None:
+                alpha = torch.where(attention_mask[:, :, None], alpha, torch.ones_like(alpha))
+
+        offset = memory_state.seen if memory_state is not None else 0
+        memory = normalizer = None
+        if memory_state is not None:
+            memory, normalizer = memory_state.memory, memory_state.normalizer
+        causal = self.spec.causal
+        if self.rotary is None and self.options.normalize:
+            # One pass: the normaliser is an extra value column of ones.
+            ones = v.new_ones(B, T, H, 1)
+            initial = None if memory is None else torch.cat([memory, normalizer], dim=-1)
+            o, state = linear_attention(q, k, torch.cat([v, ones], dim=-1), causal=causal,
+                                        alpha=alpha, initial_state=initial,
+                                        output_final_state=True)
+            o, den = o[..., :D], o[..., D:]
+            memory, normalizer = state[..., :D], state[..., D:]
+        else:
+            qr, kr = (q, k) if self.rotary is None else (self.rotary(q, offset),
+                                                          self.rotary(k, offset))
+            o, memory = linear_attention(qr, kr, v, causal=causal, alpha=alpha,
+                                         initial_state=memory, output_final_state=True)
+            if self.options.normalize:
+                den, normalizer = linear_attention(q, k, v.new_ones(B, T, H, 1), causal=causal,
+                                                   alpha=alpha, initial_state=normalizer,
+                                                   output_final_state=True)
+        if self.options.normalize:
+            o = o / den.clamp_min(NORMALIZER_EPS)
+        if memory_state is not None:
+            memory_state.update(memory, normalizer, T)
+        y = self.out(o.reshape(B, T, H * D))
+        return self.dropout(y), memory_state
+
+
+@register("gated-linear", options=GatedLinearOptions)
+class GatedLinearAttention(LinearAttention):
+    """Gated linear attention: the paper's f = σ(W h + b) ⊙ h written into C; fixed-size state.
+
+    The paper writes C += f fᵀ with one vector f = σ(W h + b) ⊙ h playing key and value.
+    Here keys and values are separate per-head projections, so the same gate
+    g_t = σ(W_g x_t + b_g) [B, T, H, D] multiplies both: C += (g ⊙ v)(g ⊙ φ(k))ᵀ, which is
+    exactly f fᵀ when k = v = h (φ = identity). The gate decides, per token and feature,
+    what enters the memory; it is the op's input written with β = 1. With decay=True a
+    second gate α_t = σ(w_α·x_t + b_α) per head scales the old memory (the general α form).
+    """
+
+    gated = True
+
+    def __init__(self, spec: LayerSpec, options: GatedLinearOptions) -> None:
+        super().__init__(spec, options)
+        self.gate = nn.Linear(spec.d_model, spec.d_model)
+        if options.decay:
+            self.decay_proj = nn.Linear(spec.d_model, spec.n_heads, bias=False)
+            # A bias outside nn.Linear, so that a model's weight init keeps α near decay_init.
+            init = torch.logit(torch.tensor(options.decay_init)).item()
+            self.decay_bias = nn.Parameter(torch.full((spec.n_heads,), init))
+
+    def write_gates(self, x: torch.Tensor):
+        B, T, _ = x.shape
+        gate = torch.sigmoid(self.gate(x)).view(B, T, self.spec.n_heads, self.spec.head_dim)
+        alpha = None
+        if self.options.decay:
+            alpha = torch.sigmoid(self.decay_proj(x) + self.decay_bias)  # [B, T, H]
+        return gate, alpha

@@ -1,0 +1,328 @@
+"""ABC in parallel: chunked for causal training, closed form when not causal.
+
+Both ABC passes are weighted sums over the prefix, with a weight w[t, i, m] per step t,
+token i ≤ t and slot m:
+
+    scores[t, m] = Σ_{i≤t} w[t, i, m] (q_t · k_i)        pass 1, keys -> slots
+    o[t]         = Σ_{i≤t} (Σ_m p[t, m] w[t, i, m]) v_i   pass 2, slots -> values, p = softmax_M
+
+so neither needs the memories K̃_t [M, K], Ṽ_t [M, V] of every step: earlier chunks are read
+through the memory at the chunk boundary, the chunk itself through masked C×C products such
+as q kᵀ. Only the boundary memories are stored, [T / C, M, K + V] per head.
+
+General ABC (`bounded_memory_chunked`): w[t, i, m] = φ[i, m] does not depend on t, so a
+chunk is two masked matmuls and the boundary memories are a cumulative sum.
+
+ABC_MLP (`abc_chunked`): w[t, i, m] = exp(s[i, m] - log_z[t, m]), log_z = logcumsumexp(s).
+Relative to the end e of the chunk, write_i = exp(s_i - log_z_e) ≤ 1 and
+z_t = exp(log_z_t - log_z_e) ∈ (0, 1] (a cumulative sum of write), so w[t, i] = write_i / z_t:
+one masked matmul per pass, rows scaled by 1 / z_t. That is exact while 1 / z_t stays far
+from overflow, i.e. while log_z grows by less than 40 inside the chunk, the usual case. A
+chunk where it grows more (a logit jumping by 40 or more, as with s of ±1e4) is computed
+again by `_Exact`: each pair i < t is split through a boundary b with i ≤ b ≤ t,
+w[t, i] = exp(s_i - log_z_b) · exp(log_z_b - log_z_t), both factors ≤ 1 however large |s|;
+halving the chunk gives the boundaries, log2(C) levels of small matmuls, no [C, C, M] tensor.
+The boundary memories are a cumulative sum relative to the final normaliser while log_z
+grows by less than 40 over the sequence, else a loop over the chunks with factors ≤ 1.
+Which way a call goes depends on the values of s (one host sync each); all ways are exact.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+from memattn.ops.abc.common import (
+    ABCState,
+    BoundedMemoryState,
+    check_inputs,
+    compute_dtype,
+    default_scale,
+)
+
+# Logit of the padding tokens after the end: exp(pad - log_z) = 0, logaddexp(log_z, pad) = log_z.
+_PAD_LOGIT = -1e30
+# Smallest exp(log_z_t - log_z_end) read by the fast path: its inverse, e^40, stays far from
+# overflow, and a write weight lost to underflow (< 1e-38 in float32) weighs < e^40 · 1e-38.
+_MIN_Z = math.exp(-40.0)
+
+
+def _check_chunk_size(chunk_size: int) -> None:
+    if not isinstance(chunk_size, int) or chunk_size < 1 or chunk_size & (chunk_size - 1):
+        raise ValueError(f"chunk_size: expected a power of two, got {chunk_size!r}")
+
+
+def _chunk_len(T: int, chunk_size: int) -> int:
+    """The chunk length used: chunk_size, or the smallest power of two ≥ T if that is less."""
+    return min(chunk_size, 1 << (T - 1).bit_length())
+
+
+def _chunks(x: torch.Tensor, N: int, C: int, value: float = 0.0) -> torch.Tensor:
+    """[B, T, H, D] -> [B, H, N, C, D], padded after the end with `value`."""
+    B, T, H, D = x.shape
+    x = x.transpose(1, 2)  # [B, H, T, D]
+    if N * C > T:
+        x = F.pad(x, (0, 0, 0, N * C - T), value=value)
+    return x.reshape(B, H, N, C, D)
+
+
+def _unchunk(o: torch.Tensor, T: int) -> torch.Tensor:
+    """[B, H, N, C, V] -> [B, T, H, V]."""
+    B, H, N, C, V = o.shape
+    return o.reshape(B, H, N * C, V)[:, :, :T].transpose(1, 2)
+
+
+def _second_halves(x: torch.Tensor) -> torch.Tensor:
+    """x [..., nb, h, D] (second halves) -> [..., 2·nb·h, D], zeros in the first halves."""
+    *lead, nb, h, D = x.shape
+    return torch.stack((torch.zeros_like(x), x), dim=-3).reshape(*lead, 2 * nb * h, D)
+
+
+def _matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """a [..., n, j] @ b [..., j, d]; tiny inner sizes go through broadcasting, not bmm."""
+    if a.shape[-1] <= 2:
+        return (a[..., :, :, None] * b[..., None, :, :]).sum(-2)
+    return a @ b
+
+
+# --------------------------------------------------------------------------------------
+# ABC_MLP: α = exp(s), normalised over the prefix
+# --------------------------------------------------------------------------------------
+
+def abc_chunked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, s: torch.Tensor, *,
+                causal: bool = True, scale: float | None = None,
+                initial_state: ABCState | None = None, output_final_state: bool = False,
+                chunk_size: int = 64) -> tuple[torch.Tensor, ABCState | None]:
+    """ABC_MLP in parallel: q [B, Tq, H, K], k [B, T, H, K], v [B, T, H, V], s [B, T, H, M].
+
+    Returns o [B, Tq, H, V] in q's dtype and, if asked, the ABCState after the last token.
+    Causal inputs are processed in chunks of `chunk_size` (a power of two) tokens, memory
+    O(T · (K + V + C + M)) per head; chunks whose normaliser jumps inside (logits that differ
+    by 40 or more) take the slower exact path. Not causal, the closed form over the sequence.
+    """
+    _check_chunk_size(chunk_size)
+    B, _, T, H, K, V, M = check_inputs(q, k, v, s, "s", causal, initial_state, ABCState)
+    out_dtype = q.dtype
+    dt = compute_dtype(q, k, v, s, *(initial_state or ()))
+    scale = default_scale(scale, K)
+    q, k, v, s = q.to(dt), k.to(dt), v.to(dt), s.to(dt)
+    log_z0, k0, v0 = (None, None, None) if initial_state is None else \
+        (t.to(dt) for t in initial_state)
+    if not causal:
+        return _abc_closed(q, k, v, s, scale, log_z0, k0, v0, output_final_state, out_dtype)
+
+    C = _chunk_len(T, chunk_size)
+    N = -(-T // C)
+    qc = _chunks(q * scale, N, C)  # [B, H, N, C, K]
+    kc, vc = _chunks(k, N, C), _chunks(v, N, C)  # [B, H, N, C, K], [B, H, N, C, V]
+    sc = _chunks(s, N, C, _PAD_LOGIT)  # [B, H, N, C, M]
+
+    # Normalisers after each chunk and before it: [B, H, N, M].
+    log_z_end = torch.logcumsumexp(torch.logsumexp(sc, dim=3), dim=2)
+    if log_z0 is not None:
+        log_z_end = torch.logaddexp(log_z0[:, :, None], log_z_end)
+    start = log_z0 if log_z0 is not None else torch.full_like(log_z_end[:, :, 0], -torch.inf)
+    log_z_prev = torch.cat((start[:, :, None], log_z_end[:, :, :-1]), dim=2)
+    # Weights relative to the chunk's end, all ≤ 1: token i writes exp(s_i - log_z_end),
+    # the memory before the chunk is kept with exp(log_z_prev - log_z_end).
+    write = torch.exp(sc - log_z_end[:, :, :, None, :])  # [B, H, N, C, M]
+    keep = torch.exp(log_z_prev - log_z_end)  # [B, H, N, M]
+
+    # z_t = exp(log_z_t - log_z_end) ∈ (0, 1] and w[t, i] = write_i / z_t, exact while
+    # z_t ≥ _MIN_Z; the chunks where it is not (`bad`) are computed again by _Exact.
+    z = keep[:, :, :, None, :] + torch.cumsum(write, dim=3)  # [B, H, N, C, M]
+    inv_z = 1.0 / z.clamp_min(_MIN_Z)
+    bad = (z[:, :, :, 0, :] < _MIN_Z).any(-1).flatten().nonzero().squeeze(1)  # chunk ids
+
+    # Memories before each chunk, keys and values side by side: [K̃ | Ṽ], and those
+    # memories times keep, [B, H, N, M, K + V] each; mem: the memory after the last token.
+    write_t = write.transpose(-1, -2)  # [B, H, N, M, C]
+    local = torch.cat((write_t @ kc, write_t @ vc), dim=-1)  # [B, H, N, M, K + V], chunk adds
+    mem0 = torch.cat((k0, v0), dim=-1) if k0 is not None else local.new_zeros(B, H, M, K + V)
+    mem_prev, mem_kept, mem = _boundary_memories(mem0, local, keep, log_z_prev, log_z_end,
+                                                 need_prev=bad.numel() > 0)
+    causal_mask = torch.ones(C, C, dtype=torch.bool, device=q.device).tril()  # i ≤ t
+
+    # Pass 1, keys -> slots.
+    qk = (qc @ kc.transpose(-1, -2)).masked_fill(~causal_mask, 0.0)  # [B, H, N, C, C]
+    scores = inv_z * (qc @ mem_kept[..., :K].transpose(-1, -2) + qk @ write)  # [B, H, N, C, M]
+    exact = None
+    if bad.numel():
+        exact = _Exact(*(x.flatten(0, 2)[bad] for x in (qc, kc, vc, sc, log_z_prev, mem_prev)),
+                       K)
+        scores = scores.flatten(0, 2).index_put((bad,), exact.scores()).view(B, H, N, C, M)
+    p = torch.softmax(scores, dim=-1)  # [B, H, N, C, M]
+
+    # Pass 2, slots -> values.
+    pz = p * inv_z
+    g = (pz @ write.transpose(-1, -2)).masked_fill(~causal_mask, 0.0)  # [B, H, N, C, C]
+    o = pz @ mem_kept[..., K:] + g @ vc  # [B, H, N, C, V]
+    if exact is not None:
+        o = o.flatten(0, 2).index_put((bad,), exact.out(p.flatten(0, 2)[bad])).view(B, H, N, C, V)
+
+    state = None
+    if output_final_state:
+        state = ABCState(log_z_end[:, :, -1], mem[..., :K], mem[..., K:])
+    return _unchunk(o, T).to(out_dtype), state
+
+
+def _boundary_memories(mem0: torch.Tensor, local: torch.Tensor, keep: torch.Tensor,
+                       log_z_prev: torch.Tensor, log_z_end: torch.Tensor, need_prev: bool):
+    """Memories at the chunk boundaries: mem_n = keep_n · mem_{n-1} + local_n.
+
+    mem0 [B, H, M, D] (before the first chunk), local [B, H, N, M, D], keep, log_z_prev,
+    log_z_end [B, H, N, M]. Returns the memories before each chunk (None unless need_prev)
+    and those times keep, [B, H, N, M, D] each, and the memory after the last chunk
+    [B, H, M, D].
+
+    Relative to r = the final log_z, mem_n = exp(r - log_z_end_n) · U_n with U a cumulative
+    sum of terms scaled by factors ≤ 1: a cumsum instead of a loop over the chunks, exact
+    while exp(r - log_z_end_n) ≤ 1 / _MIN_Z. Otherwise the loop, stable for any logits.
+    """
+    r = log_z_end[:, :, -1:]  # [B, H, 1, M]
+    up = torch.exp(r - log_z_end)  # [B, H, N, M], ≥ 1
+    if bool((up[:, :, 0] <= 1.0 / _MIN_Z).all()):
+        u0 = torch.exp(log_z_prev[:, :, :1] - r)[..., None] * mem0[:, :, None]  # [B, H, 1, M, D]
+        u = u0 + torch.cumsum(torch.exp(log_z_end - r)[..., None] * local, dim=2)
+        u_prev = torch.cat((u0, u[:, :, :-1]), dim=2)  # [B, H, N, M, D]
+        mem_prev = None
+        if need_prev:
+            mem_prev = torch.cat((mem0[:, :, None], up[:, :, :-1, :, None] * u[:, :, :-1]), dim=2)
+        return mem_prev, up[..., None] * u_prev, u[:, :, -1]
+    mem, before = mem0, []
+    for keep_n, local_n in zip(keep[..., None].unbind(2), local.unbind(2)):
+        before.append(mem)
+        mem = torch.addcmul(local_n, keep_n, mem)
+    mem_prev = torch.stack(before, dim=2)
+    return mem_prev, keep[..., None] * mem_prev, mem
+
+
+class _Exact:
+    """Both passes for chunks whose normaliser grows too much inside the chunk.
+
+    Any pair i < t is split through a boundary b with i ≤ b ≤ t, the last token of the first
+    half of the smallest halving block that holds both: w[t, i] = exp(s_i - log_z_b) ·
+    exp(log_z_b - log_z_t), both factors ≤ 1. Inputs are the chunks at fault, flattened:
+    q [n, C, K] (scaled), k [n, C, K], v [n, C, V], s [n, C, M], log_z_prev [n, M], mem_prev
+    [n, M, K + V] (the memories K̃ | Ṽ before the chunk).
+    """
+
+    def __init__(self, q, k, v, s, log_z_prev, mem_prev, K):
+        self.q, self.k, self.v, self.s = q, k, v, s
+        self.log_z = torch.logaddexp(log_z_prev[:, None], torch.logcumsumexp(s, dim=1))
+        self.from_prev = torch.exp(log_z_prev[:, None] - self.log_z)  # [n, C, M], ≤ 1
+        self.own = torch.exp(s - self.log_z)  # [n, C, M], w[t, t]
+        self.k_prev, self.v_prev = mem_prev[..., :K], mem_prev[..., K:]
+        self.levels = []
+
+    def _split(self, x: torch.Tensor, h: int, half: int) -> torch.Tensor:
+        """x [n, C, D] -> the `half` (0 or 1) of every block of 2h tokens, [n, C / 2h, h, D]."""
+        n, C, D = x.shape
+        return x.view(n, C // (2 * h), 2, h, D)[:, :, half].contiguous()
+
+    def scores(self) -> torch.Tensor:
+        """Pass 1: scores [n, C, M] (before the softmax)."""
+        q, k, s, log_z = self.q, self.k, self.s, self.log_z
+        C = q.shape[1]
+        scores = self.from_prev * (q @ self.k_prev.transpose(-1, -2)) \
+            + (q * k).sum(-1, keepdim=True) * self.own
+        h = C // 2
+        while h >= 1:
+            log_z_b = log_z.view(log_z.shape[0], C // (2 * h), 2, h, -1)[:, :, 0, -1:]
+            a_l = torch.exp(self._split(s, h, 0) - log_z_b)  # [n, C / 2h, h, M], ≤ 1
+            b_r = torch.exp(log_z_b - self._split(log_z, h, 1))  # [n, C / 2h, h, M], ≤ 1
+            qk = self._split(q, h, 1) @ self._split(k, h, 0).transpose(-1, -2)  # [.., h, h]
+            scores = scores + _second_halves(b_r * _matmul(qk, a_l))
+            self.levels.append((h, a_l, b_r))
+            h //= 2
+        return scores
+
+    def out(self, p: torch.Tensor) -> torch.Tensor:
+        """Pass 2: p [n, C, M] (the softmax of the scores) -> o [n, C, V]."""
+        o = (p * self.from_prev) @ self.v_prev + (p * self.own).sum(-1, keepdim=True) * self.v
+        for h, a_l, b_r in self.levels:
+            g = (self._split(p, h, 1) * b_r) @ a_l.transpose(-1, -2)  # [n, C / 2h, h, h]
+            o = o + _second_halves(_matmul(g, self._split(self.v, h, 0)))
+        return o
+
+
+def _abc_closed(q, k, v, s, scale, log_z0, k0, v0, output_final_state, out_dtype):
+    """Not causal: one memory from the whole sequence, read by every query."""
+    log_z = torch.logsumexp(s, dim=1)  # [B, H, M]
+    if log_z0 is not None:
+        log_z = torch.logaddexp(log_z0, log_z)
+    w = torch.exp(s - log_z[:, None])  # [B, T, H, M], α_i / Σ_j α_j
+    mem_k = torch.einsum("bthm,bthk->bhmk", w, k)
+    mem_v = torch.einsum("bthm,bthv->bhmv", w, v)
+    if log_z0 is not None:
+        keep = torch.exp(log_z0 - log_z)[..., None]  # [B, H, M, 1]
+        mem_k, mem_v = mem_k + keep * k0, mem_v + keep * v0
+    o = _read_all(q, mem_k, mem_v, scale)
+    state = ABCState(log_z, mem_k, mem_v) if output_final_state else None
+    return o.to(out_dtype), state
+
+
+def _read_all(q: torch.Tensor, mem_k: torch.Tensor, mem_v: torch.Tensor, scale: float):
+    """q [B, Tq, H, K], mem_k [B, H, M, K], mem_v [B, H, M, V] -> o [B, Tq, H, V]."""
+    p = torch.softmax(scale * torch.einsum("bqhk,bhmk->bqhm", q, mem_k), dim=-1)
+    return torch.einsum("bqhm,bhmv->bqhv", p, mem_v)
+
+
+# --------------------------------------------------------------------------------------
+# General ABC: given non-negative write weights φ, no normalisation
+# --------------------------------------------------------------------------------------
+
+def bounded_memory_chunked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, phi: torch.Tensor,
+                           *, causal: bool = True, scale: float | None = None,
+                           initial_state: BoundedMemoryState | None = None,
+                           output_final_state: bool = False, chunk_size: int = 64
+                           ) -> tuple[torch.Tensor, BoundedMemoryState | None]:
+    """General ABC in parallel: q [B, Tq, H, K], k [B, T, H, K], v [B, T, H, V], φ [B, T, H, M].
+
+    Returns o [B, Tq, H, V] in q's dtype and, if asked, the BoundedMemoryState after the
+    last token. Causal inputs are processed in chunks of `chunk_size` tokens.
+    """
+    _check_chunk_size(chunk_size)
+    _, _, T, _, K, _, _ = check_inputs(q, k, v, phi, "phi", causal, initial_state,
+                                       BoundedMemoryState, nonnegative=True)
+    out_dtype = q.dtype
+    dt = compute_dtype(q, k, v, phi, *(initial_state or ()))
+    scale = default_scale(scale, K)
+    q, k, v, phi = q.to(dt), k.to(dt), v.to(dt), phi.to(dt)
+    k0, v0 = (None, None) if initial_state is None else (t.to(dt) for t in initial_state)
+    if not causal:
+        mem_k = torch.einsum("bthm,bthk->bhmk", phi, k)
+        mem_v = torch.einsum("bthm,bthv->bhmv", phi, v)
+        if k0 is not None:
+            mem_k, mem_v = mem_k + k0, mem_v + v0
+        o = _read_all(q, mem_k, mem_v, scale)
+        state = BoundedMemoryState(mem_k, mem_v) if output_final_state else None
+        return o.to(out_dtype), state
+
+    C = _chunk_len(T, chunk_size)
+    N = -(-T // C)
+    qc = _chunks(q * scale, N, C)  # [B, H, N, C, K]
+    kc, vc, fc = _chunks(k, N, C), _chunks(v, N, C), _chunks(phi, N, C)  # φ = 0 past the end
+    kvc = torch.cat((kc, vc), dim=-1)  # [B, H, N, C, K + V]
+    local = fc.transpose(-1, -2) @ kvc  # [B, H, N, M, K + V]
+    total = torch.cumsum(local, dim=2)  # memory after each chunk, without the initial state
+    mem_prev = torch.cat((torch.zeros_like(local[:, :, :1]), total[:, :, :-1]), dim=2)
+    if k0 is not None:
+        mem_prev = mem_prev + torch.cat((k0, v0), dim=-1)[:, :, None]
+    k_prev, v_prev = mem_prev[..., :K], mem_prev[..., K:]  # [B, H, N, M, K], [B, H, N, M, V]
+
+    causal_mask = torch.ones(C, C, dtype=torch.bool, device=q.device).tril()  # i ≤ t
+    qk = (qc @ kc.transpose(-1, -2)).masked_fill(~causal_mask, 0.0)  # [B, H, N, C, C]
+    p = torch.softmax(qc @ k_prev.transpose(-1, -2) + qk @ fc, dim=-1)  # [B, H, N, C, M]
+    g = (p @ fc.transpose(-1, -2)).masked_fill(~causal_mask, 0.0)  # [B, H, N, C, C]
+    o = p @ v_prev + g @ vc  # [B, H, N, C, V]
+
+    state = None
+    if output_final_state:
+        mem = total[:, :, -1]
+        if k0 is not None:
+            mem = mem + torch.cat((k0, v0), dim=-1)
+        state = BoundedMemoryState(mem[..., :K], mem[..., K:])
+    return _unchunk(o, T).to(out_dtype), state

@@ -1,0 +1,108 @@
+"""ABC one token at a time with a fixed-size state: the decoding path.
+
+A step costs O(H · M · (K + V)) whatever the number of tokens seen, and never reads them.
+The ABC_MLP update keeps a log-normaliser per slot, so every factor it applies is ≤ 1:
+
+    log_z' = logaddexp(log_z, s_t)
+    K̃'     = exp(log_z - log_z') K̃ + exp(s_t - log_z') k_t          (likewise Ṽ)
+"""
+
+from __future__ import annotations
+
+import torch
+
+from memattn.ops.abc.common import (
+    ABCState,
+    BoundedMemoryState,
+    check_inputs,
+    check_step_inputs,
+    compute_dtype,
+    default_scale,
+)
+
+
+def _read(q: torch.Tensor, mem_k: torch.Tensor, mem_v: torch.Tensor, scale: float) -> torch.Tensor:
+    """q [B, H, K], mem_k [B, H, M, K], mem_v [B, H, M, V] -> o [B, H, V]."""
+    scores = scale * (mem_k @ q[..., None]).squeeze(-1)  # [B, H, M]
+    p = torch.softmax(scores, dim=-1)
+    return (p[..., None, :] @ mem_v).squeeze(-2)
+
+
+def _abc_update(state: ABCState, k: torch.Tensor, v: torch.Tensor, s: torch.Tensor) -> ABCState:
+    """Write one token, k [B, H, K], v [B, H, V], s [B, H, M], into the state."""
+    log_z = torch.logaddexp(state.log_z, s)  # [B, H, M]
+    keep = torch.exp(state.log_z - log_z)[..., None]  # [B, H, M, 1], ≤ 1
+    write = torch.exp(s - log_z)[..., None]  # [B, H, M, 1], ≤ 1
+    return ABCState(log_z, keep * state.k + write * k[:, :, None, :],
+                    keep * state.v + write * v[:, :, None, :])
+
+
+def abc_attention_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, s: torch.Tensor,
+                       state: ABCState | None = None, *, scale: float | None = None
+                       ) -> tuple[torch.Tensor, ABCState]:
+    """One causal ABC_MLP step: write token t, then read the memory with its query.
+
+    q [B, H, K], k [B, H, K], v [B, H, V], s [B, H, M]; state: ABCState (log_z [B, H, M],
+    k [B, H, M, K], v [B, H, M, V]) or None before the first token.
+    Returns o [B, H, V] in q's dtype and the new ABCState (float32, or float64).
+    """
+    B, H, K, V, M = check_step_inputs(q, k, v, s, "s", state, ABCState)
+    out_dtype = q.dtype
+    dt = compute_dtype(q, k, v, s, *(state or ()))
+    if state is None:
+        state = ABCState.empty(B, H, M, K, V, device=q.device, dtype=dt)
+    state = ABCState(*(t.to(dt) for t in state))
+    state = _abc_update(state, k.to(dt), v.to(dt), s.to(dt))
+    o = _read(q.to(dt), state.k, state.v, default_scale(scale, K))
+    return o.to(out_dtype), state
+
+
+def bounded_memory_attention_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                                  phi: torch.Tensor, state: BoundedMemoryState | None = None, *,
+                                  scale: float | None = None
+                                  ) -> tuple[torch.Tensor, BoundedMemoryState]:
+    """One causal general-ABC step: K̃ += φ_t ⊗ k_t, Ṽ += φ_t ⊗ v_t, then read with q_t.
+
+    q [B, H, K], k [B, H, K], v [B, H, V], φ [B, H, M] (non-negative); state:
+    BoundedMemoryState (k [B, H, M, K], v [B, H, M, V]) or None before the first token.
+    Returns o [B, H, V] in q's dtype and the new BoundedMemoryState.
+    """
+    B, H, K, V, M = check_step_inputs(q, k, v, phi, "phi", state, BoundedMemoryState,
+                                      nonnegative=True)
+    out_dtype = q.dtype
+    dt = compute_dtype(q, k, v, phi, *(state or ()))
+    if state is None:
+        state = BoundedMemoryState.empty(B, H, M, K, V, device=q.device, dtype=dt)
+    phi = phi.to(dt)[..., None]  # [B, H, M, 1]
+    state = BoundedMemoryState(state.k.to(dt) + phi * k.to(dt)[:, :, None, :],
+                               state.v.to(dt) + phi * v.to(dt)[:, :, None, :])
+    o = _read(q.to(dt), state.k, state.v, default_scale(scale, K))
+    return o.to(out_dtype), state
+
+
+def abc_recurrent(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, s: torch.Tensor, *,
+                  scale: float | None = None, initial_state: ABCState | None = None,
+                  output_final_state: bool = False) -> tuple[torch.Tensor, ABCState | None]:
+    """Causal ABC_MLP as a loop of `abc_attention_step`; shapes as in `abc_attention`."""
+    T = check_inputs(q, k, v, s, "s", True, initial_state, ABCState)[2]
+    state, outs = initial_state, []
+    for t in range(T):
+        o_t, state = abc_attention_step(q[:, t], k[:, t], v[:, t], s[:, t], state, scale=scale)
+        outs.append(o_t)
+    return torch.stack(outs, dim=1), (state if output_final_state else None)
+
+
+def bounded_memory_recurrent(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                             phi: torch.Tensor, *, scale: float | None = None,
+                             initial_state: BoundedMemoryState | None = None,
+                             output_final_state: bool = False
+                             ) -> tuple[torch.Tensor, BoundedMemoryState | None]:
+    """Causal general ABC as a loop of `bounded_memory_attention_step`."""
+    T = check_inputs(q, k, v, phi, "phi", True, initial_state, BoundedMemoryState,
+                     nonnegative=True)[2]
+    state, outs = initial_state, []
+    for t in range(T):
+        o_t, state = bounded_memory_attention_step(q[:, t], k[:, t], v[:, t], phi[:, t], state,
+                                                   scale=scale)
+        outs.append(o_t)
+    return torch.stack(outs, dim=1), (state if output_final_state else None)

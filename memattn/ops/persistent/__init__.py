@@ -1,0 +1,74 @@
+"""Persistent-memory attention, Sukhbaatar et al. 2019 ("all-attention"), as pure tensor functions.
+
+The memory: N learned, input-independent key / value vectors per head (k_n, v_n),
+read by every query together with the context keys / values of the sequence:
+
+    s_tc = scale · q_tᵀ (k_c + u_(t-c))    context: learned relative position term u
+    s_tn = pscale · pq_tᵀ k_n              persistent: no position term
+    a_t  = softmax over [c ∈ context seen by t (soft span mask m_z on it), n ∈ 1..N]
+    o_t  = Σ_c a_tc v_c + Σ_n a_tn v_n
+
+Modes (the paper's variants at the op level): "joint" (all-attention, one softmax),
+"split" (attn-split: one softmax over the context, one over the persistent vectors, the
+two reads summed), "heads" (head-split: the first Hc heads read only the context, the last
+Hp only the persistent vectors). N = 0 is plain softmax attention over the context.
+
+Forms, one answer (tests hold the fast one to the reference):
+
+    reference.py   explicit weights, loops over heads and queries: the ground truth
+    sdpa.py        `scaled_dot_product_attention` over [persistent | context] keys
+
+The decoding state is the context's keys and values (a KV cache, trimmed by the layer to
+the window / learned span); the persistent vectors are parameters and never part of it.
+`initial_state` = (k0, v0) are the context keys and values before k, v (a cache or the
+previous segment's memory), and the final state is (k0 ++ k, v0 ++ v).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from memattn.ops.persistent.common import MODES, distances, rel_index, span_mask, visible
+from memattn.ops.persistent.reference import (persistent_attention_reference,
+                                              persistent_attention_weights)
+from memattn.ops.persistent.sdpa import context_mask, persistent_attention_sdpa
+
+
+def persistent_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pk: torch.Tensor,
+                         pv: torch.Tensor, *, causal: bool = True, scale: float | None = None,
+                         mode: str = "joint", pq: torch.Tensor | None = None,
+                         pscale: float | None = None, rel: torch.Tensor | None = None,
+                         span: torch.Tensor | None = None, ramp: float | None = None,
+                         window: int | None = None, attention_mask: torch.Tensor | None = None,
+                         initial_state: tuple[torch.Tensor, torch.Tensor] | None = None,
+                         output_final_state: bool = False
+                         ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor] | None]:
+    """Attention over the context and N persistent key / value vectors per head.
+
+    q [B, Tq, H, K]; k [B, Tk, Hc, K], v [B, Tk, Hc, V] the context; pk [Hp, N, Kp],
+    pv [Hp, N, V] the persistent vectors (Hc = Hp = H, except in mode "heads" where
+    Hc + Hp = H). Query i sits at position Tk - Tq + i of the keys (after initial_state).
+
+    scale: of the context scores (default K^-0.5). pq [B, Tq, Hp, Kp]: the queries of the
+    persistent scores (default: q, or its last Hp heads in mode "heads"), pscale their scale
+    (default Kp^-0.5). rel: learned relative position embeddings u, [R, K] when causal
+    (u_0 .. u_(R-1)) or [2R - 1, K] (u_-(R-1) .. u_(R-1)); farther distances read the last
+    one. span [Hc] (tokens) with ramp > 0: the soft mask m_z(x) = clamp((ramp + z - x) / ramp,
+    0, 1) on the context at distance x = |t - c| (the persistent vectors are never masked).
+    window: a query sees context keys at distance < window only (|distance| when not causal).
+    attention_mask: bool [B, Tk] (Tk counting initial_state), False for context keys never
+    to be read. initial_state (k0 [B, T0, Hc, K], v0 [B, T0, Hc, V]): context before k, v.
+
+    Returns o [B, Tq, H, V] in q's dtype and, if output_final_state, (k0 ++ k, v0 ++ v),
+    else None.
+    """
+    return persistent_attention_sdpa(q, k, v, pk, pv, causal=causal, scale=scale, mode=mode, pq=pq,
+                                     pscale=pscale, rel=rel, span=span, ramp=ramp, window=window,
+                                     attention_mask=attention_mask, initial_state=initial_state,
+                                     output_final_state=output_final_state)
+
+
+__all__ = [
+    "MODES", "context_mask", "distances", "persistent_attention", "persistent_attention_reference",
+    "persistent_attention_sdpa", "persistent_attention_weights", "rel_index", "span_mask", "visible",
+]

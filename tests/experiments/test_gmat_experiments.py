@@ -1,0 +1,93 @@
+"""memattn.experiments.gmat_majority and gmat_mlm: the task generator, settings, and a
+quick run of each end to end."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from memattn.errors import ConfigError
+from memattn.experiments import get_experiment
+from memattn.experiments._gmat_common import parse_settings
+from memattn.experiments.gmat_majority import Settings, majority_batch
+from memattn.experiments.gmat_mlm import MASK_RATE, mask_tokens
+
+
+def test_both_are_registered_experiments():
+    assert get_experiment("gmat-majority").DESCRIPTION and get_experiment("gmat-mlm").DESCRIPTION
+
+
+@pytest.mark.parametrize("length, parts", [(512, 1), (512, 3), (101, 4)])
+def test_majority_tags_are_the_majority_bit_of_each_segment(length, parts):
+    bits, tags = majority_batch(length, parts, 64, torch.Generator().manual_seed(0))
+    assert bits.shape == tags.shape == (64, length) and set(bits.unique().tolist()) <= {0, 1}
+    bounds = [s * length // parts for s in range(parts + 1)]
+    for lo, hi in zip(bounds[:-1], bounds[1:]):
+        ones = bits[:, lo:hi].sum(1)
+        majority = (2 * ones > hi - lo).long()
+        assert (2 * ones != hi - lo).all()  # never a tie
+        assert (tags[:, lo:hi] == majority[:, None]).all()
+    again = majority_batch(length, parts, 64, torch.Generator().manual_seed(0))
+    assert torch.equal(again[0], bits)  # seeded
+
+
+def test_majority_bits_are_fair_coins_with_ties_broken():
+    bits, tags = majority_batch(512, 1, 4000, torch.Generator().manual_seed(1))
+    assert abs(bits.float().mean().item() - 0.5) < 0.005
+    margin = (2 * bits.sum(1) - 512).abs().float()
+    assert margin.min() >= 2 and abs(margin.mean().item() - 18.05) < 1.0  # E|N(0, √512)| ≈ 18.05
+    assert 0.45 < tags[:, 0].float().mean() < 0.55
+
+
+def test_bert_masking_rates():
+    ids = torch.randint(0, 50, (64, 512), generator=torch.Generator().manual_seed(0))
+    inputs, chosen = mask_tokens(ids, 50, 50, torch.Generator().manual_seed(1))
+    assert abs(chosen.float().mean().item() - MASK_RATE) < 0.01
+    assert (inputs[~chosen] == ids[~chosen]).all()
+    masked = (inputs == 50)
+    assert abs(masked[chosen].float().mean().item() - 0.8) < 0.03 and not masked[~chosen].any()
+
+
+def test_settings_are_typed_and_checked():
+    s = parse_settings(Settings, "gmat-majority", ["steps=12", "lr=1e-3"], {})
+    assert (s.steps, s.lr) == (12, 1e-3)
+    with pytest.raises(ConfigError, match=r"stepz: unknown setting of gmat-majority \(known: d_model"):
+        parse_settings(Settings, "gmat-majority", ["stepz=3"], {})
+    with pytest.raises(ConfigError, match=r"steps: expected an integer, got 'many'"):
+        parse_settings(Settings, "gmat-majority", ["steps=many"], {})
+    with pytest.raises(ConfigError, match=r"num_memory: expected a positive value, got 0"):
+        parse_settings(Settings, "gmat-majority", ["num_memory=0"], {})
+
+
+@pytest.mark.slow
+def test_quick_majority_run_writes_its_table(tmp_path):
+    (tmp_path / "command.txt").write_text("memattn experiment gmat-majority --quick\n")
+    results = get_experiment("gmat-majority").run(tmp_path, quick=True, overrides=["steps=6"])
+    rows = results["rows"]
+    assert [(r["L"], r["p"], r["M"]) for r in rows] == [(512, 1, 0), (512, 1, 8), (512, 3, 0), (512, 3, 8),
+                                                       (8192, 1, 0), (8192, 1, 8)]
+    assert all(0 <= r["exact_match"] <= 1 and 0 <= r["token_accuracy"] <= 1 for r in rows)
+    assert json.loads((tmp_path / "results.json").read_text()) == results
+    text = (tmp_path / "results.md").read_text()
+    assert "memattn experiment gmat-majority --quick" in text and "| MAJORITY(8192, 1) | 8 |" in text
+    assert (tmp_path / "gmat_majority.png").stat().st_size > 0
+
+
+@pytest.mark.slow
+def test_quick_mlm_run_writes_its_table_and_a_compressor(tmp_path, text_file):
+    (tmp_path / "command.txt").write_text("memattn experiment gmat-mlm --quick\n")
+    out = tmp_path / "compressor.safetensors"
+    results = get_experiment("gmat-mlm").run(
+        tmp_path, quick=True, overrides=["corpus=text", f"path={text_file}", f"cache_dir={tmp_path / 'cache'}",
+                                         "steps=5", f"compressor_out={out}"])
+    names = [r["model"] for r in results["rows"]]
+    assert names[:2] == ["chunked, M = 0", "chunked, M = 16"] and names[2].startswith("compressed, M = 16")
+    for r in results["rows"]:
+        for split in ("val", "test"):
+            assert 0 <= r[split]["error_rate"] <= 1 and r[split]["perplexity"] > 1
+    assert "unmasked_error_rate" in results["rows"][2]["test"] and out.exists()
+    text = (tmp_path / "results.md").read_text()
+    assert "memattn experiment gmat-mlm --quick" in text and "| compressed, M = 16" in text
+    assert json.loads((tmp_path / "results.json").read_text()) == results

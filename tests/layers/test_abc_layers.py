@@ -1,0 +1,371 @@
+"""The ABC layers (memattn.layers.abc) against hand-written computations: the op's reference
+loops given the layer's own projections, explicit prefix-normalised memories for abc-mlp,
+and an explicit sliding-window softmax for abc-window."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from memattn.config import AttentionConfig, ModelConfig
+from memattn.errors import ConfigError, ShapeError
+from memattn.layers import LayerSpec, build_attention, mechanisms
+from memattn.layers.abc import random_slots
+from memattn.layers.base import parse_options
+from memattn.layers.positions import Rotary
+from memattn.models import CausalLM
+from memattn.ops.abc import bounded_memory_reference
+
+F64 = torch.float64
+D_MODEL, HEADS = 16, 2
+HEAD = D_MODEL // HEADS
+CAUSAL_ABC = ["abc-mlp", "abc-window", "abc-linformer", "abc-random", "abc-meanpool"]
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """Many tiny ops: a second thread on a busy 2-core machine only adds overhead."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def layer(name, *, causal=True, positions="none", max_len=64, **options):
+    spec = LayerSpec(D_MODEL, HEADS, causal=causal, positions=positions, max_len=max_len)
+    m = build_attention(name, options, spec).double().eval()
+    with torch.no_grad():
+        for p in m.parameters():
+            p.copy_(torch.randn_like(p) * 0.5)
+    return m
+
+
+def projections(m, x, positions="none"):
+    """q, k, v [B, T, H, D] from the layer's weights, by hand (rotated when asked)."""
+    B, T, _ = x.shape
+    W, b = m.qkv.weight, m.qkv.bias
+    qkv = x @ W.T + (0 if b is None else b)
+    q, k, v = (t.reshape(B, T, HEADS, HEAD) for t in qkv.split(D_MODEL, dim=-1))
+    if positions == "rotary":
+        rot = Rotary(HEAD)
+        q, k = rot(q), rot(k)
+    return q, k, v
+
+
+def output(m, o):
+    """o [B, T, H, D] -> y [B, T, d] through the layer's output projection, by hand."""
+    B, T = o.shape[:2]
+    b = m.out.bias
+    return o.reshape(B, T, D_MODEL) @ m.out.weight.T + (0 if b is None else b)
+
+
+def read(q, mem_k, mem_v):
+    """q [B, H, K], memories [B, H, M, K/V] -> [B, H, V]: softmax over the slots."""
+    p = torch.softmax(torch.einsum("bhk,bhmk->bhm", q, mem_k) * HEAD ** -0.5, dim=-1)
+    return torch.einsum("bhm,bhmv->bhv", p, mem_v)
+
+
+def normalised_alpha_reference(q, k, v, alpha, causal):
+    """ABC_MLP with α given directly: K̃_t = Σ_{i≤t} α_i k_i / Σ_{i≤t} α_i per slot."""
+    T = q.shape[1]
+    o = torch.empty_like(v)
+    for t in range(T):
+        n = t + 1 if causal else T
+        a = alpha[:, :n]  # [B, n, H, M]
+        z = a.sum(1)  # [B, H, M]
+        mem_k = torch.einsum("bnhm,bnhk->bhmk", a, k[:, :n]) / z[..., None]
+        mem_v = torch.einsum("bnhm,bnhv->bhmv", a, v[:, :n]) / z[..., None]
+        o[:, t] = read(q[:, t], mem_k, mem_v)
+    return o
+
+
+# ------------------------------------------------------------------------- abc-mlp
+
+
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("activation", ["exp", "relu", "sigmoid"])
+@pytest.mark.parametrize("positions", ["none", "rotary"])
+def test_abc_mlp_equals_prefix_normalised_memory(causal, activation, positions):
+    m = layer("abc-mlp", causal=causal, positions=positions, activation=activation,
+              num_slots=5, bias=True)
+    x = torch.randn(2, 11, D_MODEL, dtype=F64)
+    q, k, v = projections(m, x, positions)
+    z = (x @ m.phi.weight.T + m.phi.bias).reshape(2, 11, HEADS, 5)
+    if activation == "exp":
+        alpha = z.exp()
+    elif activation == "sigmoid":
+        alpha = torch.sigmoid(z)
+    else:  # zero α floored at 1e-12 (documented): a slot with only zeros averages uniformly
+        alpha = F.relu(z).clamp_min(1e-12)
+    want = output(m, normalised_alpha_reference(q, k, v, alpha, causal))
+    got, _ = m(x)
+    torch.testing.assert_close(got, want, rtol=1e-9, atol=1e-9)
+
+
+def test_abc_mlp_padding_writes_nothing():
+    m = layer("abc-mlp", causal=False, num_slots=4)
+    x = torch.randn(2, 9, D_MODEL, dtype=F64)
+    mask = torch.ones(2, 9, dtype=torch.bool)
+    mask[1, 6:] = False
+    y, _ = m(x, attention_mask=mask)
+    alone, _ = m(x[1:, :6])
+    torch.testing.assert_close(y[1, :6], alone[0], rtol=1e-9, atol=1e-9)
+    torch.testing.assert_close(y[0], m(x[:1])[0][0], rtol=1e-9, atol=1e-9)
+
+
+def test_abc_mlp_decoding_state_wraps_the_ops_memory():
+    m = layer("abc-mlp", num_slots=6)
+    state = m.init_state(3)
+    assert state.fixed_size and state.seen == 0
+    assert [tuple(t.shape) for t in state.tensors()] == [(3, HEADS, 6), (3, HEADS, 6, HEAD),
+                                                         (3, HEADS, 6, HEAD)]
+    assert all(t.dtype == F64 for t in state.tensors())
+    m(torch.randn(3, 4, D_MODEL, dtype=F64), memory_state=state)
+    assert state.seen == 4
+
+
+def test_tie_phi_shares_one_projection_across_layers():
+    def lm(tie):
+        cfg = ModelConfig(vocab_size=11, d_model=D_MODEL, n_layers=2, n_heads=HEADS, ff_mult=2,
+                          max_len=32, attention=AttentionConfig(
+                              "abc-mlp", {"num_slots": 4, "tie_phi": tie}))
+        return CausalLM(cfg)
+
+    tied, untied = lm(True), lm(False)
+    a, b = tied.blocks[0].attn.phi, tied.blocks[1].attn.phi
+    assert a is b and a.weight is b.weight
+    assert untied.blocks[0].attn.phi is not untied.blocks[1].attn.phi
+    assert untied.num_parameters() - tied.num_parameters() == D_MODEL * HEADS * 4
+    # one tensor: a gradient from either layer lands on it
+    tied(torch.randint(0, 11, (1, 5))).sum().backward()
+    assert a.weight.grad is not None and a.weight.grad.abs().sum() > 0
+
+
+def test_cross_slots_defaults_to_num_slots():
+    assert parse_options("abc-mlp", {"num_slots": 7}).cross_slots == 7
+    assert parse_options("abc-mlp", {"num_slots": 7, "cross_slots": 3}).cross_slots == 3
+
+
+# ------------------------------------------------------------------------- abc-window
+
+
+def window_reference(q, k, v, n, causal):
+    """Explicit softmax over the window: causal t-n+1..t, bidirectional |t-i| ≤ n // 2."""
+    T = q.shape[1]
+    o = torch.empty_like(v)
+    for t in range(T):
+        lo, hi = (max(0, t - n + 1), t + 1) if causal else (max(0, t - n // 2),
+                                                             min(T, t + n // 2 + 1))
+        o[:, t] = read(q[:, t], k[:, lo:hi].transpose(1, 2), v[:, lo:hi].transpose(1, 2))
+    return o
+
+
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("positions", ["none", "rotary"])
+def test_abc_window_equals_softmax_over_the_last_n_tokens(causal, positions):
+    m = layer("abc-window", causal=causal, positions=positions, window=4)
+    x = torch.randn(2, 13, D_MODEL, dtype=F64)
+    q, k, v = projections(m, x, positions)
+    want = output(m, window_reference(q, k, v, 4, causal))
+    torch.testing.assert_close(m(x)[0], want, rtol=1e-9, atol=1e-9)
+
+
+def test_abc_window_is_the_fifo_memory_of_the_paper():
+    """The shift-matrix control K̃_t = U K̃_{t-1} + e_n ⊗ k_t, simulated slot by slot, holds
+    the same memory the layer reads (empty slots are left out of the softmax)."""
+    n = 3
+    m = layer("abc-window", window=n)
+    x = torch.randn(1, 8, D_MODEL, dtype=F64)
+    q, k, v = projections(m, x)
+    mem_k = torch.zeros(1, HEADS, n, HEAD, dtype=F64)
+    mem_v = torch.zeros_like(mem_k)
+    o = torch.empty_like(v)
+    for t in range(8):
+        mem_k = torch.cat([mem_k[:, :, 1:], k[:, t, :, None]], 2)  # U K̃ + e_n ⊗ k_t
+        mem_v = torch.cat([mem_v[:, :, 1:], v[:, t, :, None]], 2)
+        used = min(t + 1, n)
+        o[:, t] = read(q[:, t], mem_k[:, :, n - used:], mem_v[:, :, n - used:])
+    torch.testing.assert_close(m(x)[0], output(m, o), rtol=1e-9, atol=1e-9)
+
+
+def test_abc_window_padding_is_masked():
+    m = layer("abc-window", causal=False, window=6)
+    x = torch.randn(2, 9, D_MODEL, dtype=F64)
+    mask = torch.ones(2, 9, dtype=torch.bool)
+    mask[1, 5:] = False
+    y, _ = m(x, attention_mask=mask)
+    torch.testing.assert_close(y[1, :5], m(x[1:, :5])[0][0], rtol=1e-9, atol=1e-9)
+
+
+# ------------------------------------------------------------------ given-φ strategies
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_abc_linformer_equals_bounded_memory_with_learned_columns(causal):
+    m = layer("abc-linformer", causal=causal, max_len=20, num_slots=5)
+    x = torch.randn(2, 12, D_MODEL, dtype=F64)
+    q, k, v = projections(m, x)
+    phi = torch.log1p(torch.exp(m.columns[:12]))[None, :, None, :].expand(2, 12, HEADS, 5)
+    o, _ = bounded_memory_reference(q, k, v, phi.contiguous(), causal=causal)
+    torch.testing.assert_close(m(x)[0], output(m, o), rtol=1e-9, atol=1e-9)
+
+
+def test_abc_linformer_rejects_a_longer_sequence_than_it_was_built_for():
+    m = layer("abc-linformer", max_len=8, num_slots=3)
+    m(torch.randn(1, 8, D_MODEL, dtype=F64))
+    with pytest.raises(ShapeError, match="longer sequence than it was built for.*max_len=8"):
+        m(torch.randn(1, 9, D_MODEL, dtype=F64))
+    state = m.init_state(1)
+    m(torch.randn(1, 8, D_MODEL, dtype=F64), memory_state=state)
+    with pytest.raises(ShapeError, match="longer sequence than it was built for"):
+        m(torch.randn(1, 1, D_MODEL, dtype=F64), memory_state=state)
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_abc_meanpool_slots_hold_block_means(causal):
+    c, M, T = 3, 5, 13
+    m = layer("abc-meanpool", causal=causal, pool=c, num_slots=M)
+    x = torch.randn(2, T, D_MODEL, dtype=F64)
+    q, k, v = projections(m, x)
+    phi = torch.zeros(2, T, HEADS, M, dtype=F64)
+    for t in range(T):
+        phi[:, t, :, t // c] = 1.0 / c
+    o, _ = bounded_memory_reference(q, k, v, phi, causal=causal)
+    torch.testing.assert_close(m(x)[0], output(m, o), rtol=1e-9, atol=1e-9)
+    # not causal, a full block's slot is the plain mean of its keys
+    if not causal:
+        full_k = torch.einsum("bthm,bthk->bhmk", phi, k)
+        torch.testing.assert_close(full_k[:, :, 1], k[:, 3:6].mean(1))
+
+
+def test_abc_meanpool_past_its_capacity_is_a_clear_error():
+    m = layer("abc-meanpool", pool=2, num_slots=3)
+    with pytest.raises(ShapeError, match=r"num_slots \* attention.pool = 3 \* 2 = 6"):
+        m(torch.randn(1, 7, D_MODEL, dtype=F64))
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_abc_random_writes_each_token_to_one_hashed_slot(causal):
+    M, T = 4, 10
+    m = layer("abc-random", causal=causal, num_slots=M, seed=3)
+    x = torch.randn(2, T, D_MODEL, dtype=F64)
+    q, k, v = projections(m, x)
+    ids = random_slots(torch.arange(T), HEADS, M, 3)
+    phi = torch.zeros(2, T, HEADS, M, dtype=F64)
+    for t in range(T):
+        for h in range(HEADS):
+            phi[:, t, h, ids[t, h]] = 1.0
+    o, _ = bounded_memory_reference(q, k, v, phi, causal=causal)
+    torch.testing.assert_close(m(x)[0], output(m, o), rtol=1e-9, atol=1e-9)
+
+
+def test_random_slots_are_fixed_by_position_and_spread_evenly():
+    pos = torch.arange(6400)
+    ids = random_slots(pos, 3, 32, 0)
+    assert torch.equal(random_slots(pos[100:110], 3, 32, 0), ids[100:110])  # decoding agrees
+    assert ids.min() >= 0 and ids.max() < 32
+    counts = torch.bincount(ids[:, 0], minlength=32)
+    assert counts.min() > 120 and counts.max() < 280  # 200 expected per slot
+    assert not torch.equal(ids[:, 0], ids[:, 1])  # heads differ
+    assert not torch.equal(random_slots(pos, 3, 32, 1), ids)  # the seed matters
+
+
+def test_abc_l2g_memory_is_the_global_tokens():
+    c, M, T = 3, 5, 14
+    m = layer("abc-l2g", every=c, num_slots=M)
+    x = torch.randn(2, T, D_MODEL, dtype=F64)
+    q, k, v = projections(m, x)
+    # slot j = token jc; the empty slots score 0 and read 0 (a softmax over all M slots)
+    phi = torch.zeros(2, T, HEADS, M, dtype=F64)
+    for j in range(0, T, c):
+        phi[:, j, :, j // c] = 1.0
+    ref, _ = bounded_memory_reference(q, k, v, phi)
+    got, _ = m(x)
+    torch.testing.assert_close(got, output(m, ref), rtol=1e-9, atol=1e-9)
+    # once all M slots are written, the read is exactly softmax over the global tokens
+    m2 = layer("abc-l2g", every=c, num_slots=3)
+    x2 = torch.randn(1, 9, D_MODEL, dtype=F64)
+    q2, k2, v2 = projections(m2, x2)
+    want = read(q2[:, 8], k2[:, [0, 3, 6]].transpose(1, 2), v2[:, [0, 3, 6]].transpose(1, 2))
+    torch.testing.assert_close(m2(x2)[0][:, 8], output(m2, want[:, None])[:, 0],
+                               rtol=1e-9, atol=1e-9)
+    with pytest.raises(ShapeError, match=r"num_slots \* attention.every = 3 \* 3 = 9"):
+        m2(torch.randn(1, 10, D_MODEL, dtype=F64))
+    with pytest.raises(ConfigError, match="causal only"):
+        build_attention("abc-l2g", {}, LayerSpec(D_MODEL, HEADS, causal=False))
+
+
+# ---------------------------------------------------------------- decoding, all layers
+
+
+@pytest.mark.parametrize("name,options", [
+    ("abc-mlp", {"num_slots": 3}), ("abc-mlp", {"num_slots": 3, "activation": "relu"}),
+    ("abc-window", {"window": 4}), ("abc-linformer", {"num_slots": 3}),
+    ("abc-random", {"num_slots": 3}), ("abc-meanpool", {"num_slots": 8, "pool": 3}),
+    ("abc-l2g", {"num_slots": 8, "every": 3}),
+])
+def test_decoding_in_pieces_equals_the_full_forward(name, options):
+    """Rotary, a window / memory smaller than the sequence, prefill then single tokens."""
+    m = layer(name, positions="rotary", **options)
+    x = torch.randn(2, 19, D_MODEL, dtype=F64)
+    full, _ = m(x)
+    state = m.init_state(2)
+    pieces = [m(x[:, :5], memory_state=state)[0], m(x[:, 5:11], memory_state=state)[0]]
+    pieces += [m(x[:, t:t + 1], memory_state=state)[0] for t in range(11, 19)]
+    torch.testing.assert_close(torch.cat(pieces, 1), full, rtol=1e-9, atol=1e-9)
+    assert state.seen == 19
+
+
+@pytest.mark.parametrize("name,options", [
+    ("abc-mlp", {"num_slots": 4}), ("abc-window", {"window": 8}),
+    ("abc-linformer", {"num_slots": 4}), ("abc-random", {"num_slots": 4}),
+    ("abc-meanpool", {"num_slots": 4, "pool": 2600}),
+    ("abc-l2g", {"num_slots": 4, "every": 2600}),
+])
+def test_decoding_state_does_not_grow(name, options):
+    spec = LayerSpec(D_MODEL, HEADS, causal=True, positions="rotary", max_len=10_001)
+    m = build_attention(name, options, spec).eval()
+    state = m.init_state(1)
+    assert state.fixed_size
+
+    def size():
+        return state.nbytes(), [tuple(t.shape) for t in state.tensors()]
+
+    xs = torch.randn(10_000, 1, 1, D_MODEL)
+    with torch.no_grad():
+        for t in range(100):
+            m(xs[t], memory_state=state)
+        at_100 = size()
+        for t in range(100, 10_000):
+            m(xs[t], memory_state=state)
+    assert state.seen == 10_000
+    assert size() == at_100 and at_100[0] > 0
+    assert all(torch.isfinite(t.float()).all() for t in state.tensors())
+
+
+# ------------------------------------------------------------------ options, registry
+
+
+@pytest.mark.parametrize("name,options,named", [
+    ("abc-mlp", {"num_slots": 0}, "num_slots"),
+    ("abc-mlp", {"cross_slots": 0}, "cross_slots"),
+    ("abc-mlp", {"activation": "tanh"}, "activation"),
+    ("abc-mlp", {"tie_phi": "yes"}, "tie_phi"),
+    ("abc-window", {"window": 0}, "window"),
+    ("abc-linformer", {"num_slots": -1}, "num_slots"),
+    ("abc-random", {"num_slots": 0}, "num_slots"),
+    ("abc-meanpool", {"pool": 0}, "pool"),
+    ("abc-meanpool", {"slots": 4}, "slots"),
+    ("abc-l2g", {"every": 0}, "every"),
+])
+def test_bad_options_are_config_errors_naming_the_option(name, options, named):
+    with pytest.raises(ConfigError, match=rf"attention\.{named}"):
+        AttentionConfig(name, options)
+
+
+def test_the_abc_layers_are_registered_for_causal_and_bidirectional_models():
+    known = mechanisms()
+    for name in CAUSAL_ABC:
+        assert known[name].causal and known[name].bidirectional, name
+    assert known["abc-l2g"].causal and not known["abc-l2g"].bidirectional
