@@ -18,14 +18,16 @@ The strategies differ only in the write rule, i.e. how φ is chosen:
     abc-random      φ_t = e_{i_t}, i_t a fixed pseudo-random slot (a hash of position and head).
     abc-meanpool    φ_t = e_{⌊t/c⌋} / c: slot j holds the mean of tokens jc .. jc+c-1.
     abc-l2g         local-to-global: φ_t = e_{t/c} for the global tokens t = 0, c, 2c, ..., else 0.
+    abc-dilated     two FIFO queues: the last n tokens and the last n tokens at positions 0, d, 2d, ...
+    abc-workspace   bidirectional, Luna-style: slot logits k_i · P_m from the previous layer's memory P.
 
-All decode with a fixed-size state (`fixed_size = True`): the M-slot memory (or the n-slot
-ring buffer), never the prefix. Rotary positions (spec.positions == "rotary") rotate q and k
-at their absolute positions before anything is written, as in `softmax`.
+The causal ones decode with a fixed-size state (`fixed_size = True`): the M-slot memory, or
+the n-slot ring buffers of the queues, never the prefix. Rotary positions (spec.positions == "rotary")
+rotate q and k at their absolute positions before anything is written, as in `softmax`.
 
 Layout: x [B, T, d] -> y [B, T, d]; q, k, v [B, T, H, D]; φ and slot logits [B, T, H, M].
 attention_mask [B, T] bool (True = real token): padding writes nothing (φ = 0, or a slot
-logit of PAD_LOGIT for abc-mlp; for abc-window padding keys are masked out).
+logit of PAD_LOGIT for abc-mlp; abc-window / abc-dilated mask padding keys out).
 """
 
 from __future__ import annotations
@@ -47,8 +49,8 @@ from memattn.ops.abc import (
     bounded_memory_attention,
 )
 
-# Slot logit given to padding in abc-mlp: exp(PAD_LOGIT - s) is exactly 0 next to any real
-# token's logit (real logits from relu / sigmoid are ≥ log(RELU_FLOOR) ≈ -27.6), and the op
+# Slot logit given to padding in abc-mlp: exp(PAD_LOGIT - s) underflows to exactly 0 next to
+# a real token's logit s > -9000 (from relu / sigmoid, s ≥ log(RELU_FLOOR) ≈ -27.6), and the op
 # handles logits of ±1e4 without overflow, unlike -inf on a prefix with no real token.
 PAD_LOGIT = -1e4
 # abc-mlp with activation=relu: α = 0 becomes log(RELU_FLOOR) as a logit, so a slot whose
@@ -111,7 +113,7 @@ class _ABCBase(nn.Module):
 
     def project(self, x: torch.Tensor, offset: int
                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """x [B, T, d] -> q, k, v [B, T, H, D], q and k rotated at positions offset.."""
+        """x [B, T, d] -> q, k, v [B, T, H, D]; q and k rotated at positions offset, offset+1, ..."""
         B, T, _ = x.shape
         q, k, v = self.qkv(x).view(B, T, 3, self.spec.n_heads, self.spec.head_dim).unbind(2)
         if self.rotary is not None:
@@ -234,48 +236,87 @@ class ABCWindowOptions:
         _check_slots("window", self.window)
 
 
+@dataclass
+class ABCDilatedOptions(ABCWindowOptions):
+    """Options of `abc-dilated`: those of `abc-window` (the local queue of n slots), and
+
+    dilation: d, the second queue holds the last n tokens at positions 0, d, 2d, ...
+    """
+
+    dilation: int = 4
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        _check_slots("dilation", self.dilation)
+
+
 class RingBufferState(AttentionState):
-    """The n-slot FIFO memory of `abc-window`: the last n keys and values, slot = position mod n.
+    """An n-slot FIFO memory of keys and values: a token stays until n newer ones replace it.
 
     k [B, n, H, D], v [B, n, H, D]; real [B, n] bool, False for slots never written or
-    written by padding.
+    written by padding; pos [n] int64, the position each slot holds (-1: empty).
     """
 
     fixed_size = True
 
-    def __init__(self, k: torch.Tensor, v: torch.Tensor, real: torch.Tensor) -> None:
-        self.k, self.v, self.real = k, v, real
+    def __init__(self, k: torch.Tensor, v: torch.Tensor, real: torch.Tensor,
+                 pos: torch.Tensor) -> None:
+        self.k, self.v, self.real, self.pos = k, v, real, pos
         self.seen = 0
 
-    def positions(self) -> torch.Tensor:
-        """[n] the absolute position held by each slot (negative: empty)."""
-        n = self.k.shape[1]
-        j = torch.arange(n, device=self.k.device)
-        return (self.seen - 1) - torch.remainder(self.seen - 1 - j, n)
+    @classmethod
+    def empty(cls, batch: int, n: int, heads: int, dim: int, *, device, dtype) -> RingBufferState:
+        shape = (batch, n, heads, dim)
+        return cls(torch.zeros(shape, device=device, dtype=dtype),
+                   torch.zeros(shape, device=device, dtype=dtype),
+                   torch.zeros(batch, n, device=device, dtype=torch.bool),
+                   torch.full((n,), -1, device=device, dtype=torch.int64))
 
-    def write(self, k: torch.Tensor, v: torch.Tensor, real: torch.Tensor) -> None:
-        """Append k, v [B, T, H, D] and real [B, T]; only the last n stay."""
+    def write(self, k: torch.Tensor, v: torch.Tensor, real: torch.Tensor, pos: torch.Tensor,
+              slots: torch.Tensor) -> None:
+        """Write tokens k, v [B, T, H, D], real [B, T] at positions pos [T] into slots [T]
+        (in order: of two tokens for one slot the later stays)."""
         n, T = self.k.shape[1], k.shape[1]
-        keep = min(T, n)
-        pos = torch.arange(self.seen + T - keep, self.seen + T, device=k.device)
-        slots = torch.remainder(pos, n)
-        self.k = self.k.index_copy(1, slots, k[:, T - keep:].to(self.k.dtype))
-        self.v = self.v.index_copy(1, slots, v[:, T - keep:].to(self.v.dtype))
-        self.real = self.real.index_copy(1, slots, real[:, T - keep:])
-        self.seen += T
+        keep = slice(max(0, T - n), T)  # at most the last n can stay
+        pos, slots = pos[keep], slots[keep]
+        self.k = self.k.index_copy(1, slots, k[:, keep].to(self.k.dtype))
+        self.v = self.v.index_copy(1, slots, v[:, keep].to(self.v.dtype))
+        self.real = self.real.index_copy(1, slots, real[:, keep])
+        self.pos = self.pos.index_copy(0, slots, pos)
 
     def tensors(self) -> list[torch.Tensor]:
-        return [self.k, self.v, self.real]
+        return [self.k, self.v, self.real, self.pos]
 
 
-def windowed_softmax(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.Tensor,
-                     scale: float | None = None) -> torch.Tensor:
-    """Softmax attention with a mask. q [B, Tq, H, D], k [B, Tk, H, D], v [B, Tk, H, V],
-    allowed [B, Tq, Tk] bool -> o [B, Tq, H, V]; a query with no allowed key reads zeros."""
+class QueueState(AttentionState):
+    """Decoding state of `abc-window` / `abc-dilated`: one or two RingBufferStates."""
+
+    fixed_size = True
+
+    def __init__(self, queues: list[RingBufferState]) -> None:
+        self.queues = queues
+        self.seen = 0
+
+    def tensors(self) -> list[torch.Tensor]:
+        return [t for q in self.queues for t in q.tensors()]
+
+
+def counted_softmax(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, count: torch.Tensor,
+                    scale: float | None = None) -> torch.Tensor:
+    """Softmax attention where key j enters query i's memory count[b, i, j] times (0: absent).
+
+    q [B, Tq, H, D], k [B, Tk, H, D], v [B, Tk, H, V], count [B, Tq, Tk] -> o [B, Tq, H, V];
+    a query with an empty memory reads zeros. A key held in two slots weighs twice.
+    """
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     scores = scale * torch.einsum("bqhd,bkhd->bhqk", q, k)
-    scores = scores.masked_fill(~allowed[:, None], -torch.inf)
-    p = torch.softmax(scores, dim=-1).nan_to_num(0.0)
+    held = (count > 0)[:, None]  # [B, 1, Tq, Tk]
+    scores = torch.where(held, scores + torch.log(count.clamp_min(1).to(scores.dtype))[:, None],
+                         -torch.inf)
+    # A query with an empty memory: finite scores in its row (no NaN, forward or backward),
+    # then its weights are zeroed.
+    empty = ~held.any(-1, keepdim=True)  # [B, 1, Tq, 1]
+    p = torch.softmax(scores.masked_fill(empty, 0.0), dim=-1).masked_fill(empty, 0.0)
     return torch.einsum("bhqk,bkhv->bqhv", p, v)
 
 
@@ -290,48 +331,83 @@ class ABCWindowAttention(_ABCBase):
     Bidirectional, every token reads the tokens within n // 2 of it on either side.
     """
 
+    dilated = False
+
     def __init__(self, spec: LayerSpec, options: ABCWindowOptions) -> None:
         super().__init__(spec, options.bias)
         self.options = options
 
-    def init_state(self, batch_size: int, device=None, dtype=None) -> RingBufferState:
-        """An empty ring buffer: zeros [B, n, H, D] for keys and values, real = False."""
+    def init_state(self, batch_size: int, device=None, dtype=None) -> QueueState:
+        """Empty ring buffers (one a queue): zeros [B, n, H, D] for keys and values."""
         w = self.qkv.weight
         device = device if device is not None else w.device
-        shape = (batch_size, self.options.window, self.spec.n_heads, self.spec.head_dim)
-        dt = dtype or w.dtype
-        return RingBufferState(torch.zeros(shape, device=device, dtype=dt),
-                               torch.zeros(shape, device=device, dtype=dt),
-                               torch.zeros(shape[:2], device=device, dtype=torch.bool))
+        return QueueState([RingBufferState.empty(
+            batch_size, self.options.window, self.spec.n_heads, self.spec.head_dim,
+            device=device, dtype=dtype or w.dtype) for _ in range(1 + self.dilated)])
 
-    def forward(self, x: torch.Tensor, *, memory_state: RingBufferState | None = None,
+    def _local(self, qpos: torch.Tensor, kpos: torch.Tensor) -> torch.Tensor:
+        """[Tq, Tk] bool: key kpos is in the local queue of query qpos."""
+        rel = qpos[:, None] - kpos[None, :]
+        if self.spec.causal:
+            return (rel >= 0) & (rel < self.options.window)
+        return rel.abs() <= self.options.window // 2
+
+    def _strided(self, qpos: torch.Tensor, kpos: torch.Tensor) -> torch.Tensor:
+        """[Tq, Tk] bool: key kpos is in the dilated queue of query qpos (causal): one of the
+        last n positions ≤ qpos that are multiples of d."""
+        d = self.options.dilation
+        back = qpos[:, None] // d - kpos[None, :] // d
+        return ((kpos % d == 0)[None, :] & (kpos[None, :] <= qpos[:, None])
+                & (back < self.options.window))
+
+    def forward(self, x: torch.Tensor, *, memory_state: QueueState | None = None,
                 attention_mask: torch.Tensor | None = None):
         """x [B, T, d], attention_mask [B, T] bool (True = real) -> (y [B, T, d], state)."""
         check_tensor("x", x, "[B, T, d]", None, None, self.spec.d_model)
         B, T, _ = x.shape
         _check_mask(attention_mask, B, T)
-        n = self.options.window
         offset = memory_state.seen if memory_state is not None else 0
         q, k, v = self.project(x, offset)
         real = (attention_mask if attention_mask is not None
                 else torch.ones(B, T, dtype=torch.bool, device=x.device))
         qpos = torch.arange(offset, offset + T, device=x.device)
-        kpos, keys, values, key_real = qpos, k, v, real
-        if memory_state is not None and memory_state.seen > 0:
-            kpos = torch.cat([memory_state.positions(), qpos])
-            keys = torch.cat([memory_state.k.to(k.dtype), k], 1)
-            values = torch.cat([memory_state.v.to(v.dtype), v], 1)
-            key_real = torch.cat([memory_state.real & (memory_state.positions() >= 0), real], 1)
-        rel = qpos[:, None] - kpos[None, :]  # [Tq, Tk] query position - key position
-        if self.spec.causal:
-            allowed = (rel >= 0) & (rel < n)
-        else:
-            allowed = rel.abs() <= n // 2
-        allowed = allowed[None] & key_real[:, None, :]
-        o = windowed_softmax(q, keys, values, allowed)
+        # The new tokens can sit in both queues; a buffered key only in its own queue.
+        count = self._local(qpos, qpos).long()
+        if self.dilated:
+            count = count + self._strided(qpos, qpos).long()
+        count = count[None] * real[:, None, :]
+        keys, values, counts = [k], [v], [count]
+        if memory_state is not None and offset > 0:
+            rules = [self._local] + ([self._strided] if self.dilated else [])
+            for queue, rule in zip(memory_state.queues, rules):
+                held = queue.real & (queue.pos >= 0)[None]
+                keys.append(queue.k.to(k.dtype))
+                values.append(queue.v.to(v.dtype))
+                counts.append(rule(qpos, queue.pos).long()[None] * held[:, None, :])
+        o = counted_softmax(q, torch.cat(keys, 1), torch.cat(values, 1), torch.cat(counts, 2))
         if memory_state is not None:
-            memory_state.write(k, v, real)
+            n = self.options.window
+            memory_state.queues[0].write(k, v, real, qpos, torch.remainder(qpos, n))
+            if self.dilated:
+                d = self.options.dilation
+                on = qpos % d == 0
+                memory_state.queues[1].write(k[:, on], v[:, on], real[:, on], qpos[on],
+                                             torch.remainder(qpos[on] // d, n))
+            memory_state.seen += T
         return self.finish(o), memory_state
+
+
+@register("abc-dilated", options=ABCDilatedOptions, bidirectional=False)
+class ABCDilatedAttention(ABCWindowAttention):
+    """ABC with dilated-window control: two FIFO queues of n slots each; fixed-size state.
+
+    The local queue holds the last n tokens (as abc-window), the dilated one the last n
+    tokens at positions 0, d, 2d, ... (a shift-matrix queue written only by those). The read
+    is one softmax over the 2n slots, so a token held by both queues weighs twice, as its
+    two slots do in the paper's memory. Causal only: the queues are a left-to-right write rule.
+    """
+
+    dilated = True
 
 
 # ------------------------------------------------------ given-φ strategies (bounded memory)
@@ -552,3 +628,82 @@ class ABCL2GAttention(_GivenPhi):
         pos = torch.arange(offset, offset + T, device=x.device)
         phi = F.one_hot(pos // c, M).to(x.dtype) * (pos % c == 0)[:, None].to(x.dtype)
         return phi[None, :, None, :]  # [1, T, 1, M]
+
+
+# ------------------------------------------------------------- abc-workspace (bidirectional)
+
+
+@dataclass
+class ABCWorkspaceOptions:
+    """Options of `abc-workspace`.
+
+    num_slots: M, memory slots per head (the size of the shared workspace).
+    bias: biases on the q/k/v and output projections.
+    """
+
+    num_slots: int = 32
+    bias: bool = False
+
+    def __post_init__(self) -> None:
+        _check_slots("num_slots", self.num_slots)
+
+
+class Workspace(nn.Module):
+    """The workspace the abc-workspace layers of one model share (through spec.shared).
+
+    initial [H, M, D]: the learned workspace the first layer reads (N(0, 1) init).
+    current [B, H, M, D] or None: the key memory K̃ the last layer wrote, which the next
+    layer reads; set during a forward pass, cleared by the model's last layer.
+    """
+
+    def __init__(self, heads: int, slots: int, head_dim: int) -> None:
+        super().__init__()
+        self.initial = nn.Parameter(torch.randn(heads, slots, head_dim))
+        self.current: torch.Tensor | None = None
+
+
+@register("abc-workspace", options=ABCWorkspaceOptions, causal=False)
+class ABCWorkspaceAttention(_ABCBase):
+    """ABC with shared-workspace (Luna-style) control: φ from the previous layer's memory.
+
+    Slot m's logit for token i is s_im = k_i · P_m / √D, P [B, H, M, D] the key memory K̃
+    the previous layer wrote (the first layer reads a learned P), normalised over the
+    sequence like ABC_MLP (φ_i = exp(s_i) / Σ_j exp(s_j) per slot), so each slot is the
+    average of the tokens that match it. Bidirectional only: the memory a layer passes on
+    is that of the whole sequence. Layers run in order within one forward pass; padding
+    (attention_mask False) writes nothing.
+    """
+
+    def __init__(self, spec: LayerSpec, options: ABCWorkspaceOptions) -> None:
+        super().__init__(spec, options.bias)
+        self.options = options
+        key = f"abc-workspace.{options.num_slots}"
+        if key not in spec.shared:
+            spec.shared[key] = Workspace(spec.n_heads, options.num_slots, spec.head_dim)
+        self.workspace = spec.shared[key]
+
+    def init_state(self, batch_size: int, device=None, dtype=None):
+        raise ConfigError("attention: 'abc-workspace' is bidirectional only and has no "
+                          "decoding state")
+
+    def forward(self, x: torch.Tensor, *, memory_state=None,
+                attention_mask: torch.Tensor | None = None):
+        """x [B, T, d], attention_mask [B, T] bool (True = real) -> (y [B, T, d], None)."""
+        check_tensor("x", x, "[B, T, d]", None, None, self.spec.d_model)
+        B, T, _ = x.shape
+        _check_mask(attention_mask, B, T)
+        q, k, v = self.project(x, 0)
+        ws = self.workspace
+        prev = ws.current if self.spec.layer_idx > 0 else None
+        if prev is None:  # the first layer (or a layer used on its own)
+            prev = ws.initial.expand(B, -1, -1, -1)
+        elif prev.shape[0] != B:
+            raise ShapeError(f"x: batch of {B} after a workspace written for a batch of "
+                             f"{prev.shape[0]}; the layers of one model run in order")
+        s = torch.einsum("bthd,bhmd->bthm", k, prev.to(k.dtype)) * self.spec.head_dim ** -0.5
+        if attention_mask is not None:
+            s = s.masked_fill(~attention_mask[:, :, None, None], PAD_LOGIT)
+        o, state = abc_attention(q, k, v, s, causal=False, output_final_state=True)
+        last = self.spec.layer_idx == self.spec.n_layers - 1
+        ws.current = None if last else state.k.to(k.dtype)
+        return self.finish(o), None

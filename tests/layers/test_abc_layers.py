@@ -15,7 +15,7 @@ from memattn.layers.abc import random_slots
 from memattn.layers.base import parse_options
 from memattn.layers.positions import Rotary
 from memattn.models import CausalLM
-from memattn.ops.abc import bounded_memory_reference
+from memattn.ops.abc import abc_reference, bounded_memory_reference
 
 F64 = torch.float64
 D_MODEL, HEADS = 16, 2
@@ -198,6 +198,23 @@ def test_abc_window_padding_is_masked():
     torch.testing.assert_close(y[1, :5], m(x[1:, :5])[0][0], rtol=1e-9, atol=1e-9)
 
 
+@pytest.mark.parametrize("positions", ["none", "rotary"])
+def test_abc_dilated_reads_the_local_and_the_strided_queue(positions):
+    """Memory of token t: the last n tokens and the last n tokens at multiples of d, a
+    token in both held twice (so it weighs twice in the softmax)."""
+    n, d, T = 3, 2, 15
+    m = layer("abc-dilated", positions=positions, window=n, dilation=d)
+    x = torch.randn(2, T, D_MODEL, dtype=F64)
+    q, k, v = projections(m, x, positions)
+    o = torch.empty_like(v)
+    for t in range(T):
+        slots = list(range(max(0, t - n + 1), t + 1)) + list(range(0, t + 1, d))[-n:]
+        o[:, t] = read(q[:, t], k[:, slots].transpose(1, 2), v[:, slots].transpose(1, 2))
+    torch.testing.assert_close(m(x)[0], output(m, o), rtol=1e-9, atol=1e-9)
+    with pytest.raises(ConfigError, match="causal only"):
+        build_attention("abc-dilated", {}, LayerSpec(D_MODEL, HEADS, causal=False))
+
+
 # ------------------------------------------------------------------ given-φ strategies
 
 
@@ -296,6 +313,38 @@ def test_abc_l2g_memory_is_the_global_tokens():
         build_attention("abc-l2g", {}, LayerSpec(D_MODEL, HEADS, causal=False))
 
 
+def test_abc_workspace_reads_the_previous_layers_memory():
+    M = 4
+    shared = {}
+    layers = []
+    for i in range(2):
+        spec = LayerSpec(D_MODEL, HEADS, causal=False, positions="none", layer_idx=i,
+                         n_layers=2, shared=shared)
+        layers.append(build_attention("abc-workspace", {"num_slots": M}, spec).double())
+    assert layers[0].workspace is layers[1].workspace
+    x0, x1 = torch.randn(2, 2, 9, D_MODEL, dtype=F64)
+    y0, _ = layers[0](x0)
+    y1, _ = layers[1](x1)
+    assert layers[1].workspace.current is None  # the last layer lets go of it
+    # by hand: logits k_i · P_m / √D, memory normalised over the sequence per slot
+    q, k, v = projections(layers[0], x0)
+    P0 = layers[0].workspace.initial
+    s0 = torch.einsum("bthd,hmd->bthm", k, P0) / HEAD ** 0.5
+    o0, st = abc_reference(q, k, v, s0, causal=False, output_final_state=True)
+    alpha = s0.exp()
+    mem_k = torch.einsum("bthm,bthd->bhmd", alpha, k) / alpha.sum(1)[..., None]
+    torch.testing.assert_close(st.k, mem_k)
+    torch.testing.assert_close(y0, output(layers[0], o0), rtol=1e-9, atol=1e-9)
+    q, k, v = projections(layers[1], x1)
+    s1 = torch.einsum("bthd,bhmd->bthm", k, mem_k) / HEAD ** 0.5
+    o1, _ = abc_reference(q, k, v, s1, causal=False)
+    torch.testing.assert_close(y1, output(layers[1], o1), rtol=1e-9, atol=1e-9)
+    y1.sum().backward()  # the second layer's output depends on the first's memory
+    assert P0.grad is not None and P0.grad.abs().sum() > 0
+    with pytest.raises(ConfigError, match="bidirectional only"):
+        build_attention("abc-workspace", {}, LayerSpec(D_MODEL, HEADS, causal=True))
+
+
 # ---------------------------------------------------------------- decoding, all layers
 
 
@@ -304,6 +353,7 @@ def test_abc_l2g_memory_is_the_global_tokens():
     ("abc-window", {"window": 4}), ("abc-linformer", {"num_slots": 3}),
     ("abc-random", {"num_slots": 3}), ("abc-meanpool", {"num_slots": 8, "pool": 3}),
     ("abc-l2g", {"num_slots": 8, "every": 3}),
+    ("abc-dilated", {"window": 3, "dilation": 2}), ("abc-dilated", {"window": 2, "dilation": 4}),
 ])
 def test_decoding_in_pieces_equals_the_full_forward(name, options):
     """Rotary, a window / memory smaller than the sequence, prefill then single tokens."""
@@ -322,6 +372,7 @@ def test_decoding_in_pieces_equals_the_full_forward(name, options):
     ("abc-linformer", {"num_slots": 4}), ("abc-random", {"num_slots": 4}),
     ("abc-meanpool", {"num_slots": 4, "pool": 2600}),
     ("abc-l2g", {"num_slots": 4, "every": 2600}),
+    ("abc-dilated", {"window": 4, "dilation": 3}),
 ])
 def test_decoding_state_does_not_grow(name, options):
     spec = LayerSpec(D_MODEL, HEADS, causal=True, positions="rotary", max_len=10_001)
@@ -344,6 +395,26 @@ def test_decoding_state_does_not_grow(name, options):
     assert all(torch.isfinite(t.float()).all() for t in state.tensors())
 
 
+@pytest.mark.parametrize("name,options", [
+    ("abc-mlp", {"activation": "exp"}), ("abc-mlp", {"activation": "relu"}),
+    ("abc-mlp", {"activation": "sigmoid"}), ("abc-window", {"window": 3}),
+    ("abc-dilated", {"window": 3}), ("abc-linformer", {}), ("abc-random", {}),
+    ("abc-meanpool", {}), ("abc-l2g", {"every": 2}),
+])
+def test_gradients_reach_every_parameter_and_stay_finite(name, options):
+    spec = LayerSpec(D_MODEL, HEADS, causal=True, positions="rotary", max_len=32)
+    m = build_attention(name, options, spec)
+    x = torch.randn(2, 12, D_MODEL, requires_grad=True)
+    mask = torch.ones(2, 12, dtype=torch.bool)
+    mask[1, :3] = False  # left padding: the first queries of row 1 see no real token
+    y, _ = m(x, attention_mask=mask)
+    y[mask].pow(2).sum().backward()
+    assert torch.isfinite(y[mask]).all()
+    for pname, p in m.named_parameters():
+        assert p.grad is not None and torch.isfinite(p.grad).all(), pname
+    assert torch.isfinite(x.grad).all()
+
+
 # ------------------------------------------------------------------ options, registry
 
 
@@ -358,6 +429,9 @@ def test_decoding_state_does_not_grow(name, options):
     ("abc-meanpool", {"pool": 0}, "pool"),
     ("abc-meanpool", {"slots": 4}, "slots"),
     ("abc-l2g", {"every": 0}, "every"),
+    ("abc-dilated", {"dilation": 0}, "dilation"),
+    ("abc-dilated", {"window": 0}, "window"),
+    ("abc-workspace", {"num_slots": 0}, "num_slots"),
 ])
 def test_bad_options_are_config_errors_naming_the_option(name, options, named):
     with pytest.raises(ConfigError, match=rf"attention\.{named}"):
@@ -368,4 +442,6 @@ def test_the_abc_layers_are_registered_for_causal_and_bidirectional_models():
     known = mechanisms()
     for name in CAUSAL_ABC:
         assert known[name].causal and known[name].bidirectional, name
-    assert known["abc-l2g"].causal and not known["abc-l2g"].bidirectional
+    for name in ("abc-l2g", "abc-dilated"):
+        assert known[name].causal and not known[name].bidirectional, name
+    assert known["abc-workspace"].bidirectional and not known["abc-workspace"].causal

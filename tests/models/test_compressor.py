@@ -10,6 +10,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
+from memattn.checkpoint import save_checkpoint
 from memattn.cli import main
 from memattn.config import AttentionConfig, ModelConfig
 from memattn.data import Vocab
@@ -17,7 +18,6 @@ from memattn.errors import CheckpointError, ConfigError, ShapeError
 from memattn.models import CausalLM, Compressor
 from memattn.models.compressor import (compress_ids, decompress_ids, fingerprint, load_compressed,
                                        load_compressor, save_compressed, save_compressor)
-from memattn.checkpoint import save_checkpoint
 
 TEXT = "Now is the winter of our discontent\nMade glorious summer by this sun of York;\n" * 3
 
