@@ -17,8 +17,10 @@ $(VENV)/.installed: pyproject.toml Makefile
 	$(PY) -m pip install --quiet -e ".[test,plot]"
 	touch $@
 
+DEMO_ATTENTION ?= softmax
+
 demo: setup
-	$(VENV)/bin/memattn demo
+	$(VENV)/bin/memattn demo --attention $(DEMO_ATTENTION)
 
 test: setup
 	$(PY) -m pytest -q -n 2 --durations=15

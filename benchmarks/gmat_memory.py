@@ -1,7 +1,7 @@
 """Peak memory and time of one attention layer, forward + backward, as the length grows:
 gmat (chunked, window, lsh; M = 8 memory tokens) against softmax attention, in one run.
 
-    .venv/bin/python benchmarks/gmat_memory.py [--lengths 2048 4096 8192 16384] [--out benchmarks/gmat_memory]
+    .venv/bin/python benchmarks/gmat_memory.py [--lengths 2048 4096 8192 16384] [--out benchmarks/results/cpu/gmat_memory]
 
 Peak memory: the running sum of the CPU allocations and frees the PyTorch profiler
 records inside the call (inputs excluded). Time: the median of a few calls, one thread.
@@ -55,7 +55,7 @@ def main() -> None:
     p.add_argument("--lengths", type=int, nargs="+", default=[2048, 4096, 8192, 16384])
     p.add_argument("--softmax-max", type=int, default=8192, help="longest L timed for softmax")
     p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--out", default="benchmarks/gmat_memory")
+    p.add_argument("--out", default="benchmarks/results/cpu/gmat_memory")
     args = p.parse_args()
     torch.set_num_threads(1)
     variants = {
@@ -88,13 +88,16 @@ def main() -> None:
     out.with_suffix(".json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=2) + "\n")
     lines = ["# One attention layer, forward + backward: peak memory and time", "",
              f"`{meta['command']}`; d_model {D_MODEL}, {HEADS} heads, batch 1, fp32, one CPU thread, "
-             f"torch {torch.__version__}. Ratios are to the shortest length measured for that layer.", "",
-             "| layer | L | peak MiB | × | seconds | × |", "|---|---|---|---|---|---|"]
+             f"torch {torch.__version__}. × columns: the ratio to the shortest length measured for that "
+             "layer; the last column: softmax's time at the same length over this layer's.", "",
+             "| layer | L | peak MiB | × | seconds | × | faster than softmax |", "|---|---|---|---|---|---|---|"]
     first: dict[str, dict] = {}
+    softmax = {r["L"]: r["seconds"] for r in rows if r["layer"] == "softmax"}
     for r in rows:
         base = first.setdefault(r["layer"], r)
+        versus = f"{softmax[r['L']] / r['seconds']:.1f}x" if r["L"] in softmax else "—"
         lines.append(f"| {r['layer']} | {r['L']} | {r['peak_mib']:.2f} | {r['peak_mib'] / base['peak_mib']:.2f} | "
-                     f"{r['seconds']:.3f} | {r['seconds'] / base['seconds']:.2f} |")
+                     f"{r['seconds']:.3f} | {r['seconds'] / base['seconds']:.2f} | {versus} |")
     out.with_suffix(".md").write_text("\n".join(lines) + "\n")
 
 
