@@ -16,11 +16,10 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors import SafetensorError
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 
 from memattn.errors import CheckpointError
-from memattn.fileio import atomic_write
+from memattn.fileio import atomic_write, read_tagged
 
 FORMAT = "memattn-checkpoint/1"
 
@@ -84,20 +83,7 @@ def load_checkpoint(path: str | os.PathLike) -> Checkpoint:
         path = path / "checkpoint.safetensors"
     if not path.exists():
         raise CheckpointError(f"checkpoint: no such file {path}")
-    try:
-        from safetensors import safe_open
-
-        with safe_open(str(path), framework="pt") as f:
-            header = f.metadata() or {}
-        tensors = load_file(str(path))
-    except (SafetensorError, OSError, ValueError, RuntimeError) as e:
-        raise CheckpointError(f"checkpoint {path}: not a readable safetensors file ({e})") from None
-    if "memattn" not in header:
-        raise CheckpointError(f"checkpoint {path}: a safetensors file, but not a memattn checkpoint")
-    try:
-        meta = json.loads(header["memattn"])
-    except json.JSONDecodeError as e:
-        raise CheckpointError(f"checkpoint {path}: metadata is not valid JSON ({e})") from None
+    meta, tensors = read_tagged(path, what="checkpoint", error=CheckpointError)
     if meta.get("format") != FORMAT:
         raise CheckpointError(f"checkpoint {path}: format {meta.get('format')!r}, expected {FORMAT!r}")
     return Checkpoint(path, meta, tensors)

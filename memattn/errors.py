@@ -35,3 +35,25 @@ def check_tensor(name: str, t: torch.Tensor, shape: str, *sizes: int | None) -> 
             raise ShapeError(
                 f"{name}: expected {shape} with dim {i} = {want}, got shape {tuple(t.shape)}"
             )
+
+
+def check_float(name: str, t: torch.Tensor) -> None:
+    """Raise ShapeError unless `t` holds floating-point numbers."""
+    if not t.is_floating_point():
+        raise ShapeError(f"{name}: expected a floating point tensor, got dtype {t.dtype}")
+
+
+def check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[int, int, int, int, int, int]:
+    """Check q [B, Tq, H, K], k [B, T, H, K], v [B, T, H, V]: ranks, matching sizes, one
+    floating-point dtype. Returns (B, Tq, T, H, K, V); raises ShapeError naming the argument."""
+    check_tensor("q", q, "[B, Tq, H, K]", None, None, None, None)
+    B, Tq, H, K = q.shape
+    check_tensor("k", k, "[B, T, H, K]", B, None, H, K)
+    T = k.shape[1]
+    check_tensor("v", v, "[B, T, H, V]", B, T, H, None)
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        check_float(name, t)
+    for name, t in (("k", k), ("v", v)):
+        if t.dtype != q.dtype:
+            raise ShapeError(f"{name}: expected the dtype of q ({q.dtype}), got {t.dtype}")
+    return B, Tq, T, H, K, v.shape[-1]

@@ -29,11 +29,10 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from memattn.errors import MemattnError, ShapeError, check_tensor
-from memattn.fileio import atomic_write
+from memattn.fileio import atomic_write, read_tagged
 from memattn.ops.linear import linear_attention_read
 from memattn.ops.linear.common import accumulation_dtype
 
@@ -218,24 +217,9 @@ def load(path: str | os.PathLike, *, key_dim: int | None = None,
     if not path.is_file():
         raise RepresentationError(f"path: expected a representations file, got {str(path)!r}, "
                                   "which is not a file")
-    try:
-        with safe_open(str(path), framework="pt", device="cpu") as f:
-            header = f.metadata() or {}
-            tensors = {name: f.get_tensor(name) for name in f.keys()}  # noqa: SIM118 (safe_open is not a dict)
-    except (SafetensorError, OSError, RuntimeError, ValueError) as e:
-        raise RepresentationError(f"path: {str(path)!r} is not a readable safetensors file; "
-                                  f"truncated or not written by memattn.representations.save "
-                                  f"({e})") from None
-    if "memattn" not in header:
-        raise RepresentationError(f"path: {str(path)!r} is a safetensors file but not memattn "
-                                  f"document representations (no 'memattn' metadata)")
-    try:
-        info = json.loads(header["memattn"])
-    except json.JSONDecodeError as e:
-        raise RepresentationError(f"path: {str(path)!r}: its metadata is not valid JSON ({e})"
-                                  ) from None
-    if not isinstance(info, dict) or info.get("format") != FORMAT:
-        got = info.get("format") if isinstance(info, dict) else None
+    info, tensors = read_tagged(path, what="representations file", error=RepresentationError)
+    if info.get("format") != FORMAT:
+        got = info.get("format")
         raise RepresentationError(f"path: {str(path)!r} holds format {got!r}, expected "
                                   f"{FORMAT!r} (document representations)")
     if info.get("version") != VERSION:

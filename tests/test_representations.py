@@ -150,7 +150,7 @@ def test_encode_and_construction_reject_bad_input():
 def test_a_file_that_is_not_ours_is_a_clear_error(tmp_path):
     foreign = tmp_path / "foreign.safetensors"
     save_file({"weight": torch.zeros(3, 3)}, str(foreign))
-    with pytest.raises(RepresentationError, match=r"safetensors file but not memattn document representations"):
+    with pytest.raises(RepresentationError, match=r"a safetensors file, but not a memattn representations file"):
         load(foreign)
     other = tmp_path / "other.safetensors"
     save_file({"memory": torch.zeros(1, 1, 2, 2)}, str(other),
@@ -160,7 +160,7 @@ def test_a_file_that_is_not_ours_is_a_clear_error(tmp_path):
         load(other)
     text = tmp_path / "notes.txt"
     text.write_text("not a tensor file at all")
-    with pytest.raises(RepresentationError, match=r"is not a readable safetensors file"):
+    with pytest.raises(RepresentationError, match=r"not a readable safetensors file"):
         load(text)
     with pytest.raises(RepresentationError, match=r"path: no such file"):
         load(tmp_path / "missing.safetensors")

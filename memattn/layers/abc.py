@@ -20,6 +20,8 @@ The strategies differ only in the write rule, i.e. how φ is chosen:
     abc-l2g         local-to-global: φ_t = e_{t/c} for the global tokens t = 0, c, 2c, ..., else 0.
     abc-dilated     two FIFO queues: the last n tokens and the last n tokens at positions 0, d, 2d, ...
     abc-workspace   bidirectional, Luna-style: slot logits k_i · P_m from the previous layer's memory P.
+    abc-cluster     bidirectional: keys grouped into n clusters by k-means; slot j holds the mean
+                    of the keys / values of cluster j, φ_i = e_{c(i)} / |cluster c(i)|.
 
 The causal ones decode with a fixed-size state (`fixed_size = True`): the M-slot memory, or
 the n-slot ring buffers of the queues, never the prefix. Rotary positions (spec.positions == "rotary")
@@ -706,4 +708,95 @@ class ABCWorkspaceAttention(_ABCBase):
         o, state = abc_attention(q, k, v, s, causal=False, output_final_state=True)
         last = self.spec.layer_idx == self.spec.n_layers - 1
         ws.current = None if last else state.k.to(k.dtype)
+        return self.finish(o), None
+
+
+# --------------------------------------------------------------------------- abc-cluster
+
+
+@dataclass
+class ABCClusterOptions:
+    """Options of `abc-cluster`.
+
+    num_clusters: n, memory slots per head: the clusters the keys are grouped into.
+    iters: Lloyd iterations (assign every key to its nearest centre, move each centre to
+        the mean of its keys) after the initial centres.
+    bias: biases on the q/k/v and output projections.
+    """
+
+    num_clusters: int = 32
+    iters: int = 3
+    bias: bool = False
+
+    def __post_init__(self) -> None:
+        _check_slots("num_clusters", self.num_clusters)
+        _check_slots("iters", self.iters)
+
+
+def cluster_keys(k: torch.Tensor, n: int, iters: int,
+                 mask: torch.Tensor | None = None) -> torch.Tensor:
+    """k [B, T, H, D] -> the cluster of each key, [B, T, H] in 0 .. n-1 (k-means, per head).
+
+    Deterministic: the initial centres are the keys of the real tokens of ranks
+    ⌊j L / n⌋, j = 0 .. n-1 (L real tokens, in order); then `iters` Lloyd iterations, and a
+    last assignment to the nearest centre (ties to the lowest index). A centre that loses
+    all its keys stays where it is. Padding (mask False) is assigned but moves no centre.
+    Squared distances are taken elementwise, so a key's cluster does not depend on padding.
+    """
+    B, T, H, D = k.shape
+    kt = k.detach().transpose(1, 2)  # [B, H, T, D]
+    real = mask if mask is not None else torch.ones(B, T, dtype=torch.bool, device=k.device)
+    L = real.sum(1)  # [B]
+    order = torch.sort((~real).to(torch.int8), dim=1, stable=True).indices  # real tokens first
+    ranks = torch.arange(n, device=k.device)[None] * L[:, None] // n  # [B, n]
+    ranks = torch.minimum(ranks, (L - 1).clamp(min=0)[:, None])
+    start = order.gather(1, ranks)  # [B, n] positions of the initial centres
+    centres = kt.gather(2, start[:, None, :, None].expand(B, H, n, D))  # [B, H, n, D]
+    weight = real[:, None, :, None].to(kt.dtype)  # [B, 1, T, 1]
+
+    def nearest(c: torch.Tensor) -> torch.Tensor:
+        return (kt[:, :, :, None, :] - c[:, :, None, :, :]).square().sum(-1).argmin(-1)
+
+    for _ in range(iters):
+        member = F.one_hot(nearest(centres), n).to(kt.dtype) * weight  # [B, H, T, n]
+        count = member.sum(2)[..., None]  # [B, H, n, 1]
+        sums = member.transpose(2, 3) @ kt  # [B, H, n, D]
+        centres = torch.where(count > 0, sums / count.clamp(min=1), centres)
+    return nearest(centres).transpose(1, 2)  # [B, T, H]
+
+
+@register("abc-cluster", options=ABCClusterOptions, causal=False)
+class ABCClusterAttention(_ABCBase):
+    """ABC with clustering control: φ_i = Σ_j M_ij / |cluster j| e_j, M_ij = 1 iff key i is in j.
+
+    The keys of each head are grouped into n clusters by k-means (`cluster_keys`, on the
+    keys after rotary positions, without gradient: the assignment is discrete); slot j then
+    holds the mean of the keys and of the values of cluster j, and every query reads the n
+    slots with a softmax (`bounded_memory_attention`, not causal). A cluster left empty is
+    a slot nothing was written to (K̃ = 0, score 0), as in the op. Bidirectional only: the
+    clusters are those of the whole sequence. Padding writes nothing and moves no centre.
+    """
+
+    def __init__(self, spec: LayerSpec, options: ABCClusterOptions) -> None:
+        super().__init__(spec, options.bias)
+        self.options = options
+        self.num_slots = options.num_clusters
+
+    def init_state(self, batch_size: int, device=None, dtype=None):
+        raise ConfigError("attention: 'abc-cluster' is bidirectional only and has no "
+                          "decoding state")
+
+    def forward(self, x: torch.Tensor, *, memory_state=None,
+                attention_mask: torch.Tensor | None = None):
+        """x [B, T, d], attention_mask [B, T] bool (True = real) -> (y [B, T, d], None)."""
+        check_tensor("x", x, "[B, T, d]", None, None, self.spec.d_model)
+        B, T, _ = x.shape
+        _check_mask(attention_mask, B, T)
+        q, k, v = self.project(x, 0)
+        n = self.num_slots
+        member = F.one_hot(cluster_keys(k, n, self.options.iters, attention_mask), n).to(q.dtype)
+        if attention_mask is not None:
+            member = member * attention_mask[:, :, None, None].to(q.dtype)
+        phi = member / member.sum(1, keepdim=True).clamp(min=1)  # [B, T, H, n]
+        o, _ = bounded_memory_attention(q, k, v, phi, causal=False)
         return self.finish(o), None

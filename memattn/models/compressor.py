@@ -35,7 +35,7 @@ from torch import nn
 from memattn.checkpoint import load_checkpoint, restore, save_checkpoint
 from memattn.config import ModelConfig, from_dict, to_dict
 from memattn.errors import CheckpointError, ConfigError, ShapeError
-from memattn.fileio import atomic_write
+from memattn.fileio import atomic_write, read_tagged
 from memattn.layers.base import LayerSpec, memory_layout
 from memattn.models.lm import Block, SplitPositions, Transformer, make_norm
 
@@ -211,23 +211,10 @@ def save_compressed(path: str | os.PathLike, memory: torch.Tensor, lengths: torc
 
 def load_compressed(path: str | os.PathLike) -> Compressed:
     """Read a file written by `save_compressed`; anything else raises CheckpointError."""
-    from safetensors import SafetensorError, safe_open
-    from safetensors.torch import load_file
-
     path = Path(path)
     if not path.is_file():
         raise CheckpointError(f"compressed file {path}: no such file")
-    try:
-        with safe_open(str(path), framework="pt") as f:
-            header = f.metadata() or {}
-        tensors = load_file(str(path))
-    except (SafetensorError, OSError, ValueError, RuntimeError) as e:
-        raise CheckpointError(f"compressed file {path}: not a readable safetensors file ({e})") from None
-    try:
-        meta = json.loads(header["memattn"])
-    except (KeyError, json.JSONDecodeError):
-        raise CheckpointError(f"compressed file {path}: a safetensors file, but not one memattn "
-                              f"compressed") from None
+    meta, tensors = read_tagged(path, what="compressed file", error=CheckpointError)
     if meta.get("format") != COMPRESSED_FORMAT:
         raise CheckpointError(f"compressed file {path}: format {meta.get('format')!r}, expected "
                               f"{COMPRESSED_FORMAT!r}")

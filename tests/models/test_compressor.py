@@ -132,7 +132,7 @@ def test_cli_errors_are_one_line(saved, tmp_path, capsys):
     other = tmp_path / "other.safetensors"
     save_compressed(other, torch.zeros(2, 4, 32), torch.tensor([3, 3]), model_fingerprint="not this model")
     cases = [
-        (["decompress", str(foreign), "--checkpoint", str(path)], "a safetensors file, but not one memattn compressed"),
+        (["decompress", str(foreign), "--checkpoint", str(path)], "a safetensors file, but not a memattn compressed file"),
         (["decompress", str(truncated), "--checkpoint", str(path)], "not a readable safetensors file"),
         (["decompress", str(other), "--checkpoint", str(path)], "was made by another model"),
         (["decompress", str(tmp_path / "none"), "--checkpoint", str(path)], "no such file"),

@@ -16,6 +16,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from memattn import errors
 from memattn.errors import ShapeError, check_tensor
 
 PATTERNS = ("chunked", "window", "lsh", "full")
@@ -63,17 +64,7 @@ def check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, memory_k: torch
               ) -> tuple[int, int, int, int, int, int]:
     """Shapes of one call: q [B, Tq, H, K], k [B, T, H, K], v [B, T, H, V], memory_k / memory_v
     like k / v, attention_mask bool [B, T]. Returns (B, Tq, T, H, K, V)."""
-    check_tensor("q", q, "[B, Tq, H, K]", None, None, None, None)
-    B, Tq, H, K = q.shape
-    check_tensor("k", k, "[B, T, H, K]", B, None, H, K)
-    T = k.shape[1]
-    check_tensor("v", v, "[B, T, H, V]", B, T, H, None)
-    V = v.shape[-1]
-    for name, t in (("q", q), ("k", k), ("v", v)):
-        if not t.is_floating_point():
-            raise ShapeError(f"{name}: expected a floating point tensor, got dtype {t.dtype}")
-        if t.dtype != q.dtype:
-            raise ShapeError(f"{name}: expected the dtype of q ({q.dtype}), got {t.dtype}")
+    B, Tq, T, H, K, V = errors.check_qkv(q, k, v)
     if (memory_k is None) != (memory_v is None):
         raise ShapeError("memory_k, memory_v: give both (untied memory projections) or neither")
     if memory_k is not None:

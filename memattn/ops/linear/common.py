@@ -12,7 +12,7 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
-from memattn.errors import ShapeError, check_tensor
+from memattn.errors import ShapeError, check_float, check_qkv, check_tensor
 
 
 def accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -25,11 +25,6 @@ def resolve_scale(scale: float | None) -> float:
     return 1.0 if scale is None else float(scale)
 
 
-def _check_float(name: str, t: torch.Tensor) -> None:
-    if not t.is_floating_point():
-        raise ShapeError(f"{name}: expected a floating point tensor, got dtype {t.dtype}")
-
-
 def check_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool,
                  alpha: torch.Tensor | None, beta: torch.Tensor | None,
                  initial_state: torch.Tensor | None) -> tuple[int, int, int, int, int, int]:
@@ -38,17 +33,7 @@ def check_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: b
     q [B, Tq, H, K], k [B, T, H, K], v [B, T, H, V], alpha / beta [B, T, H],
     initial_state [B, H, K, V]. Causal reading needs Tq = T (one query per step).
     """
-    check_tensor("q", q, "[B, Tq, H, K]", None, None, None, None)
-    B, Tq, H, K = q.shape
-    check_tensor("k", k, "[B, T, H, K]", B, None, H, K)
-    T = k.shape[1]
-    check_tensor("v", v, "[B, T, H, V]", B, T, H, None)
-    V = v.shape[-1]
-    for name, t in (("q", q), ("k", k), ("v", v)):
-        _check_float(name, t)
-    for name, t in (("k", k), ("v", v)):
-        if t.dtype != q.dtype:
-            raise ShapeError(f"{name}: expected the dtype of q ({q.dtype}), got {t.dtype}")
+    B, Tq, T, H, K, V = check_qkv(q, k, v)
     if T == 0:
         raise ShapeError(f"k: expected [B, T, H, K] with at least one step (T >= 1), "
                          f"got shape {tuple(k.shape)}")
@@ -58,10 +43,10 @@ def check_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: b
     for name, t in (("alpha", alpha), ("beta", beta)):
         if t is not None:
             check_tensor(name, t, "[B, T, H]", B, T, H)
-            _check_float(name, t)
+            check_float(name, t)
     if initial_state is not None:
         check_tensor("initial_state", initial_state, "[B, H, K, V]", B, H, K, V)
-        _check_float("initial_state", initial_state)
+        check_float("initial_state", initial_state)
     return B, Tq, T, H, K, V
 
 
