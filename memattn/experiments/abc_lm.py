@@ -157,7 +157,9 @@ def findings(result: dict) -> list[str]:
     if not behind:
         verdict = f"agrees: {mlp} is ahead of " + " and ".join(rivals)
     else:
-        verdict = f"differs: {mlp} is not ahead of " + " and ".join(behind)
+        verdict = (f"differs: {mlp} is "
+                   + (f"ahead of {' and '.join(ahead)} but " if ahead else "")
+                   + "not ahead of " + " and ".join(behind))
     return [
         "## Against the paper's finding",
         "",

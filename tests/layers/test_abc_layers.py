@@ -432,6 +432,7 @@ def test_gradients_reach_every_parameter_and_stay_finite(name, options):
     ("abc-dilated", {"dilation": 0}, "dilation"),
     ("abc-dilated", {"window": 0}, "window"),
     ("abc-workspace", {"num_slots": 0}, "num_slots"),
+    ("abc-cluster", {"num_clusters": 0}, "num_clusters"), ("abc-cluster", {"iters": 0}, "iters"),
 ])
 def test_bad_options_are_config_errors_naming_the_option(name, options, named):
     with pytest.raises(ConfigError, match=rf"attention\.{named}"):
@@ -444,4 +445,57 @@ def test_the_abc_layers_are_registered_for_causal_and_bidirectional_models():
         assert known[name].causal and known[name].bidirectional, name
     for name in ("abc-l2g", "abc-dilated"):
         assert known[name].causal and not known[name].bidirectional, name
-    assert known["abc-workspace"].bidirectional and not known["abc-workspace"].causal
+    for name in ("abc-workspace", "abc-cluster"):
+        assert known[name].bidirectional and not known[name].causal, name
+
+
+def kmeans_by_hand(keys, n, iters):
+    """keys [T, D] -> cluster of each key [T]: initial centres at ranks ⌊jT/n⌋, Lloyd by loops."""
+    T = keys.shape[0]
+    centres = [keys[j * T // n].clone() for j in range(n)]
+
+    def assign():
+        return [min(range(n), key=lambda j: (float(((keys[t] - centres[j]) ** 2).sum()), j))
+                for t in range(T)]
+
+    for _ in range(iters):
+        c = assign()
+        for j in range(n):
+            members = [keys[t] for t in range(T) if c[t] == j]
+            if members:
+                centres[j] = torch.stack(members).mean(0)
+    return assign()
+
+
+@pytest.mark.parametrize("positions", ["none", "rotary"])
+def test_abc_cluster_slots_hold_cluster_means(positions):
+    n, iters = 3, 2
+    m = layer("abc-cluster", causal=False, positions=positions, num_clusters=n, iters=iters)
+    x = torch.randn(2, 9, D_MODEL, dtype=F64)
+    q, k, v = projections(m, x, positions)
+    o = torch.zeros_like(q)
+    for b in range(2):
+        for h in range(HEADS):
+            c = kmeans_by_hand(k[b, :, h].detach(), n, iters)
+            assert len(set(c)) > 1  # the keys do fall into several clusters
+            mem_k = torch.zeros(n, HEAD, dtype=F64)
+            mem_v = torch.zeros(n, HEAD, dtype=F64)
+            for j in range(n):
+                idx = [t for t in range(9) if c[t] == j]
+                if idx:
+                    mem_k[j], mem_v[j] = k[b, idx, h].mean(0), v[b, idx, h].mean(0)
+            for t in range(9):
+                p = torch.softmax(mem_k @ q[b, t, h] / HEAD ** 0.5, -1)
+                o[b, t, h] = p @ mem_v
+    torch.testing.assert_close(m(x)[0], output(m, o))
+
+
+def test_abc_cluster_padding_writes_nothing_and_has_no_decoding_state():
+    m = layer("abc-cluster", causal=False, num_clusters=4)
+    x = torch.randn(1, 10, D_MODEL, dtype=F64)
+    mask = torch.ones(1, 10, dtype=torch.bool)
+    mask[0, 6:] = False
+    y = m(x, attention_mask=mask)[0]
+    torch.testing.assert_close(y[:, :6], m(x[:, :6])[0])
+    with pytest.raises(ConfigError, match="bidirectional only"):
+        m.init_state(1)
