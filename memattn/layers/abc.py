@@ -113,14 +113,22 @@ class _ABCBase(nn.Module):
         self.rotary = Rotary(spec.head_dim) if spec.positions == "rotary" else None
         self.dropout = nn.Dropout(spec.dropout)
 
-    def project(self, x: torch.Tensor, offset: int
-                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """x [B, T, d] -> q, k, v [B, T, H, D]; q and k rotated at positions offset, offset+1, ..."""
+    def project(self, x: torch.Tensor, memory_state: AttentionState | None = None,
+                attention_mask: torch.Tensor | None = None
+                ) -> tuple[int, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Check x [B, T, d] and attention_mask [B, T]; return (offset, q, k, v [B, T, H, D]).
+
+        offset: the tokens `memory_state` has seen; q and k are rotated at positions offset,
+        offset + 1, ...
+        """
+        check_tensor("x", x, "[B, T, d]", None, None, self.spec.d_model)
         B, T, _ = x.shape
+        _check_mask(attention_mask, B, T)
+        offset = memory_state.seen if memory_state is not None else 0
         q, k, v = self.qkv(x).view(B, T, 3, self.spec.n_heads, self.spec.head_dim).unbind(2)
         if self.rotary is not None:
             q, k = self.rotary(q, offset), self.rotary(k, offset)
-        return q, k, v
+        return offset, q, k, v
 
     def finish(self, o: torch.Tensor) -> torch.Tensor:
         """o [B, T, H, D] -> y [B, T, d]."""
@@ -203,11 +211,8 @@ class ABCMLPAttention(_ABCBase):
     def forward(self, x: torch.Tensor, *, memory_state: ABCMemoryState | None = None,
                 attention_mask: torch.Tensor | None = None):
         """x [B, T, d], attention_mask [B, T] bool (True = real) -> (y [B, T, d], state)."""
-        check_tensor("x", x, "[B, T, d]", None, None, self.spec.d_model)
+        offset, q, k, v = self.project(x, memory_state, attention_mask)
         B, T, _ = x.shape
-        _check_mask(attention_mask, B, T)
-        offset = memory_state.seen if memory_state is not None else 0
-        q, k, v = self.project(x, offset)
         s = self.slot_logits(x)
         if attention_mask is not None:
             s = s.masked_fill(~attention_mask[:, :, None, None], PAD_LOGIT)
@@ -365,11 +370,8 @@ class ABCWindowAttention(_ABCBase):
     def forward(self, x: torch.Tensor, *, memory_state: QueueState | None = None,
                 attention_mask: torch.Tensor | None = None):
         """x [B, T, d], attention_mask [B, T] bool (True = real) -> (y [B, T, d], state)."""
-        check_tensor("x", x, "[B, T, d]", None, None, self.spec.d_model)
+        offset, q, k, v = self.project(x, memory_state, attention_mask)
         B, T, _ = x.shape
-        _check_mask(attention_mask, B, T)
-        offset = memory_state.seen if memory_state is not None else 0
-        q, k, v = self.project(x, offset)
         real = (attention_mask if attention_mask is not None
                 else torch.ones(B, T, dtype=torch.bool, device=x.device))
         qpos = torch.arange(offset, offset + T, device=x.device)
@@ -435,11 +437,8 @@ class _GivenPhi(_ABCBase):
     def forward(self, x: torch.Tensor, *, memory_state: ABCMemoryState | None = None,
                 attention_mask: torch.Tensor | None = None):
         """x [B, T, d], attention_mask [B, T] bool (True = real) -> (y [B, T, d], state)."""
-        check_tensor("x", x, "[B, T, d]", None, None, self.spec.d_model)
+        offset, q, k, v = self.project(x, memory_state, attention_mask)
         B, T, _ = x.shape
-        _check_mask(attention_mask, B, T)
-        offset = memory_state.seen if memory_state is not None else 0
-        q, k, v = self.project(x, offset)
         phi = self.write_weights(offset, T, x).to(q.dtype).expand(B, T, self.spec.n_heads, -1)
         if attention_mask is not None:
             phi = phi * attention_mask[:, :, None, None].to(phi.dtype)  # padding writes nothing
@@ -691,10 +690,8 @@ class ABCWorkspaceAttention(_ABCBase):
     def forward(self, x: torch.Tensor, *, memory_state=None,
                 attention_mask: torch.Tensor | None = None):
         """x [B, T, d], attention_mask [B, T] bool (True = real) -> (y [B, T, d], None)."""
-        check_tensor("x", x, "[B, T, d]", None, None, self.spec.d_model)
+        _, q, k, v = self.project(x, attention_mask=attention_mask)
         B, T, _ = x.shape
-        _check_mask(attention_mask, B, T)
-        q, k, v = self.project(x, 0)
         ws = self.workspace
         prev = ws.current if self.spec.layer_idx > 0 else None
         if prev is None:  # the first layer (or a layer used on its own)
@@ -789,10 +786,8 @@ class ABCClusterAttention(_ABCBase):
     def forward(self, x: torch.Tensor, *, memory_state=None,
                 attention_mask: torch.Tensor | None = None):
         """x [B, T, d], attention_mask [B, T] bool (True = real) -> (y [B, T, d], None)."""
-        check_tensor("x", x, "[B, T, d]", None, None, self.spec.d_model)
+        _, q, k, v = self.project(x, attention_mask=attention_mask)
         B, T, _ = x.shape
-        _check_mask(attention_mask, B, T)
-        q, k, v = self.project(x, 0)
         n = self.num_slots
         member = F.one_hot(cluster_keys(k, n, self.options.iters, attention_mask), n).to(q.dtype)
         if attention_mask is not None:
