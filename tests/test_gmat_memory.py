@@ -17,14 +17,6 @@ from memattn.layers import LayerSpec, build_attention
 from memattn.ops.gmat import gmat_attention_reference
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 def memory_profile(fn) -> tuple[int, int]:
     """(peak bytes live, largest single allocation) of the CPU allocations made inside fn()."""
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:

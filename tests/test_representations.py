@@ -15,14 +15,6 @@ from memattn.representations import (FORMAT, RepresentationError, Representation
 F64 = torch.float64
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 def documents(N=3, T=17, K=6, dtype=torch.float32, seed=0):
     """States h [N, T, K] of N documents of different lengths, and their mask."""
     g = torch.Generator().manual_seed(seed)

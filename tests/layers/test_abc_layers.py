@@ -23,15 +23,6 @@ HEAD = D_MODEL // HEADS
 CAUSAL_ABC = ["abc-mlp", "abc-window", "abc-linformer", "abc-random", "abc-meanpool"]
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Many tiny ops: a second thread on a busy 2-core machine only adds overhead."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 def layer(name, *, causal=True, positions="none", max_len=64, **options):
     spec = LayerSpec(D_MODEL, HEADS, causal=causal, positions=positions, max_len=max_len)
     m = build_attention(name, options, spec).double().eval()

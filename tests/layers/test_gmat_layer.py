@@ -16,14 +16,6 @@ from memattn.models.lm import SplitPositions, insert_memory
 from memattn.ops.gmat import gmat_attention
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 def layer(causal=False, **options):
     spec = LayerSpec(d_model=16, n_heads=2, causal=causal, positions="none")
     return build_attention("gmat", options, spec).double()

@@ -17,15 +17,6 @@ D_MODEL, HEADS = 12, 3
 HEAD = D_MODEL // HEADS
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny tensors: a second thread on a busy 2-core machine only adds overhead."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 def layer(name="linear", *, causal=True, positions="none", **options):
     spec = LayerSpec(D_MODEL, HEADS, causal=causal, positions=positions)
     m = build_attention(name, options, spec).double().eval()

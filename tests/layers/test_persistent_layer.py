@@ -16,14 +16,6 @@ from memattn.ops.persistent import persistent_attention_reference
 F64 = torch.float64
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 def model(options=None, *, cls=CausalLM, **kw):
     base = dict(vocab_size=37, d_model=32, n_layers=2, n_heads=4, ff_mult=2, max_len=64,
                 attention=AttentionConfig("persistent", dict(options or {})))

@@ -22,14 +22,6 @@ from memattn.models.compressor import (compress_ids, decompress_ids, fingerprint
 TEXT = "Now is the winter of our discontent\nMade glorious summer by this sun of York;\n" * 3
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 def config(vocab_size=30, **kw):
     base = dict(vocab_size=vocab_size, d_model=32, n_layers=4, n_heads=4, ff_mult=2, max_len=64,
                 positions="learned", attention=AttentionConfig("gmat", {"num_memory": 4, "chunk_size": 8}))

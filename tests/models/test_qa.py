@@ -13,14 +13,6 @@ from memattn.representations import load, lookup, save
 F64 = torch.float64
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 @pytest.fixture(scope="module")
 def data():
     task = ReadingTask(ReadingConfig(doc_len=(40, 90), queries_per_doc=3))

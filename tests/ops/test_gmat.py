@@ -17,15 +17,6 @@ from memattn.ops.softmax import softmax_attention
 F64 = torch.float64
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny tensors: a second thread on a busy 2-core machine costs more than the work."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 def make(B=2, T=26, H=2, K=4, V=3, *, n_buckets=4, mask=False, untied=False, seed=0, dtype=F64):
     g = torch.Generator().manual_seed(seed)
 

@@ -20,16 +20,6 @@ from memattn.ops.linear import (ALPHA_MIN, choose_state_mode, linear_attention,
 F64 = torch.float64
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """These tensors are tiny: on a busy 2-core machine, handing each op to a second
-    thread costs up to 100× the work itself."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 def make_inputs(B=2, T=7, H=2, K=5, V=4, *, Tq=None, gates=None, init=False, dtype=F64,
                 seed=0, alpha_range=(0.9, 1.0)):
     """Random inputs as a dict of the op's arguments. gates: None, "beta" or "gated" (α and β)."""

@@ -14,14 +14,6 @@ from memattn.ops.persistent import (persistent_attention, persistent_attention_r
 F64 = torch.float64
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 def rand(*shape, grad=False):
     return torch.randn(*shape, dtype=F64, requires_grad=grad)
 
