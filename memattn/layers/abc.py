@@ -20,8 +20,8 @@ The strategies differ only in the write rule, i.e. how φ is chosen:
     abc-l2g         local-to-global: φ_t = e_{t/c} for the global tokens t = 0, c, 2c, ..., else 0.
     abc-dilated     two FIFO queues: the last n tokens and the last n tokens at positions 0, d, 2d, ...
     abc-workspace   bidirectional, Luna-style: slot logits k_i · P_m from the previous layer's memory P.
-    abc-cluster     bidirectional: keys grouped into n clusters by k-means; slot j holds the mean
-                    of the keys / values of cluster j, φ_i = e_{c(i)} / |cluster c(i)|.
+    abc-cluster     keys grouped into n clusters (k-means over the sequence; causal: online
+                    k-means centres); slot j holds the mean of the keys / values of cluster j.
 
 The causal ones decode with a fixed-size state (`fixed_size = True`): the M-slot memory, or
 the n-slot ring buffers of the queues, never the prefix. Rotary positions (spec.positions == "rotary")
@@ -130,6 +130,28 @@ class _ABCBase(nn.Module):
             q, k = self.rotary(q, offset), self.rotary(k, offset)
         return offset, q, k, v
 
+    def empty_abc_state(self, batch_size: int, slots: int, device=None,
+                        dtype=None) -> ABCMemoryState:
+        """An empty slot-logit memory: log_z = -inf [B, H, M], zeros [B, H, M, D]."""
+        w = self.qkv.weight
+        D = self.spec.head_dim
+        return ABCMemoryState(ABCState.empty(
+            batch_size, self.spec.n_heads, slots, D, D,
+            device=device if device is not None else w.device, dtype=_state_dtype(dtype, w)))
+
+    def attend_logits(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, s: torch.Tensor,
+                      memory_state: ABCMemoryState | None,
+                      attention_mask: torch.Tensor | None) -> torch.Tensor:
+        """`abc_attention` with slot logits s [B, T, H, M]; padding writes nothing -> y [B, T, d]."""
+        if attention_mask is not None:
+            s = s.masked_fill(~attention_mask[:, :, None, None], PAD_LOGIT)
+        initial = memory_state.inner if memory_state is not None else None
+        o, state = abc_attention(q, k, v, s, causal=self.spec.causal, initial_state=initial,
+                                 output_final_state=memory_state is not None)
+        if memory_state is not None:
+            memory_state.update(state, q.shape[1])
+        return self.finish(o)
+
     def finish(self, o: torch.Tensor) -> torch.Tensor:
         """o [B, T, H, D] -> y [B, T, d]."""
         B, T = o.shape[:2]
@@ -192,11 +214,7 @@ class ABCMLPAttention(_ABCBase):
 
     def init_state(self, batch_size: int, device=None, dtype=None) -> ABCMemoryState:
         """An empty memory: log_z = -inf [B, H, M], zeros [B, H, M, D] for keys and values."""
-        w = self.qkv.weight
-        D = self.spec.head_dim
-        return ABCMemoryState(ABCState.empty(
-            batch_size, self.spec.n_heads, self.options.num_slots, D, D,
-            device=device if device is not None else w.device, dtype=_state_dtype(dtype, w)))
+        return self.empty_abc_state(batch_size, self.options.num_slots, device, dtype)
 
     def slot_logits(self, x: torch.Tensor) -> torch.Tensor:
         """x [B, T, d] -> s [B, T, H, M], log α for the chosen activation."""
@@ -211,17 +229,9 @@ class ABCMLPAttention(_ABCBase):
     def forward(self, x: torch.Tensor, *, memory_state: ABCMemoryState | None = None,
                 attention_mask: torch.Tensor | None = None):
         """x [B, T, d], attention_mask [B, T] bool (True = real) -> (y [B, T, d], state)."""
-        offset, q, k, v = self.project(x, memory_state, attention_mask)
-        B, T, _ = x.shape
-        s = self.slot_logits(x)
-        if attention_mask is not None:
-            s = s.masked_fill(~attention_mask[:, :, None, None], PAD_LOGIT)
-        initial = memory_state.inner if memory_state is not None else None
-        o, state = abc_attention(q, k, v, s, causal=self.spec.causal, initial_state=initial,
-                                 output_final_state=memory_state is not None)
-        if memory_state is not None:
-            memory_state.update(state, T)
-        return self.finish(o), memory_state
+        _, q, k, v = self.project(x, memory_state, attention_mask)
+        y = self.attend_logits(q, k, v, self.slot_logits(x), memory_state, attention_mask)
+        return y, memory_state
 
 
 # --------------------------------------------------------------------------- abc-window
@@ -717,17 +727,22 @@ class ABCClusterOptions:
 
     num_clusters: n, memory slots per head: the clusters the keys are grouped into.
     iters: Lloyd iterations (assign every key to its nearest centre, move each centre to
-        the mean of its keys) after the initial centres.
+        the mean of its keys) after the initial centres; bidirectional only.
+    decay: causal only: the centres are running means of the unit keys assigned to them,
+        c <- normalise(decay · c + (1 - decay) · mean), updated by every training forward.
     bias: biases on the q/k/v and output projections.
     """
 
     num_clusters: int = 32
     iters: int = 3
+    decay: float = 0.99
     bias: bool = False
 
     def __post_init__(self) -> None:
         _check_slots("num_clusters", self.num_clusters)
         _check_slots("iters", self.iters)
+        if not 0.0 <= self.decay < 1.0:
+            raise ConfigError(f"attention.decay: expected a number in [0, 1), got {self.decay!r}")
 
 
 def cluster_keys(k: torch.Tensor, n: int, iters: int,
@@ -762,33 +777,71 @@ def cluster_keys(k: torch.Tensor, n: int, iters: int,
     return nearest(centres).transpose(1, 2)  # [B, T, H]
 
 
-@register("abc-cluster", options=ABCClusterOptions, causal=False)
-class ABCClusterAttention(_ABCBase):
-    """ABC with clustering control: φ_i = Σ_j M_ij / |cluster j| e_j, M_ij = 1 iff key i is in j.
+def nearest_centre(k: torch.Tensor, centres: torch.Tensor) -> torch.Tensor:
+    """k [B, T, H, D], unit centres [H, n, D] -> the centre of largest cosine, [B, T, H]."""
+    return torch.einsum("bthd,hnd->bthn", F.normalize(k.detach(), dim=-1),
+                        centres.to(k.dtype)).argmax(-1)
 
-    The keys of each head are grouped into n clusters by k-means (`cluster_keys`, on the
-    keys after rotary positions, without gradient: the assignment is discrete); slot j then
-    holds the mean of the keys and of the values of cluster j, and every query reads the n
-    slots with a softmax (`bounded_memory_attention`, not causal). A cluster left empty is
-    a slot nothing was written to (K̃ = 0, score 0), as in the op. Bidirectional only: the
-    clusters are those of the whole sequence. Padding writes nothing and moves no centre.
+
+@register("abc-cluster", options=ABCClusterOptions)
+class ABCClusterAttention(_ABCBase):
+    """ABC with clustering control: slot j holds the mean of the keys / values in cluster j.
+
+    Bidirectional: the keys of each head are grouped into n clusters by k-means over the
+    sequence (`cluster_keys`, on the keys after rotary positions, without gradient: the
+    assignment is discrete); φ_i = e_{c(i)} / |cluster c(i)|, read by every query with a
+    softmax over the slots (`bounded_memory_attention`). A cluster left empty is a slot
+    nothing was written to (K̃ = 0, score 0), as in the op.
+
+    Causal: a future key cannot move a centre, so the centres are kept across sequences
+    (online spherical k-means, as in the Routing Transformer): n unit vectors per head,
+    a buffer moved towards the unit keys assigned to it by every training forward (see
+    `decay`). Token i goes to the centre of largest cosine, c(i), and slot j at position t
+    holds the mean of the keys / values of positions ≤ t in cluster j: ABC_MLP with slot
+    logits 0 for c(i) and PAD_LOGIT elsewhere, so decoding keeps the same fixed-size state.
+    A slot with no member yet holds the mean of the prefix. Padding writes nothing.
     """
 
     def __init__(self, spec: LayerSpec, options: ABCClusterOptions) -> None:
         super().__init__(spec, options.bias)
         self.options = options
         self.num_slots = options.num_clusters
+        centres = torch.randn(spec.n_heads, options.num_clusters, spec.head_dim)
+        self.register_buffer("centres", F.normalize(centres, dim=-1))
 
-    def init_state(self, batch_size: int, device=None, dtype=None):
-        raise ConfigError("attention: 'abc-cluster' is bidirectional only and has no "
-                          "decoding state")
+    def init_state(self, batch_size: int, device=None, dtype=None) -> ABCMemoryState:
+        """Causal only: the ABC_MLP memory of n slots (log_z [B, H, n], [B, H, n, D] twice)."""
+        if not self.spec.causal:
+            raise ConfigError("attention: 'abc-cluster' in a bidirectional model clusters "
+                              "the whole sequence and has no decoding state")
+        return self.empty_abc_state(batch_size, self.num_slots, device, dtype)
 
-    def forward(self, x: torch.Tensor, *, memory_state=None,
+    @torch.no_grad()
+    def move_centres(self, k: torch.Tensor, cluster: torch.Tensor,
+                     mask: torch.Tensor | None) -> None:
+        """One online k-means step: each centre towards the mean unit key assigned to it."""
+        n, decay = self.num_slots, self.options.decay
+        member = F.one_hot(cluster, n).to(torch.float32)  # [B, T, H, n]
+        if mask is not None:
+            member = member * mask[:, :, None, None]
+        unit = F.normalize(k.detach().float(), dim=-1)
+        sums = torch.einsum("bthn,bthd->hnd", member, unit)
+        count = member.sum((0, 1))[..., None]  # [H, n, 1]
+        moved = F.normalize(decay * self.centres + (1 - decay) * sums / count.clamp(min=1),
+                            dim=-1)
+        self.centres.copy_(torch.where(count > 0, moved, self.centres))
+
+    def forward(self, x: torch.Tensor, *, memory_state: ABCMemoryState | None = None,
                 attention_mask: torch.Tensor | None = None):
-        """x [B, T, d], attention_mask [B, T] bool (True = real) -> (y [B, T, d], None)."""
-        _, q, k, v = self.project(x, attention_mask=attention_mask)
-        B, T, _ = x.shape
+        """x [B, T, d], attention_mask [B, T] bool (True = real) -> (y [B, T, d], state)."""
+        _, q, k, v = self.project(x, memory_state, attention_mask)
         n = self.num_slots
+        if self.spec.causal:
+            cluster = nearest_centre(k, self.centres)
+            if self.training:
+                self.move_centres(k, cluster, attention_mask)
+            s = torch.where(F.one_hot(cluster, n).bool(), 0.0, PAD_LOGIT).to(q.dtype)
+            return self.attend_logits(q, k, v, s, memory_state, attention_mask), memory_state
         member = F.one_hot(cluster_keys(k, n, self.options.iters, attention_mask), n).to(q.dtype)
         if attention_mask is not None:
             member = member * attention_mask[:, :, None, None].to(q.dtype)

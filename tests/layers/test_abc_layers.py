@@ -345,6 +345,7 @@ def test_abc_workspace_reads_the_previous_layers_memory():
     ("abc-random", {"num_slots": 3}), ("abc-meanpool", {"num_slots": 8, "pool": 3}),
     ("abc-l2g", {"num_slots": 8, "every": 3}),
     ("abc-dilated", {"window": 3, "dilation": 2}), ("abc-dilated", {"window": 2, "dilation": 4}),
+    ("abc-cluster", {"num_clusters": 3}),
 ])
 def test_decoding_in_pieces_equals_the_full_forward(name, options):
     """Rotary, a window / memory smaller than the sequence, prefill then single tokens."""
@@ -363,7 +364,7 @@ def test_decoding_in_pieces_equals_the_full_forward(name, options):
     ("abc-linformer", {"num_slots": 4}), ("abc-random", {"num_slots": 4}),
     ("abc-meanpool", {"num_slots": 4, "pool": 2600}),
     ("abc-l2g", {"num_slots": 4, "every": 2600}),
-    ("abc-dilated", {"window": 4, "dilation": 3}),
+    ("abc-dilated", {"window": 4, "dilation": 3}), ("abc-cluster", {"num_clusters": 4}),
 ])
 def test_decoding_state_does_not_grow(name, options):
     spec = LayerSpec(D_MODEL, HEADS, causal=True, positions="rotary", max_len=10_001)
@@ -390,7 +391,7 @@ def test_decoding_state_does_not_grow(name, options):
     ("abc-mlp", {"activation": "exp"}), ("abc-mlp", {"activation": "relu"}),
     ("abc-mlp", {"activation": "sigmoid"}), ("abc-window", {"window": 3}),
     ("abc-dilated", {"window": 3}), ("abc-linformer", {}), ("abc-random", {}),
-    ("abc-meanpool", {}), ("abc-l2g", {"every": 2}),
+    ("abc-meanpool", {}), ("abc-l2g", {"every": 2}), ("abc-cluster", {"num_clusters": 3}),
 ])
 def test_gradients_reach_every_parameter_and_stay_finite(name, options):
     spec = LayerSpec(D_MODEL, HEADS, causal=True, positions="rotary", max_len=32)
@@ -424,6 +425,7 @@ def test_gradients_reach_every_parameter_and_stay_finite(name, options):
     ("abc-dilated", {"window": 0}, "window"),
     ("abc-workspace", {"num_slots": 0}, "num_slots"),
     ("abc-cluster", {"num_clusters": 0}, "num_clusters"), ("abc-cluster", {"iters": 0}, "iters"),
+    ("abc-cluster", {"decay": 1.0}, "decay"),
 ])
 def test_bad_options_are_config_errors_naming_the_option(name, options, named):
     with pytest.raises(ConfigError, match=rf"attention\.{named}"):
@@ -436,8 +438,7 @@ def test_the_abc_layers_are_registered_for_causal_and_bidirectional_models():
         assert known[name].causal and known[name].bidirectional, name
     for name in ("abc-l2g", "abc-dilated"):
         assert known[name].causal and not known[name].bidirectional, name
-    for name in ("abc-workspace", "abc-cluster"):
-        assert known[name].bidirectional and not known[name].causal, name
+    assert known["abc-workspace"].bidirectional and not known["abc-workspace"].causal
 
 
 def kmeans_by_hand(keys, n, iters):
@@ -481,12 +482,62 @@ def test_abc_cluster_slots_hold_cluster_means(positions):
     torch.testing.assert_close(m(x)[0], output(m, o))
 
 
-def test_abc_cluster_padding_writes_nothing_and_has_no_decoding_state():
+def test_abc_cluster_padding_writes_nothing_and_bidirectional_has_no_decoding_state():
     m = layer("abc-cluster", causal=False, num_clusters=4)
     x = torch.randn(1, 10, D_MODEL, dtype=F64)
     mask = torch.ones(1, 10, dtype=torch.bool)
     mask[0, 6:] = False
     y = m(x, attention_mask=mask)[0]
     torch.testing.assert_close(y[:, :6], m(x[:, :6])[0])
-    with pytest.raises(ConfigError, match="bidirectional only"):
+    with pytest.raises(ConfigError, match="no decoding state"):
         m.init_state(1)
+
+
+@pytest.mark.parametrize("positions", ["none", "rotary"])
+def test_causal_abc_cluster_slots_hold_prefix_means_of_the_nearest_centre(positions):
+    n = 3
+    m = layer("abc-cluster", positions=positions, num_clusters=n)
+    x = torch.randn(2, 11, D_MODEL, dtype=F64)
+    q, k, v = projections(m, x, positions)
+    centres = m.centres.double()
+    o = torch.zeros_like(q)
+    for b in range(2):
+        for h in range(HEADS):
+            kk = k[b, :, h].detach()
+            cos = [[float(kk[t] @ centres[h, j] / kk[t].norm()) for j in range(n)]
+                   for t in range(11)]
+            c = [max(range(n), key=lambda j: cos[t][j]) for t in range(11)]
+            assert len(set(c)) > 1
+            for t in range(11):
+                mem_k = torch.zeros(n, HEAD, dtype=F64)
+                mem_v = torch.zeros(n, HEAD, dtype=F64)
+                for j in range(n):
+                    idx = [i for i in range(t + 1) if c[i] == j] or list(range(t + 1))
+                    mem_k[j], mem_v[j] = k[b, idx, h].mean(0), v[b, idx, h].mean(0)
+                p = torch.softmax(mem_k @ q[b, t, h] / HEAD ** 0.5, -1)
+                o[b, t, h] = p @ mem_v
+    torch.testing.assert_close(m(x)[0], output(m, o))
+
+
+def test_causal_abc_cluster_centres_follow_the_keys_in_training_only():
+    m = layer("abc-cluster", num_clusters=2, decay=0.5)
+    x = torch.randn(1, 8, D_MODEL, dtype=F64)
+    mask = torch.ones(1, 8, dtype=torch.bool)
+    mask[0, 5:] = False
+    before = m.centres.clone()
+    m(x, attention_mask=mask)
+    torch.testing.assert_close(m.centres, before)  # eval: fixed
+    m.train()
+    m(x, attention_mask=mask)
+    _, k, _ = projections(m, x)
+    unit = F.normalize(k[0, :5], dim=-1)  # real tokens only
+    for h in range(HEADS):
+        c = (unit[:, h] @ before[h].double().T).argmax(-1)
+        for j in range(2):
+            if (c == j).any():
+                want = F.normalize(0.5 * before[h, j].double() + 0.5 * unit[c == j, h].mean(0),
+                                   dim=0)
+            else:
+                want = before[h, j].double()
+            torch.testing.assert_close(m.centres[h, j].double(), want, rtol=1e-6, atol=1e-6)
+    assert not torch.equal(m.centres, before)
