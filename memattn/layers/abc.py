@@ -166,8 +166,8 @@ class ABCMLPOptions:
     """Options of `abc-mlp`.
 
     num_slots: M, memory slots per head in self-attention.
-    cross_slots: memory slots for cross attention (None: num_slots); kept for models that
-        attend to another sequence, validated here.
+    cross_slots: memory slots per head of cross attention (None: num_slots), used by
+        models that attend to another sequence (`memattn.layers.cross`).
     activation: α = act(W_φ x). "exp" (the op's own control, α = exp(s)), "relu" or
         "sigmoid"; α is normalised per slot over the prefix (causal) or the sequence.
     tie_phi: one W_φ shared by every layer of the model (through spec.shared).
@@ -188,6 +188,15 @@ class ABCMLPOptions:
         if self.activation not in ("exp", "relu", "sigmoid"):
             raise ConfigError(f"attention.activation: expected one of exp, relu, sigmoid, "
                               f"got {self.activation!r}")
+
+
+def activation_logits(z: torch.Tensor, activation: str) -> torch.Tensor:
+    """Pre-activations z = W_φ x -> slot logits s = log act(z), so that α = exp(s) = act(z)."""
+    if activation == "sigmoid":
+        return F.logsigmoid(z)
+    if activation == "relu":
+        return torch.log(F.relu(z).clamp_min(RELU_FLOOR))
+    return z
 
 
 @register("abc-mlp", options=ABCMLPOptions)
@@ -220,11 +229,7 @@ class ABCMLPAttention(_ABCBase):
         """x [B, T, d] -> s [B, T, H, M], log α for the chosen activation."""
         B, T, _ = x.shape
         z = self.phi(x).view(B, T, self.spec.n_heads, self.options.num_slots)
-        if self.options.activation == "sigmoid":
-            return F.logsigmoid(z)
-        if self.options.activation == "relu":
-            return torch.log(F.relu(z).clamp_min(RELU_FLOOR))
-        return z
+        return activation_logits(z, self.options.activation)
 
     def forward(self, x: torch.Tensor, *, memory_state: ABCMemoryState | None = None,
                 attention_mask: torch.Tensor | None = None):

@@ -3,5 +3,6 @@
 from memattn.models.compressor import Compressor
 from memattn.models.encoder import Encoder
 from memattn.models.lm import CausalLM, ModelCache, Transformer
+from memattn.models.seq2seq import EncoderDecoder
 
-__all__ = ["CausalLM", "Compressor", "Encoder", "ModelCache", "Transformer"]
+__all__ = ["CausalLM", "Compressor", "Encoder", "EncoderDecoder", "ModelCache", "Transformer"]

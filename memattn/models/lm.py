@@ -29,6 +29,7 @@ from memattn.layers.base import (
     get_mechanism,
     memory_layout,
 )
+from memattn.layers.cross import build_cross_attention
 
 
 def make_norm(kind: str, d: int) -> nn.Module:
@@ -50,12 +51,19 @@ class FeedForward(nn.Module):
 
 class Block(nn.Module):
     """One pre-norm block: attention sublayer, then a feed-forward: the model's MLP, the mechanism's own
-    sublayer (`Mechanism.feedforward`), or none when the mechanism replaces it."""
+    sublayer (`Mechanism.feedforward`), or none when the mechanism replaces it.
 
-    def __init__(self, cfg: ModelConfig, spec: LayerSpec) -> None:
+    With `cross`, a cross-attention sublayer (`memattn.layers.cross`) sits between the two
+    and reads the source memory passed to `forward`.
+    """
+
+    def __init__(self, cfg: ModelConfig, spec: LayerSpec, cross: bool = False) -> None:
         super().__init__()
         self.norm_attn = make_norm(cfg.norm, cfg.d_model)
         self.attn = build_attention(cfg.attention.name, cfg.attention.options, spec)
+        self.norm_cross = make_norm(cfg.norm, cfg.d_model) if cross else None
+        self.cross = (build_cross_attention(cfg.attention.name, cfg.attention.options, spec)
+                      if cross else None)
         hidden = int(cfg.ff_mult * cfg.d_model)
         ff = build_feedforward(cfg.attention.name, cfg.attention.options, spec)  # the mechanism's own, if any
         if ff is None and hidden > 0 and not get_mechanism(cfg.attention.name).replaces_feedforward:
@@ -63,9 +71,11 @@ class Block(nn.Module):
         self.norm_ff = make_norm(cfg.norm, cfg.d_model) if ff is not None else None
         self.ff = ff
 
-    def forward(self, x, state=None, attention_mask=None):
+    def forward(self, x, state=None, attention_mask=None, memory=None):
         h, state = self.attn(self.norm_attn(x), memory_state=state, attention_mask=attention_mask)
         x = x + h
+        if self.cross is not None:
+            x = x + self.cross(self.norm_cross(x), memory)
         if self.ff is not None:
             x = x + self.ff(self.norm_ff(x))
         return x, state
@@ -135,10 +145,11 @@ class Transformer(nn.Module):
     """Embeddings, positions and a stack of blocks: token ids [B, T] -> hidden [B, T, d].
 
     `causal` says whether the attention layers are built for a decoder (causal) or an
-    encoder (bidirectional); subclasses add the heads.
+    encoder (bidirectional); `cross` adds cross attention to every block (the decoder of
+    an encoder-decoder); subclasses add the heads.
     """
 
-    def __init__(self, cfg: ModelConfig, *, causal: bool) -> None:
+    def __init__(self, cfg: ModelConfig, *, causal: bool, cross: bool = False) -> None:
         super().__init__()
         if cfg.vocab_size <= 0:
             raise ValueError("model.vocab_size: must be set (> 0) before building the model")
@@ -155,7 +166,8 @@ class Transformer(nn.Module):
         self.blocks = nn.ModuleList(
             Block(cfg, LayerSpec(cfg.d_model, cfg.n_heads, causal=causal, layer_idx=i,
                                  n_layers=cfg.n_layers, max_len=cfg.max_len,
-                                 positions=cfg.positions, dropout=cfg.dropout, shared=shared))
+                                 positions=cfg.positions, dropout=cfg.dropout, shared=shared),
+                  cross)
             for i in range(cfg.n_layers)
         )
         self.norm = make_norm(cfg.norm, cfg.d_model)
@@ -164,7 +176,7 @@ class Transformer(nn.Module):
         """GPT-2 style: N(0, 0.02), residual output projections scaled by 1/√(2·layers)."""
         self.apply(self._init)
         for name, p in self.named_parameters():
-            if name.endswith(("attn.out.weight", "ff.down.weight")):
+            if name.endswith(("attn.out.weight", "cross.out.weight", "ff.down.weight")):
                 nn.init.normal_(p, std=0.02 / math.sqrt(2 * self.cfg.n_layers))
 
     @staticmethod
@@ -185,8 +197,12 @@ class Transformer(nn.Module):
         return torch.stack(losses).sum() if losses else None
 
     def hidden(self, idx: torch.Tensor, *, cache: ModelCache | None = None,
-               attention_mask: torch.Tensor | None = None) -> torch.Tensor:
-        """idx [B, T] -> final-norm hidden states [B, T, d]; with `cache`, continue and update it."""
+               attention_mask: torch.Tensor | None = None,
+               memories: list | None = None) -> torch.Tensor:
+        """idx [B, T] -> final-norm hidden states [B, T, d]; with `cache`, continue and update it.
+
+        memories: with cross attention, the source memory of each block.
+        """
         if idx.dim() != 2:
             raise ShapeError(f"idx: expected token ids [B, T], got shape {tuple(idx.shape)}")
         B, T = idx.shape
@@ -204,7 +220,8 @@ class Transformer(nn.Module):
                                                       attention_mask)
         for i, block in enumerate(self.blocks):
             state = cache.states[i] if cache is not None else None
-            x, state = block(x, state, attention_mask)
+            x, state = block(x, state, attention_mask,
+                             memories[i] if memories is not None else None)
             if cache is not None:
                 cache.states[i] = state
         if cache is not None:

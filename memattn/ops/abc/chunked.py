@@ -250,22 +250,35 @@ class _Exact:
 
 def _abc_closed(q, k, v, s, scale, log_z0, k0, v0, output_final_state, out_dtype):
     """Not causal: one memory from the whole sequence, read by every query."""
+    initial = None if log_z0 is None else ABCState(log_z0, k0, v0)
+    state = abc_memory(k, v, s, initial_state=initial)
+    o = read_memory(q, state.k, state.v, scale)
+    return o.to(out_dtype), (state if output_final_state else None)
+
+
+def abc_memory(k: torch.Tensor, v: torch.Tensor, s: torch.Tensor, *,
+               initial_state: ABCState | None = None) -> ABCState:
+    """The ABC_MLP memory of a whole sequence, without queries (e.g. a source for cross attention).
+
+    k [B, T, H, K], v [B, T, H, V], s [B, T, H, M] slot logits, in the compute dtype.
+    Returns ABCState: log_z = log Σ_i exp(s_i), K̃ = Σ_i exp(s_i - log_z) k_i, Ṽ likewise,
+    continuing `initial_state` when given.
+    """
     log_z = torch.logsumexp(s, dim=1)  # [B, H, M]
-    if log_z0 is not None:
-        log_z = torch.logaddexp(log_z0, log_z)
+    if initial_state is not None:
+        log_z = torch.logaddexp(initial_state.log_z, log_z)
     w = torch.exp(s - log_z[:, None])  # [B, T, H, M], α_i / Σ_j α_j
     mem_k = torch.einsum("bthm,bthk->bhmk", w, k)
     mem_v = torch.einsum("bthm,bthv->bhmv", w, v)
-    if log_z0 is not None:
-        keep = torch.exp(log_z0 - log_z)[..., None]  # [B, H, M, 1]
-        mem_k, mem_v = mem_k + keep * k0, mem_v + keep * v0
-    o = _read_all(q, mem_k, mem_v, scale)
-    state = ABCState(log_z, mem_k, mem_v) if output_final_state else None
-    return o.to(out_dtype), state
+    if initial_state is not None:
+        keep = torch.exp(initial_state.log_z - log_z)[..., None]  # [B, H, M, 1]
+        mem_k, mem_v = mem_k + keep * initial_state.k, mem_v + keep * initial_state.v
+    return ABCState(log_z, mem_k, mem_v)
 
 
-def _read_all(q: torch.Tensor, mem_k: torch.Tensor, mem_v: torch.Tensor, scale: float):
-    """q [B, Tq, H, K], mem_k [B, H, M, K], mem_v [B, H, M, V] -> o [B, Tq, H, V]."""
+def read_memory(q: torch.Tensor, mem_k: torch.Tensor, mem_v: torch.Tensor,
+                scale: float) -> torch.Tensor:
+    """q [B, Tq, H, K], mem_k [B, H, M, K], mem_v [B, H, M, V] -> o [B, Tq, H, V]: softmax over slots."""
     p = torch.softmax(scale * torch.einsum("bqhk,bhmk->bqhm", q, mem_k), dim=-1)
     return torch.einsum("bqhm,bhmv->bqhv", p, mem_v)
 
@@ -297,7 +310,7 @@ def bounded_memory_chunked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ph
         mem_v = torch.einsum("bthm,bthv->bhmv", phi, v)
         if k0 is not None:
             mem_k, mem_v = mem_k + k0, mem_v + v0
-        o = _read_all(q, mem_k, mem_v, scale)
+        o = read_memory(q, mem_k, mem_v, scale)
         state = BoundedMemoryState(mem_k, mem_v) if output_final_state else None
         return o.to(out_dtype), state
 

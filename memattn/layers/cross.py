@@ -1,0 +1,138 @@
+"""Cross attention: queries from a target sequence read a memory written by a source sequence.
+
+A cross layer has two halves, so that a decoder writes the source's memory once and reads
+it at every step:
+
+    memory(src [B, S, d], src_mask [B, S] | None) -> memory of the source
+    forward(x [B, T, d], memory) -> y [B, T, d]
+
+    softmax   the memory is the source's keys and values (and its mask): it grows with S.
+    abc-mlp   ABC_MLP (Peng et al. 2022): `cross_slots` slots per head written by the
+              source with φ = act(W_φ h) normalised over the source; fixed size
+              ([B, H, M, D] twice), whatever S. A model's causal self attention keeps
+              `num_slots`, so self and cross attention have separate memory sizes.
+
+`build_cross_attention(name, options, spec)` gives the cross layer of mechanism `name`
+with its options; a mechanism without one gets softmax cross attention (`cross_mechanism`).
+No positions: the memory is a set, read the same by every target position.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import torch
+from torch import nn
+
+from memattn.errors import ShapeError, check_tensor
+from memattn.layers.abc import PAD_LOGIT, ABCMLPOptions, activation_logits
+from memattn.layers.base import LayerSpec, parse_options
+from memattn.ops.abc import ABCState
+from memattn.ops.abc.chunked import abc_memory, read_memory
+from memattn.ops.softmax import softmax_attention
+
+
+class SourceKV(NamedTuple):
+    """Softmax cross attention's memory: the source's keys and values [B, S, H, D], mask [B, S]."""
+
+    k: torch.Tensor
+    v: torch.Tensor
+    mask: torch.Tensor | None
+
+
+def _check_source(src: torch.Tensor, src_mask: torch.Tensor | None, d_model: int) -> None:
+    check_tensor("src", src, "[B, S, d]", None, None, d_model)
+    if src_mask is not None:
+        check_tensor("src_mask", src_mask, "[B, S]", *src.shape[:2])
+        if src_mask.dtype != torch.bool:
+            raise ShapeError(f"src_mask: expected dtype torch.bool, got {src_mask.dtype}")
+
+
+class _Cross(nn.Module):
+    """Query, key / value and output projections shared by the cross layers."""
+
+    def __init__(self, spec: LayerSpec, bias: bool) -> None:
+        super().__init__()
+        self.spec = spec
+        self.q = nn.Linear(spec.d_model, spec.d_model, bias=bias)
+        self.kv = nn.Linear(spec.d_model, 2 * spec.d_model, bias=bias)
+        self.out = nn.Linear(spec.d_model, spec.d_model, bias=bias)
+        self.dropout = nn.Dropout(spec.dropout)
+
+    def heads(self, x: torch.Tensor) -> torch.Tensor:
+        """[B, T, d] -> [B, T, H, D]."""
+        return x.view(*x.shape[:2], self.spec.n_heads, self.spec.head_dim)
+
+    def source_kv(self, src: torch.Tensor, src_mask: torch.Tensor | None):
+        _check_source(src, src_mask, self.spec.d_model)
+        return (self.heads(t) for t in self.kv(src).chunk(2, dim=-1))
+
+    def query(self, x: torch.Tensor) -> torch.Tensor:
+        check_tensor("x", x, "[B, T, d]", None, None, self.spec.d_model)
+        return self.heads(self.q(x))
+
+    def finish(self, o: torch.Tensor) -> torch.Tensor:
+        return self.dropout(self.out(o.flatten(2)))
+
+
+class SoftmaxCrossAttention(_Cross):
+    """Softmax over every source token; the memory holds the source's keys and values."""
+
+    def __init__(self, spec: LayerSpec, options: Any = None) -> None:
+        super().__init__(spec, bias=getattr(options, "bias", False))
+
+    def memory(self, src: torch.Tensor, src_mask: torch.Tensor | None = None) -> SourceKV:
+        k, v = self.source_kv(src, src_mask)
+        return SourceKV(k, v, src_mask)
+
+    def forward(self, x: torch.Tensor, memory: SourceKV) -> torch.Tensor:
+        q = self.query(x)
+        if q.shape[0] != memory.k.shape[0]:
+            raise ShapeError(f"x: batch of {q.shape[0]} for a memory of batch {memory.k.shape[0]}")
+        o = softmax_attention(q, memory.k, memory.v, causal=False,
+                              attention_mask=memory.mask)
+        return self.finish(o)
+
+
+class ABCCrossAttention(_Cross):
+    """ABC_MLP cross attention: `cross_slots` slots per head written by the source, fixed size."""
+
+    def __init__(self, spec: LayerSpec, options: ABCMLPOptions) -> None:
+        super().__init__(spec, bias=options.bias)
+        self.options = options
+        self.phi = nn.Linear(spec.d_model, spec.n_heads * options.cross_slots, bias=options.bias)
+
+    def memory(self, src: torch.Tensor, src_mask: torch.Tensor | None = None) -> ABCState:
+        """src [B, S, d] -> ABCState (log_z [B, H, M], k [B, H, M, D], v [B, H, M, D]).
+
+        Padding (src_mask False) writes nothing; the memory is fp32 for fp16 / bf16 inputs.
+        """
+        k, v = self.source_kv(src, src_mask)
+        B, S, _ = src.shape
+        s = activation_logits(self.phi(src).view(B, S, self.spec.n_heads, -1),
+                              self.options.activation)
+        if src_mask is not None:
+            s = s.masked_fill(~src_mask[:, :, None, None], PAD_LOGIT)
+        dt = torch.float64 if src.dtype == torch.float64 else torch.float32
+        return abc_memory(k.to(dt), v.to(dt), s.to(dt))
+
+    def forward(self, x: torch.Tensor, memory: ABCState) -> torch.Tensor:
+        q = self.query(x)
+        if q.shape[0] != memory.k.shape[0]:
+            raise ShapeError(f"x: batch of {q.shape[0]} for a memory of batch {memory.k.shape[0]}")
+        o = read_memory(q.to(memory.k.dtype), memory.k, memory.v, self.spec.head_dim ** -0.5)
+        return self.finish(o.to(x.dtype))
+
+
+_CROSS = {"softmax": SoftmaxCrossAttention, "abc-mlp": ABCCrossAttention}
+
+
+def cross_mechanism(name: str) -> str:
+    """The cross attention a model with self attention `name` uses: its own, or softmax."""
+    return name if name in _CROSS else "softmax"
+
+
+def build_cross_attention(name: str, options: dict[str, Any] | Any, spec: LayerSpec) -> nn.Module:
+    """The cross layer of mechanism `name` (options parsed as its self attention's)."""
+    cross = cross_mechanism(name)
+    return _CROSS[cross](spec, parse_options(cross, options if cross == name else {}))
