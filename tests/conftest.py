@@ -40,3 +40,19 @@ def tiny_overrides(text_file, root, *extra):
     """Overrides for a seconds-long run on `text_file`, writing under the folder `root`."""
     return ["data.corpus=text", f"data.path={text_file}", f"data.cache_dir={root / 'cache'}",
             f"train.out_dir={root / 'run'}", "train.threads=1", *extra]
+
+
+class Crash(Exception):
+    """Raised from a training callback: the run stops as a killed process would."""
+
+
+def train_crashing_at(cfg, step):
+    """Train `cfg` and stop it with Crash right after `step` is logged."""
+    from memattn.train import train
+
+    def crash(at, record):
+        if at == step:
+            raise Crash
+
+    with pytest.raises(Crash):
+        train(cfg, progress=False, on_step=crash)

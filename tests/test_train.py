@@ -8,7 +8,7 @@ import sys
 
 import pytest
 import torch
-from conftest import tiny_overrides
+from conftest import tiny_overrides, train_crashing_at
 
 from memattn.config import TrainConfig, load_config
 from memattn.errors import CheckpointError
@@ -61,17 +61,8 @@ def test_interrupted_and_resumed_run_logs_the_same_losses(text_file, tmp_path):
              "model.dropout=0.1")
     whole = load_config("tiny", tiny_overrides(text_file, tmp_path / "whole", *extra))
     train(whole, progress=False)
-
-    class Crash(Exception):
-        pass
-
-    def crash_at_step_5(step, record):
-        if step == 5:
-            raise Crash
-
     cut = load_config("tiny", tiny_overrides(text_file, tmp_path / "cut", *extra))
-    with pytest.raises(Crash):
-        train(cut, progress=False, on_step=crash_at_step_5)
+    train_crashing_at(cut, 5)
     assert max(r["step"] for r in read_log(tmp_path / "cut" / "run")) == 5
     train(cut, resume=True, progress=False)
 

@@ -5,7 +5,7 @@ import json
 
 import pytest
 import torch
-from conftest import tiny_overrides
+from conftest import tiny_overrides, train_crashing_at
 
 from memattn.cli import main
 from memattn.config import AttentionConfig, ModelConfig, load_config
@@ -53,17 +53,8 @@ def test_interrupted_and_resumed_segment_run_logs_the_same_losses(text_file, tmp
              "train.eval_every=4", "model.dropout=0.1")
     whole = load_config("tiny", tiny_overrides(text_file, tmp_path / "whole", *extra))
     train(whole, progress=False)
-
-    class Crash(Exception):
-        pass
-
-    def crash_at_step_5(step, record):
-        if step == 5:
-            raise Crash
-
     cut = load_config("tiny", tiny_overrides(text_file, tmp_path / "cut", *extra))
-    with pytest.raises(Crash):
-        train(cut, progress=False, on_step=crash_at_step_5)
+    train_crashing_at(cut, 5)
     train(cut, resume=True, progress=False)  # from step 3, with the memory saved there
 
     a, b = read_log(tmp_path / "whole" / "run"), read_log(tmp_path / "cut" / "run")
