@@ -15,15 +15,14 @@ the setup), learning_curves.png, logs/<row>.jsonl; the runs (checkpoints) go to 
 from __future__ import annotations
 
 import json
-import shutil
 import time
 from pathlib import Path
 
 import torch
 
 from memattn.config import load_config
-from memattn.evaluate import as_tensor, evaluate
-from memattn.experiments.persistent_lm import plot_curves, slug
+from memattn.evaluate import as_tensor
+from memattn.experiments._lm_common import plot_curves, recorded_command, train_and_test
 from memattn.generate import generate
 
 DESCRIPTION = ("bounded-memory control (Peng et al. 2022): softmax against ABC_MLP, Linformer, "
@@ -65,7 +64,7 @@ def decode_speed(model, prompt: torch.Tensor, new_tokens: int) -> float:
 
 
 def run(out_dir: Path, *, quick: bool, overrides: list[str]) -> dict:
-    from memattn.train import load_run_corpus, model_from_checkpoint, train
+    from memattn.train import load_run_corpus
 
     out_dir = Path(out_dir)
     (out_dir / "logs").mkdir(parents=True, exist_ok=True)
@@ -76,30 +75,14 @@ def run(out_dir: Path, *, quick: bool, overrides: list[str]) -> dict:
     prompt = test_ids[:DECODE_PROMPT[quick]]
     rows = []
     for name, mechanism, options in ROWS:
-        run_dir = out_dir / "runs" / slug(name)
-        cfg = load_config(None, [*shared, f"attention={mechanism}",
-                                 *(f"attention.{k}={v}" for k, v in options.items()),
-                                 f"train.out_dir={run_dir}"])
-        start = time.perf_counter()
-        summary = train(cfg, progress=False)
-        train_s = time.perf_counter() - start
-        model, cfg, _ = model_from_checkpoint(run_dir)
-        if cfg.train.threads > 0:
-            torch.set_num_threads(cfg.train.threads)
-        test = evaluate(model, test_ids, seq_len=cfg.train.seq_len, batch_size=cfg.train.batch_size,
-                        max_batches=TEST_BATCHES[quick])
-        decode = decode_speed(model, prompt, DECODE_TOKENS[quick])
-        shutil.copyfile(run_dir / "log.jsonl", out_dir / "logs" / f"{slug(name)}.jsonl")
-        row = {"model": name, "attention": mechanism, "options": options, "params": summary["params"],
-               "test_bpc": test["bpc"], "test_tokens": test["tokens"], "val_bpc": summary["val"]["bpc"],
-               "train_s": train_s, "train_tokens_per_s": summary["tokens_per_s"],
-               "decode_tokens_per_s": decode}
+        model, _, row = train_and_test(out_dir, name, shared, mechanism, options, test_ids,
+                                       TEST_BATCHES[quick])
+        row["decode_tokens_per_s"] = decode = decode_speed(model, prompt, DECODE_TOKENS[quick])
         rows.append(row)
         print(f"{name:<20} {row['params']:>9,} params  test {row['test_bpc']:.3f} bpc  "
-              f"{train_s:6.0f} s  decode {decode:6.0f} tok/s", flush=True)
-    command = (out_dir / "command.txt").read_text().strip() if (out_dir / "command.txt").exists() else ""
-    result = {"experiment": "abc-lm", "quick": quick, "command": command, "config": shared,
-              "corpus": corpus.name, "test_tokens": rows[0]["test_tokens"],
+              f"{row['train_s']:6.0f} s  decode {decode:6.0f} tok/s", flush=True)
+    result = {"experiment": "abc-lm", "quick": quick, "command": recorded_command(out_dir),
+              "config": shared, "corpus": corpus.name, "test_tokens": rows[0]["test_tokens"],
               "decode": {"prompt_tokens": int(prompt.numel()), "new_tokens": DECODE_TOKENS[quick],
                          "batch": 1, "sampling": "greedy"},
               "rows": rows}

@@ -15,13 +15,11 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import math
-import shutil
-import time
 from pathlib import Path
 
 from memattn.config import AttentionConfig, RunConfig, load_config
-from memattn.evaluate import as_tensor, evaluate
+from memattn.evaluate import as_tensor
+from memattn.experiments._lm_common import plot_curves, recorded_command, train_and_test
 from memattn.models import CausalLM
 
 DESCRIPTION = ("persistent memory vs feed-forward (Sukhbaatar et al. 2019): transformer, "
@@ -70,7 +68,7 @@ def matching_n(cfg: RunConfig, options: dict, target: int, vocab_size: int) -> i
 
 
 def run(out_dir: Path, *, quick: bool, overrides: list[str]) -> dict:
-    from memattn.train import load_run_corpus, model_from_checkpoint, train
+    from memattn.train import load_run_corpus
 
     out_dir = Path(out_dir)
     (out_dir / "logs").mkdir(parents=True, exist_ok=True)
@@ -86,34 +84,17 @@ def run(out_dir: Path, *, quick: bool, overrides: list[str]) -> dict:
         if mechanism == "persistent" and "n_persistent" not in options:
             options["n_persistent"] = matching_n(load_config(None, [*shared, f"attention={mechanism}"]),
                                                  options, target, vocab)
-        run_dir = out_dir / "runs" / slug(name)
-        cfg = load_config(None, [*shared, f"attention={mechanism}",
-                                 *(f"attention.{k}={v}" for k, v in options.items()),
-                                 f"train.out_dir={run_dir}"])
-        start = time.perf_counter()
-        summary = train(cfg, progress=False)
-        train_s = time.perf_counter() - start
-        model, cfg, _ = model_from_checkpoint(run_dir)
-        test = evaluate(model, test_ids, seq_len=cfg.train.seq_len, batch_size=cfg.train.batch_size,
-                        max_batches=TEST_BATCHES[quick])
-        shutil.copyfile(run_dir / "log.jsonl", out_dir / "logs" / f"{slug(name)}.jsonl")
-        row = {"model": name, "attention": mechanism, "options": options, "params": summary["params"],
-               "test_bpc": test["bpc"], "test_tokens": test["tokens"], "val_bpc": summary["val"]["bpc"],
-               "train_s": train_s, "train_tokens_per_s": summary["tokens_per_s"]}
+        _, _, row = train_and_test(out_dir, name, shared, mechanism, options, test_ids,
+                                   TEST_BATCHES[quick])
         rows.append(row)
         print(f"{name:<16} N={options.get('n_persistent', '-')!s:<6} {row['params']:>9,} params  "
-              f"test {row['test_bpc']:.3f} bpc  {train_s:6.0f} s", flush=True)
-    command = (out_dir / "command.txt").read_text().strip() if (out_dir / "command.txt").exists() else ""
-    result = {"experiment": "persistent-lm", "quick": quick, "command": command, "config": shared,
+              f"test {row['test_bpc']:.3f} bpc  {row['train_s']:6.0f} s", flush=True)
+    result = {"experiment": "persistent-lm", "quick": quick, "command": recorded_command(out_dir), "config": shared,
               "corpus": corpus.name, "test_tokens": rows[0]["test_tokens"], "rows": rows}
     (out_dir / "results.json").write_text(json.dumps(result, indent=2) + "\n")
     (out_dir / "results.md").write_text(markdown(result))
     plot_curves(out_dir, rows)
     return result
-
-
-def slug(name: str) -> str:
-    return name.replace(", ", "-").replace("=", "").replace(" ", "-").lower()
 
 
 def markdown(result: dict) -> str:
@@ -169,26 +150,3 @@ def findings(result: dict) -> list[str]:
         "fast each variant learns at the start rather than what it can reach; the paper's "
         "comparison is between trained models with long contexts.",
     ]
-
-
-def plot_curves(out_dir: Path, rows: list[dict]) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4.2))
-    for r in rows:
-        log = [json.loads(line) for line in (out_dir / "logs" / f"{slug(r['model'])}.jsonl").read_text().splitlines()]
-        train_pts = [(x["step"], x["loss"] / math.log(2)) for x in log if "loss" in x]
-        val_pts = [(x["step"], x["val_bpc"]) for x in log if "val_bpc" in x]
-        left.plot(*zip(*train_pts), label=r["model"])
-        right.plot(*zip(*val_pts), marker="o", label=r["model"])
-    left.set(title="training loss", xlabel="step", ylabel="bits per character")
-    right.set(title="validation", xlabel="step", ylabel="bits per character")
-    right.legend(fontsize=8)
-    for ax in (left, right):
-        ax.grid(alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(out_dir / "learning_curves.png", dpi=120)
-    plt.close(fig)
