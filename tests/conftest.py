@@ -42,6 +42,20 @@ def tiny_overrides(text_file, root, *extra):
             f"train.out_dir={root / 'run'}", "train.threads=1", *extra]
 
 
+@pytest.fixture
+def nan_empty(monkeypatch):
+    """torch.empty / empty_like / Tensor.new_empty fill floating tensors with NaN, so a kernel
+    that reads memory it did not write shows it."""
+    def filled(make):
+        def wrapper(*args, **kwargs):
+            t = make(*args, **kwargs)
+            return t.fill_(float("nan")) if t.is_floating_point() else t
+        return wrapper
+
+    for owner, name in ((torch, "empty"), (torch, "empty_like"), (torch.Tensor, "new_empty")):
+        monkeypatch.setattr(owner, name, filled(getattr(owner, name)))
+
+
 class Crash(Exception):
     """Raised from a training callback: the run stops as a killed process would."""
 

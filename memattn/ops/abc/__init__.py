@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import torch
 
+from memattn.kernels import BACKENDS, use_kernels
 from memattn.ops.abc.chunked import abc_chunked, bounded_memory_chunked
 from memattn.ops.abc.common import ABCState, BoundedMemoryState, check_inputs
 from memattn.ops.abc.recurrent import (
@@ -56,7 +57,8 @@ def _pick(mode: str, causal: bool, T: int, initial_state) -> str:
 def abc_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, s: torch.Tensor, *,
                   causal: bool = True, scale: float | None = None,
                   initial_state: ABCState | None = None, output_final_state: bool = False,
-                  mode: str = "auto") -> tuple[torch.Tensor, ABCState | None]:
+                  mode: str = "auto", cu_seqlens: torch.Tensor | None = None,
+                  backend: str = "auto") -> tuple[torch.Tensor, ABCState | None]:
     """ABC_MLP attention.
 
     q [B, Tq, H, K], k [B, T, H, K], v [B, T, H, V], s [B, T, H, M] slot logits (α = exp(s)).
@@ -70,16 +72,46 @@ def abc_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, s: torch.Te
     causal, the queries read the memory of the state's tokens and the whole sequence.
     Returns (o [B, Tq, H, V] in q's dtype, the ABCState after the last token if
     output_final_state else None). mode: "auto", "chunked", "recurrent" or "reference".
+
+    cu_seqlens: [N + 1] integer boundaries 0 = c_0 < ... < c_N = T of N sequences packed
+    into one row (B = 1, causal only); each sequence starts from its own initial state
+    (batch N) and the final state has batch N. Taken by the chunked form (mode "auto" or
+    "chunked").
+    backend: which code runs the chunked causal form. "auto": the Triton kernels
+    (memattn.kernels.abc_chunk) for CUDA inputs they take (fp32 / fp16 / bf16, K, V, M ≤
+    128), else torch; never on the CPU. "torch": the torch forms. "triton": the kernels,
+    also on CPU tensors under Triton's interpreter (TRITON_INTERPRET=1). A single token
+    continuing a state takes the decoding step, with the same choice of backend.
     """
+    if backend not in BACKENDS:
+        raise ValueError(f"backend: expected one of {', '.join(BACKENDS)}, got {backend!r}")
     T = k.shape[1] if isinstance(k, torch.Tensor) and k.dim() == 4 else 0
-    form = _pick(mode, causal, T, initial_state)
+    if cu_seqlens is not None:
+        if not causal:
+            raise ValueError("cu_seqlens: packed sequences are supported with causal=True "
+                             "only; run each sequence on its own for causal=False")
+        if mode not in ("auto", "chunked"):
+            raise ValueError(f"cu_seqlens: packed sequences take the chunked form, "
+                             f"mode 'auto' or 'chunked', got mode={mode!r}")
+    form = "chunked" if cu_seqlens is not None else _pick(mode, causal, T, initial_state)
+    if backend == "triton" and (form not in ("chunked", "step") or not causal):
+        raise ValueError(f"backend: 'triton' runs the causal chunked form, got "
+                         f"{'causal=False' if not causal else f'mode={mode!r}'}; "
+                         f"use backend='torch'")
     if form == "step":
         check_inputs(q, k, v, s, "s", causal, initial_state, ABCState)
         o, state = abc_attention_step(q[:, 0], k[:, 0], v[:, 0], s[:, 0], initial_state,
-                                      scale=scale)
+                                      scale=scale, backend=backend)
         return o[:, None], (state if output_final_state else None)
     kwargs = {"scale": scale, "initial_state": initial_state,
               "output_final_state": output_final_state}
+    if form == "chunked" and causal and use_kernels(backend, (q, k, v, s, *(initial_state or ()))):
+        from memattn.kernels.abc_chunk import MAX_DIM, abc_chunk_triton
+        if backend == "triton" or max(k.shape[-1], v.shape[-1], s.shape[-1]) <= MAX_DIM:
+            return abc_chunk_triton(q, k, v, s, cu_seqlens=cu_seqlens, **kwargs)
+    if cu_seqlens is not None:
+        from memattn.ops.abc.varlen import abc_varlen
+        return abc_varlen(q, k, v, s, cu_seqlens, **kwargs)
     if form == "recurrent":
         return abc_recurrent(q, k, v, s, **kwargs)
     if form == "reference":

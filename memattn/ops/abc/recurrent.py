@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import torch
 
+from memattn.kernels import use_kernels
 from memattn.ops.abc.common import (
     ABCState,
     BoundedMemoryState,
@@ -28,54 +29,92 @@ def _read(q: torch.Tensor, mem_k: torch.Tensor, mem_v: torch.Tensor, scale: floa
     return (p[..., None, :] @ mem_v).squeeze(-2)
 
 
-def _abc_update(state: ABCState, k: torch.Tensor, v: torch.Tensor, s: torch.Tensor) -> ABCState:
+def check_inplace_state(state: tuple | None, state_type: type, dtype: torch.dtype) -> None:
+    """An in-place step overwrites the given state tensors: they must be contiguous and
+    already in the dtype the step computes in (float32; float64 for float64 inputs)."""
+    for field, t in zip(state_type._fields, state or ()):
+        if t.dtype != dtype or not t.is_contiguous():
+            raise ValueError(f"state.{field}: inplace=True updates the state tensors in place "
+                             f"and needs them contiguous {dtype}, got "
+                             f"{'a non-contiguous ' if not t.is_contiguous() else ''}{t.dtype} "
+                             f"tensor; pass inplace=False")
+
+
+def _abc_update(state: ABCState, k: torch.Tensor, v: torch.Tensor, s: torch.Tensor,
+                inplace: bool = False) -> ABCState:
     """Write one token, k [B, H, K], v [B, H, V], s [B, H, M], into the state."""
     log_z = torch.logaddexp(state.log_z, s)  # [B, H, M]
     keep = torch.exp(state.log_z - log_z)[..., None]  # [B, H, M, 1], ≤ 1
     write = torch.exp(s - log_z)[..., None]  # [B, H, M, 1], ≤ 1
+    if inplace:
+        state.log_z.copy_(log_z)
+        state.k.mul_(keep).add_(write * k[:, :, None, :])
+        state.v.mul_(keep).add_(write * v[:, :, None, :])
+        return state
     return ABCState(log_z, keep * state.k + write * k[:, :, None, :],
                     keep * state.v + write * v[:, :, None, :])
 
 
 def abc_attention_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, s: torch.Tensor,
-                       state: ABCState | None = None, *, scale: float | None = None
+                       state: ABCState | None = None, *, scale: float | None = None,
+                       inplace: bool = False, backend: str = "auto"
                        ) -> tuple[torch.Tensor, ABCState]:
     """One causal ABC_MLP step: write token t, then read the memory with its query.
 
     q [B, H, K], k [B, H, K], v [B, H, V], s [B, H, M]; state: ABCState (log_z [B, H, M],
     k [B, H, M, K], v [B, H, M, V]) or None before the first token.
+    inplace: update the given state tensors in place (they must be contiguous, in float32 or
+    float64 for float64 inputs) and return them; a None state starts a fresh one.
+    backend: "auto" (the fused Triton kernel for CUDA inputs that need no gradient, else
+    torch), "torch" or "triton" (memattn.kernels.abc_decode).
     Returns o [B, H, V] in q's dtype and the new ABCState (float32, or float64).
     """
+    if use_kernels(backend, (q, k, v, s, *(state or ())), differentiable=False):
+        from memattn.kernels.abc_decode import abc_step_triton
+        return abc_step_triton(q, k, v, s, state, scale=scale, inplace=inplace)
     B, H, K, V, M = check_step_inputs(q, k, v, s, "s", state, ABCState)
     out_dtype = q.dtype
     dt = compute_dtype(q, k, v, s, *(state or ()))
+    if inplace:
+        check_inplace_state(state, ABCState, dt)
     if state is None:
         state = ABCState.empty(B, H, M, K, V, device=q.device, dtype=dt)
     state = ABCState(*(t.to(dt) for t in state))
-    state = _abc_update(state, k.to(dt), v.to(dt), s.to(dt))
+    state = _abc_update(state, k.to(dt), v.to(dt), s.to(dt), inplace)
     o = _read(q.to(dt), state.k, state.v, default_scale(scale, K))
     return o.to(out_dtype), state
 
 
 def bounded_memory_attention_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                                   phi: torch.Tensor, state: BoundedMemoryState | None = None, *,
-                                  scale: float | None = None
+                                  scale: float | None = None, inplace: bool = False,
+                                  backend: str = "auto"
                                   ) -> tuple[torch.Tensor, BoundedMemoryState]:
     """One causal general-ABC step: K̃ += φ_t ⊗ k_t, Ṽ += φ_t ⊗ v_t, then read with q_t.
 
     q [B, H, K], k [B, H, K], v [B, H, V], φ [B, H, M] (non-negative); state:
     BoundedMemoryState (k [B, H, M, K], v [B, H, M, V]) or None before the first token.
+    inplace and backend as in `abc_attention_step`.
     Returns o [B, H, V] in q's dtype and the new BoundedMemoryState.
     """
+    if use_kernels(backend, (q, k, v, phi, *(state or ())), differentiable=False):
+        from memattn.kernels.abc_decode import bounded_memory_step_triton
+        return bounded_memory_step_triton(q, k, v, phi, state, scale=scale, inplace=inplace)
     B, H, K, V, M = check_step_inputs(q, k, v, phi, "phi", state, BoundedMemoryState,
                                       nonnegative=True)
     out_dtype = q.dtype
     dt = compute_dtype(q, k, v, phi, *(state or ()))
+    if inplace:
+        check_inplace_state(state, BoundedMemoryState, dt)
     if state is None:
         state = BoundedMemoryState.empty(B, H, M, K, V, device=q.device, dtype=dt)
     phi = phi.to(dt)[..., None]  # [B, H, M, 1]
-    state = BoundedMemoryState(state.k.to(dt) + phi * k.to(dt)[:, :, None, :],
-                               state.v.to(dt) + phi * v.to(dt)[:, :, None, :])
+    k_write, v_write = phi * k.to(dt)[:, :, None, :], phi * v.to(dt)[:, :, None, :]
+    if inplace:
+        state.k.add_(k_write)
+        state.v.add_(v_write)
+    else:
+        state = BoundedMemoryState(state.k.to(dt) + k_write, state.v.to(dt) + v_write)
     o = _read(q.to(dt), state.k, state.v, default_scale(scale, K))
     return o.to(out_dtype), state
 

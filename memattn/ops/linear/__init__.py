@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import torch
 
+from memattn.kernels import use_kernels
 from memattn.ops.linear.backward import (ALPHA_MIN, MAX_AMPLIFICATION, choose_state_mode,
                                          linear_attention_autograd)
 from memattn.ops.linear.chunked import DEFAULT_CHUNK_SIZE, linear_attention_chunked
@@ -26,11 +27,10 @@ from memattn.ops.linear.recurrent import (linear_attention_read, linear_attentio
                                           linear_attention_step)
 from memattn.ops.linear.reference import linear_attention_reference
 
-
 def linear_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = True,
                      alpha: torch.Tensor | None = None, beta: torch.Tensor | None = None,
                      scale: float | None = None, initial_state: torch.Tensor | None = None,
-                     output_final_state: bool = False
+                     output_final_state: bool = False, backend: str = "auto"
                      ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Linear attention over the memory C_t = α_t C_{t-1} + β_t v_t k_tᵀ, read as scale · C_t q_t.
 
@@ -46,8 +46,20 @@ def linear_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causa
     When a gradient is needed the chunked forward runs inside LinearAttentionFunction,
     whose backward stores O(T·(K+V) + K·V) numbers, or O(T·(K+V) + (T/C)·K·V) when the
     gates make inverting the updates unsafe (see backward.py).
+
+    backend: "auto" (the Triton kernel for causal CUDA inputs, else the torch forms),
+    "torch", or "triton" (causal only; memattn.kernels.linear, whose backward keeps only
+    the inputs).
     """
     inputs = (q, k, v, alpha, beta, initial_state)
+    if backend == "triton" and not causal:
+        raise ValueError("backend: the Triton kernel is the causal form; use "
+                         "backend='torch' (or 'auto') with causal=False")
+    if causal and use_kernels(backend, inputs):
+        from memattn.kernels.linear import linear_attention_triton
+        return linear_attention_triton(q, k, v, alpha=alpha, beta=beta, scale=scale,
+                                       initial_state=initial_state,
+                                       output_final_state=output_final_state)
     if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in inputs):
         o, state = linear_attention_autograd(q, k, v, causal=causal, alpha=alpha, beta=beta,
                                              scale=scale, initial_state=initial_state)

@@ -1,0 +1,666 @@
+"""Chunked causal ABC_MLP in Triton, forward and backward, with packed variable lengths.
+
+The math is that of memattn/ops/abc/chunked.py. Per (sequence, head) and slot m, with
+a_t = log_z_t = logaddexp(log_z_0, logcumsumexp(s)_t) and φ[t, i] = exp(s_i - a_t) (i ≤ t):
+
+    S_t[m] = scale · q_t · K̃_t[m],  K̃_t = exp(a_0 - a_t) K̃_0 + Σ_{i≤t} φ[t, i] k_i
+    p_t = softmax_M(S_t),            o_t = Σ_m p_t[m] Ṽ_t[m]   (Ṽ alike)
+
+Every weight is written as a product of factors ≤ 1, so any finite s is safe. Tokens are
+split into chunks of BT (the memory recurrence) and sub-blocks of BC = 16 (the matmuls).
+For a token t of sub-block I and i of an earlier sub-block J of the same chunk, with r the
+log-normaliser at the last token of J: φ[t, i] = exp(s_i - r) · exp(r - a_t), both ≤ 1,
+so a pair of sub-blocks is two tl.dot; inside I, φ is built per column (a loop over the
+BC tokens). Earlier chunks are read through the memory at the chunk start.
+
+Forward, two passes:
+
+    _fwd_states   grid (⌈D/BD⌉, ⌈M/BM⌉, N·H), once for K̃ and once for Ṽ: a scan over the
+                  chunks of a sequence; stores the memory at every chunk start, the
+                  normalisers before / after every chunk, a_t for every token (K̃ launch)
+                  and the final state.
+    _fwd_output   grid (sub-blocks, H): both ABC passes for BC tokens fused, keys -> slots
+                  (scores, softmax over M), slots -> values; stores o, the scores S and
+                  their log-sum-exp.
+
+Backward, three passes. With dp_t[m] = do_t · Ṽ_t[m], dS = p ⊙ (dp - Σ_m p dp), the
+gradient reaching the memory at step t is G^K_t[m] = scale dS_t[m] q_t, G^V_t[m] =
+p_t[m] do_t, and c_t[m] = K̃_t[m]·G^K_t[m] + Ṽ_t[m]·G^V_t[m] = dS_t[m] S_t[m] + p_t[m] dp_t[m]
+needs no memory. Then dk_i = Σ_m Σ_{t≥i} φ[t, i] G^K_t[m] (dv alike) and
+ds_i[m] = Σ_{t≥i} φ[t, i][m] (k_i·G^K_t[m] + v_i·G^V_t[m] - c_t[m]); the final state's
+gradients join the last token, its log_z gradient as -c.
+
+    _bwd_dq       grid (sub-blocks, H): dp (the keys -> slots pass on do, v), dS, c, then
+                  dq (the slots -> values pass on dS, k); stores dq, dS, c.
+    _bwd_states   grid (⌈D/BD⌉, ⌈M/BM⌉, N·H), once for K̃ and once for Ṽ: a reverse scan
+                  over the chunks; stores ∂L/∂(memory after each chunk) and the gradient
+                  of the initial state.
+    _bwd_dkv      grid (sub-blocks, H): dk, dv, ds from the later chunks (through the
+                  stored gradients) and from the later tokens of the chunk.
+
+Saved for backward: q, k, v, s, a [T, H, M], S [T, H, M], lse [T, H], the chunk-start
+memories [chunks, H, M, K + V] and the normalisers, the initial and final states.
+
+Tiles: BT = chunk_size (64 by default) tokens a chunk, BC = 16 rows a sub-block; K, V, M
+padded to powers of two ≥ 16 (at most 128) and held whole in the sub-block kernels; the
+scans take blocks of at most 64 along M and D. 4 warps when every tile side is ≤ 32, else
+8. Loads are upcast to fp32 and every tl.dot takes fp32 operands (IEEE precision for fp32
+inputs, TF32 for fp16 / bf16 ones). Sequential loops over chunks are `while` loops (their
+count is read from cu_seqlens; see memattn/kernels/__init__.py).
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+import triton
+import triton.language as tl
+
+from memattn.errors import ShapeError
+from memattn.kernels import kernels_supported
+from memattn.ops.abc.common import ABCState, check_inputs, default_scale
+from memattn.ops.abc.varlen import check_varlen
+
+KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+# The largest K, V and M the sub-block kernels hold whole: at 256 their tiles outgrow the
+# shared memory of an H100.
+MAX_DIM = 128
+BC = 16  # rows of a sub-block, the smallest tl.dot
+_NEG = tl.constexpr(-1e30)  # logit of padding: exp(_NEG - x) = 0, logaddexp(x, _NEG) = x
+_POS = tl.constexpr(1e30)  # log-normaliser of padding: exp(x - _POS) = 0
+
+
+# --------------------------------------------------------------------------------------
+# Helpers
+# --------------------------------------------------------------------------------------
+
+@triton.jit
+def _logaddexp(x, y):
+    mx = tl.maximum(x, y)
+    return mx + tl.log(1.0 + tl.exp(tl.minimum(x, y) - mx))
+
+
+@triton.jit
+def _tile(ptr, rows, r_ok, i_h, H, D, o_d, other):
+    """rows [R] (int64) of head i_h of a [total, H, D] tensor -> [R, BD] fp32, `other` where
+    masked (set after the upcast: a load's `other` takes the tensor's dtype, and -1e30 is
+    -inf in fp16)."""
+    mask = r_ok[:, None] & (o_d < D)[None, :]
+    x = tl.load(ptr + (rows[:, None] * H + i_h) * D + o_d[None, :], mask=mask, other=0.0)
+    return tl.where(mask, x.to(tl.float32), other)
+
+
+@triton.jit
+def _row(ptr, row, ok, i_h, H, D, o_d, other):
+    """One row of head i_h of a [total, H, D] tensor -> [BD] fp32."""
+    mask = ok & (o_d < D)
+    return tl.where(mask, tl.load(ptr + (row * H + i_h) * D + o_d, mask=mask,
+                                  other=0.0).to(tl.float32), other)
+
+
+@triton.jit
+def _block(ptr, i_g, i_h, H, M, D, o_m, o_d):
+    """The [M, D] matrix of head i_h at index i_g of a [G, H, M, D] tensor -> [BM, BD]."""
+    mask = (o_m < M)[:, None] & (o_d < D)[None, :]
+    return tl.load(ptr + ((i_g * H + i_h) * M + o_m[:, None]) * D + o_d[None, :], mask=mask,
+                   other=0.0)
+
+
+@triton.jit
+def _put_block(ptr, x, i_g, i_h, H, M, D, o_m, o_d):
+    mask = (o_m < M)[:, None] & (o_d < D)[None, :]
+    tl.store(ptr + ((i_g * H + i_h) * M + o_m[:, None]) * D + o_d[None, :], x, mask=mask)
+
+
+@triton.jit
+def _col(x, o_c, j):
+    """Column j of x [R, BC] -> [R]."""
+    return tl.sum(tl.where(o_c[None, :] == j, x, 0.0), 1)
+
+
+@triton.jit
+def _probs(S_ptr, lse_ptr, rows, r_ok, i_h, H, M, o_m):
+    """p = softmax_M(S) of some rows from the stored scores and their log-sum-exp."""
+    b_S = _tile(S_ptr, rows, r_ok, i_h, H, M, o_m, 0.0)
+    b_lse = tl.load(lse_ptr + rows * H + i_h, mask=r_ok, other=0.0)
+    ok = r_ok[:, None] & (o_m < M)[None, :]
+    return tl.where(ok, tl.exp(b_S - b_lse[:, None]), 0.0), b_S
+
+
+@triton.jit
+def _locate(cu, boff, sub_idx, i_x, BT: tl.constexpr, BC: tl.constexpr):
+    """Sub-block i_x of the packed batch -> (its first token, the end and the start of its
+    sequence, its index in the sequence, that of the first sub-block of its chunk, the
+    global index of its chunk)."""
+    i_n = tl.load(sub_idx + 2 * i_x)
+    i_s = tl.load(sub_idx + 2 * i_x + 1)
+    bos = tl.load(cu + i_n).to(tl.int64)
+    eos = tl.load(cu + i_n + 1).to(tl.int64)
+    i_g = tl.load(boff + i_n).to(tl.int64) + (i_s * BC) // BT
+    return bos + i_s * BC, eos, bos, i_s, i_s - i_s % (BT // BC), i_g
+
+
+# --------------------------------------------------------------------------------------
+# Forward
+# --------------------------------------------------------------------------------------
+
+@triton.jit
+def _fwd_states(x, s, lz0, x0, a, zprev, zend, h, lzT, xT, cu, boff,
+                H, M, D,
+                HAS_INIT: tl.constexpr, STORE_A: tl.constexpr,
+                BT: tl.constexpr, BM: tl.constexpr, BD: tl.constexpr, PREC: tl.constexpr):
+    """Memories at the chunk starts of one (sequence, head), slots o_m, features o_d.
+
+    x [total, H, D] (k or v), s [total, H, M]; lz0 [N, H, M], x0 [N, H, M, D] the initial
+    state. Stores h [chunks, H, M, D] (memory before each chunk), xT [N, H, M, D]; with
+    STORE_A (the K̃ launch, first feature block) also a [total, H, M], zprev / zend
+    [chunks, H, M] (log_z before / after each chunk) and lzT [N, H, M].
+    """
+    i_d, i_m, i_nh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    i_n, i_h = i_nh // H, i_nh % H
+    bos = tl.load(cu + i_n).to(tl.int64)
+    eos = tl.load(cu + i_n + 1).to(tl.int64)
+    i_g = tl.load(boff + i_n).to(tl.int64)
+    o_t = tl.arange(0, BT)
+    o_m = i_m * BM + tl.arange(0, BM)
+    o_d = i_d * BD + tl.arange(0, BD)
+    m_ok = o_m < M
+    if HAS_INIT:
+        b_lz = tl.maximum(tl.load(lz0 + i_nh * M + o_m, mask=m_ok, other=_NEG), _NEG)
+        b_mem = _block(x0, i_n, i_h, H, M, D, o_m, o_d)
+    else:
+        b_lz = tl.full([BM], _NEG, tl.float32)
+        b_mem = tl.zeros([BM, BD], tl.float32)
+    t = bos
+    while t < eos:  # the chunks of the sequence, in order
+        rows = t + o_t
+        r_ok = rows < eos
+        b_s = _tile(s, rows, r_ok, i_h, H, M, o_m, _NEG)  # [BT, BM]
+        b_x = _tile(x, rows, r_ok, i_h, H, D, o_d, 0.0)  # [BT, BD]
+        mx = tl.max(b_s, 0)
+        b_end = _logaddexp(b_lz, mx + tl.log(tl.sum(tl.exp(b_s - mx[None, :]), 0)))  # [BM]
+        _put_block(h, b_mem, i_g, i_h, H, M, D, o_m, o_d)
+        if STORE_A and i_d == 0:
+            b_a = _logaddexp(b_lz[None, :], tl.associative_scan(b_s, 0, _logaddexp))
+            tl.store(a + (rows[:, None] * H + i_h) * M + o_m[None, :], b_a,
+                     mask=r_ok[:, None] & m_ok[None, :])
+            tl.store(zprev + (i_g * H + i_h) * M + o_m, b_lz, mask=m_ok)
+            tl.store(zend + (i_g * H + i_h) * M + o_m, b_end, mask=m_ok)
+        write = tl.exp(b_s - b_end[None, :])  # [BT, BM], ≤ 1
+        keep = tl.exp(b_lz - b_end)  # [BM], ≤ 1
+        b_mem = b_mem * keep[:, None] + tl.dot(tl.trans(write), b_x, input_precision=PREC)
+        b_lz = b_end
+        t += BT
+        i_g += 1
+    _put_block(xT, b_mem, i_n, i_h, H, M, D, o_m, o_d)
+    if STORE_A and i_d == 0:
+        tl.store(lzT + i_nh * M + o_m, b_lz, mask=m_ok)
+
+
+@triton.jit
+def _keys_to_slots(b_x, b_h, decay, y, s, a, b_a, t0, eos, bos, j0, i_s, i_h, H, D, M,
+                   o_c, o_d, o_m, BC: tl.constexpr, PREC: tl.constexpr):
+    """out[t, m] = decay[t, m] (x_t · h[m]) + Σ_{i≤t in the chunk} φ[t, i][m] (x_t · y_i) for
+    the rows t of a sub-block -> [BC, BM]. b_x [BC, BD]; b_h [BM, BD] the memory before the
+    chunk; y [total, H, D]. x = scale q, y = k, h = K̃: the scores; x = do, y = v, h = Ṽ: dp."""
+    b_out = decay * tl.dot(b_x, tl.trans(b_h), input_precision=PREC)
+    j = j0
+    while j < i_s:  # earlier sub-blocks of the chunk, split at r = a at their last token
+        rows_j = bos + j * BC + o_c
+        b_yj = _tile(y, rows_j, rows_j < eos, i_h, H, D, o_d, 0.0)
+        b_sj = _tile(s, rows_j, rows_j < eos, i_h, H, M, o_m, _NEG)
+        b_r = _row(a, bos + j * BC + BC - 1, True, i_h, H, M, o_m, _POS)  # [BM]
+        b_xy = tl.dot(b_x, tl.trans(b_yj), input_precision=PREC)  # [BC, BC]
+        b_out += tl.exp(b_r[None, :] - b_a) * tl.dot(b_xy, tl.exp(b_sj - b_r[None, :]),
+                                                     input_precision=PREC)
+        j += 1
+    rows = t0 + o_c
+    b_xy = tl.dot(b_x, tl.trans(_tile(y, rows, rows < eos, i_h, H, D, o_d, 0.0)),
+                  input_precision=PREC)
+    for i in range(BC):  # token i of the sub-block, read by the tokens t ≥ i
+        b_si = _row(s, t0 + i, t0 + i < eos, i_h, H, M, o_m, _NEG)
+        b_phi = tl.exp(tl.where(o_c[:, None] >= i, b_si[None, :] - b_a, _NEG))  # [BC, BM]
+        b_out += _col(b_xy, o_c, i)[:, None] * b_phi
+    return b_out
+
+
+@triton.jit
+def _slots_to_values(b_w, b_h, decay, y, s, a, b_a, t0, eos, bos, j0, i_s, i_h, H, D, M,
+                     o_c, o_d, o_m, BC: tl.constexpr, PREC: tl.constexpr):
+    """out[t] = Σ_m w[t, m] (decay[t, m] h[m] + Σ_{i≤t in the chunk} φ[t, i][m] y_i) for the
+    rows t of a sub-block -> [BC, BD]. b_w [BC, BM]; b_h [BM, BD] the memory before the chunk;
+    y [total, H, D]. w = p, y = v, h = Ṽ: o; w = dS, y = k, h = K̃: dq / scale."""
+    b_out = tl.dot(b_w * decay, b_h, input_precision=PREC)
+    j = j0
+    while j < i_s:
+        rows_j = bos + j * BC + o_c
+        b_yj = _tile(y, rows_j, rows_j < eos, i_h, H, D, o_d, 0.0)
+        b_sj = _tile(s, rows_j, rows_j < eos, i_h, H, M, o_m, _NEG)
+        b_r = _row(a, bos + j * BC + BC - 1, True, i_h, H, M, o_m, _POS)
+        b_g = tl.dot(b_w * tl.exp(b_r[None, :] - b_a), tl.trans(tl.exp(b_sj - b_r[None, :])),
+                     input_precision=PREC)  # [BC, BC]
+        b_out += tl.dot(b_g, b_yj, input_precision=PREC)
+        j += 1
+    for i in range(BC):
+        b_si = _row(s, t0 + i, t0 + i < eos, i_h, H, M, o_m, _NEG)
+        b_phi = tl.exp(tl.where(o_c[:, None] >= i, b_si[None, :] - b_a, _NEG))
+        b_yi = _row(y, t0 + i, t0 + i < eos, i_h, H, D, o_d, 0.0)
+        b_out += tl.sum(b_w * b_phi, 1)[:, None] * b_yi[None, :]
+    return b_out
+
+
+@triton.jit
+def _fwd_output(q, k, v, s, a, zprev, hk, hv, o, S, lse, cu, boff, sub_idx, scale,
+                H, K, V, M,
+                BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+                BM: tl.constexpr, PREC: tl.constexpr):
+    """o, S, lse of one sub-block of BC tokens of one head."""
+    i_x, i_h = tl.program_id(0), tl.program_id(1)
+    t0, eos, bos, i_s, j0, i_g = _locate(cu, boff, sub_idx, i_x, BT, BC)
+    o_c = tl.arange(0, BC)
+    o_k = tl.arange(0, BK)
+    o_v = tl.arange(0, BV)
+    o_m = tl.arange(0, BM)
+    rows = t0 + o_c
+    r_ok = rows < eos
+    b_a = _tile(a, rows, r_ok, i_h, H, M, o_m, _POS)  # [BC, BM]
+    b_zp = tl.load(zprev + (i_g * H + i_h) * M + o_m, mask=o_m < M, other=_NEG)
+    decay = tl.exp(b_zp[None, :] - b_a)  # [BC, BM], weight of the chunk-start memory
+    b_q = _tile(q, rows, r_ok, i_h, H, K, o_k, 0.0) * scale  # [BC, BK]
+
+    b_S = _keys_to_slots(b_q, _block(hk, i_g, i_h, H, M, K, o_m, o_k), decay, k, s, a, b_a,
+                         t0, eos, bos, j0, i_s, i_h, H, K, M, o_c, o_k, o_m, BC, PREC)
+    b_S = tl.where((o_m < M)[None, :], b_S, float("-inf"))
+    mx = tl.max(b_S, 1)
+    b_p = tl.exp(b_S - mx[:, None])
+    den = tl.sum(b_p, 1)
+    b_p = b_p / den[:, None]  # [BC, BM]
+    tl.store(S + (rows[:, None] * H + i_h) * M + o_m[None, :], b_S,
+             mask=r_ok[:, None] & (o_m < M)[None, :])
+    tl.store(lse + rows * H + i_h, mx + tl.log(den), mask=r_ok)
+
+    b_o = _slots_to_values(b_p, _block(hv, i_g, i_h, H, M, V, o_m, o_v), decay, v, s, a, b_a,
+                           t0, eos, bos, j0, i_s, i_h, H, V, M, o_c, o_v, o_m, BC, PREC)
+    tl.store(o + (rows[:, None] * H + i_h) * V + o_v[None, :], b_o.to(o.dtype.element_ty),
+             mask=r_ok[:, None] & (o_v < V)[None, :])
+
+
+# --------------------------------------------------------------------------------------
+# Backward
+# --------------------------------------------------------------------------------------
+
+@triton.jit
+def _bwd_dq(q, k, v, s, a, zprev, hk, hv, S, lse, do, dq, dS, c, cu, boff, sub_idx, scale,
+            H, K, V, M,
+            BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+            BM: tl.constexpr, PREC: tl.constexpr):
+    """dq, dS, c of one sub-block of one head."""
+    i_x, i_h = tl.program_id(0), tl.program_id(1)
+    t0, eos, bos, i_s, j0, i_g = _locate(cu, boff, sub_idx, i_x, BT, BC)
+    o_c = tl.arange(0, BC)
+    o_k = tl.arange(0, BK)
+    o_v = tl.arange(0, BV)
+    o_m = tl.arange(0, BM)
+    rows = t0 + o_c
+    r_ok = rows < eos
+    b_a = _tile(a, rows, r_ok, i_h, H, M, o_m, _POS)
+    b_zp = tl.load(zprev + (i_g * H + i_h) * M + o_m, mask=o_m < M, other=_NEG)
+    decay = tl.exp(b_zp[None, :] - b_a)
+    b_do = _tile(do, rows, r_ok, i_h, H, V, o_v, 0.0)  # [BC, BV]
+
+    # dp_t[m] = do_t · Ṽ_t[m]
+    b_dp = _keys_to_slots(b_do, _block(hv, i_g, i_h, H, M, V, o_m, o_v), decay, v, s, a, b_a,
+                          t0, eos, bos, j0, i_s, i_h, H, V, M, o_c, o_v, o_m, BC, PREC)
+    b_p, b_S = _probs(S, lse, rows, r_ok, i_h, H, M, o_m)
+    b_dS = b_p * (b_dp - tl.sum(b_p * b_dp, 1)[:, None])
+    b_c = b_dS * b_S + b_p * b_dp  # K̃_t·G^K_t + Ṽ_t·G^V_t per slot
+    ok = r_ok[:, None] & (o_m < M)[None, :]
+    tl.store(dS + (rows[:, None] * H + i_h) * M + o_m[None, :], b_dS, mask=ok)
+    tl.store(c + (rows[:, None] * H + i_h) * M + o_m[None, :], b_c, mask=ok)
+
+    # dq_t = scale Σ_m dS_t[m] K̃_t[m]
+    b_dq = _slots_to_values(b_dS, _block(hk, i_g, i_h, H, M, K, o_m, o_k), decay, k, s, a, b_a,
+                            t0, eos, bos, j0, i_s, i_h, H, K, M, o_c, o_k, o_m, BC, PREC)
+    tl.store(dq + (rows[:, None] * H + i_h) * K + o_k[None, :],
+             (b_dq * scale).to(dq.dtype.element_ty), mask=r_ok[:, None] & (o_k < K)[None, :])
+
+
+@triton.jit
+def _bwd_states(x, coef, lse, c, a, zprev, zend, dxT, dcT, dh, dc, dx0, dc0, cu, boff, scale,
+                H, M, D,
+                IS_V: tl.constexpr, HAS_DFINAL: tl.constexpr,
+                BT: tl.constexpr, BM: tl.constexpr, BD: tl.constexpr, PREC: tl.constexpr):
+    """∂L/∂(memory after each chunk) of one (sequence, head), slots o_m, features o_d.
+
+    K̃ launch: x = q, coef = dS, G^K_t[m] = scale dS_t[m] q_t; the first feature block also
+    scans c. Ṽ launch: x = do, coef = S (p = exp(S - lse)), G^V_t[m] = p_t[m] do_t.
+    dxT / dcT [N, H, M(, D)]: the gradient of the final memory and the c of the final
+    state. Stores dh [chunks, H, M, D], dc [chunks, H, M] and, before the first chunk,
+    dx0 [N, H, M, D] (the initial memory's gradient) and dc0 [N, H, M].
+    """
+    i_d, i_m, i_nh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    i_n, i_h = i_nh // H, i_nh % H
+    bos = tl.load(cu + i_n).to(tl.int64)
+    eos = tl.load(cu + i_n + 1).to(tl.int64)
+    g0 = tl.load(boff + i_n).to(tl.int64)
+    o_t = tl.arange(0, BT)
+    o_m = i_m * BM + tl.arange(0, BM)
+    o_d = i_d * BD + tl.arange(0, BD)
+    m_ok = o_m < M
+    if HAS_DFINAL:
+        b_dh = _block(dxT, i_n, i_h, H, M, D, o_m, o_d)
+        b_dc = tl.load(dcT + i_nh * M + o_m, mask=m_ok, other=0.0)
+    else:
+        b_dh = tl.zeros([BM, BD], tl.float32)
+        b_dc = tl.zeros([BM], tl.float32)
+    i = (eos - bos + BT - 1) // BT - 1
+    while i >= 0:  # the chunks of the sequence, last first
+        i_g = g0 + i
+        rows = bos + i * BT + o_t
+        r_ok = rows < eos
+        _put_block(dh, b_dh, i_g, i_h, H, M, D, o_m, o_d)
+        if (not IS_V) and i_d == 0:
+            tl.store(dc + (i_g * H + i_h) * M + o_m, b_dc, mask=m_ok)
+        b_zp = tl.load(zprev + (i_g * H + i_h) * M + o_m, mask=m_ok, other=0.0)
+        keep = tl.exp(b_zp - tl.load(zend + (i_g * H + i_h) * M + o_m, mask=m_ok, other=0.0))
+        b_f = tl.exp(b_zp[None, :] - _tile(a, rows, r_ok, i_h, H, M, o_m, _POS))  # [BT, BM]
+        if IS_V:
+            b_coef, _s = _probs(coef, lse, rows, r_ok, i_h, H, M, o_m)
+            b_x = _tile(x, rows, r_ok, i_h, H, D, o_d, 0.0)
+        else:
+            b_coef = _tile(coef, rows, r_ok, i_h, H, M, o_m, 0.0)
+            b_x = _tile(x, rows, r_ok, i_h, H, D, o_d, 0.0) * scale
+        b_dh = b_dh * keep[:, None] + tl.dot(tl.trans(b_f * b_coef), b_x, input_precision=PREC)
+        if (not IS_V) and i_d == 0:
+            b_dc = b_dc * keep + tl.sum(b_f * _tile(c, rows, r_ok, i_h, H, M, o_m, 0.0), 0)
+        i -= 1
+    _put_block(dx0, b_dh, i_n, i_h, H, M, D, o_m, o_d)
+    if (not IS_V) and i_d == 0:
+        tl.store(dc0 + i_nh * M + o_m, b_dc, mask=m_ok)
+
+
+@triton.jit
+def _bwd_dkv(q, k, v, s, a, zend, S, lse, do, dS, c, dhk, dhv, dhc, dk, dv, ds,
+             cu, boff, sub_idx, scale,
+             H, K, V, M,
+             BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+             BM: tl.constexpr, PREC: tl.constexpr):
+    """dk, dv, ds of one sub-block of one head."""
+    i_x, i_h = tl.program_id(0), tl.program_id(1)
+    t0, eos, bos, i_s, j0, i_g = _locate(cu, boff, sub_idx, i_x, BT, BC)
+    o_c = tl.arange(0, BC)
+    o_k = tl.arange(0, BK)
+    o_v = tl.arange(0, BV)
+    o_m = tl.arange(0, BM)
+    rows = t0 + o_c
+    r_ok = rows < eos
+
+    b_k = _tile(k, rows, r_ok, i_h, H, K, o_k, 0.0)  # [BC, BK]
+    b_v = _tile(v, rows, r_ok, i_h, H, V, o_v, 0.0)  # [BC, BV]
+    b_s = _tile(s, rows, r_ok, i_h, H, M, o_m, _NEG)  # [BC, BM]
+
+    # Later chunks, through the gradient of the memory after this chunk.
+    b_ze = tl.load(zend + (i_g * H + i_h) * M + o_m, mask=o_m < M, other=0.0)
+    b_e = tl.exp(b_s - b_ze[None, :])  # [BC, BM], ≤ 1
+    b_hk = _block(dhk, i_g, i_h, H, M, K, o_m, o_k)
+    b_hv = _block(dhv, i_g, i_h, H, M, V, o_m, o_v)
+    b_hc = tl.load(dhc + (i_g * H + i_h) * M + o_m, mask=o_m < M, other=0.0)
+    b_dk = tl.dot(b_e, b_hk, input_precision=PREC)
+    b_dv = tl.dot(b_e, b_hv, input_precision=PREC)
+    b_ds = b_e * (tl.dot(b_k, tl.trans(b_hk), input_precision=PREC)
+                  + tl.dot(b_v, tl.trans(b_hv), input_precision=PREC) - b_hc[None, :])
+
+    # Later sub-blocks of the chunk, through r = log_z at the last token of this one.
+    n_sub = (eos - bos + BC - 1) // BC
+    j_end = tl.minimum(j0 + BT // BC, n_sub)
+    b_r = _row(a, t0 + BC - 1, t0 + BC - 1 < eos, i_h, H, M, o_m, _POS)
+    b_e = tl.exp(b_s - b_r[None, :])  # [BC, BM], ≤ 1
+    j = i_s + 1
+    while j < j_end:
+        rows_j = bos + j * BC + o_c
+        rj_ok = rows_j < eos
+        b_qj = _tile(q, rows_j, rj_ok, i_h, H, K, o_k, 0.0) * scale
+        b_doj = _tile(do, rows_j, rj_ok, i_h, H, V, o_v, 0.0)
+        b_f = tl.exp(b_r[None, :] - _tile(a, rows_j, rj_ok, i_h, H, M, o_m, _POS))  # ≤ 1
+        b_fdS = b_f * _tile(dS, rows_j, rj_ok, i_h, H, M, o_m, 0.0)
+        b_pj, _sj = _probs(S, lse, rows_j, rj_ok, i_h, H, M, o_m)
+        b_fp = b_f * b_pj
+        b_fc = tl.sum(b_f * _tile(c, rows_j, rj_ok, i_h, H, M, o_m, 0.0), 0)  # [BM]
+        b_dk += tl.dot(tl.dot(b_e, tl.trans(b_fdS), input_precision=PREC), b_qj,
+                       input_precision=PREC)
+        b_dv += tl.dot(tl.dot(b_e, tl.trans(b_fp), input_precision=PREC), b_doj,
+                       input_precision=PREC)
+        b_kq = tl.dot(b_k, tl.trans(b_qj), input_precision=PREC)  # [BC, BC]
+        b_vdo = tl.dot(b_v, tl.trans(b_doj), input_precision=PREC)
+        b_ds += b_e * (tl.dot(b_kq, b_fdS, input_precision=PREC)
+                       + tl.dot(b_vdo, b_fp, input_precision=PREC) - b_fc[None, :])
+        j += 1
+
+    # This sub-block: token t reads tokens i ≤ t.
+    b_kq = tl.dot(b_k, tl.trans(_tile(q, rows, r_ok, i_h, H, K, o_k, 0.0) * scale),
+                  input_precision=PREC)
+    b_vdo = tl.dot(b_v, tl.trans(_tile(do, rows, r_ok, i_h, H, V, o_v, 0.0)),
+                   input_precision=PREC)
+    for i in range(BC):  # token t = t0 + i
+        ok = t0 + i < eos
+        b_at = _row(a, t0 + i, ok, i_h, H, M, o_m, _POS)
+        b_dSt = _row(dS, t0 + i, ok, i_h, H, M, o_m, 0.0)
+        b_St = _row(S, t0 + i, ok, i_h, H, M, o_m, 0.0)
+        b_lse = tl.load(lse + (t0 + i) * H + i_h, mask=ok, other=0.0)
+        b_pt = tl.where(ok & (o_m < M), tl.exp(b_St - b_lse), 0.0)
+        b_ct = _row(c, t0 + i, ok, i_h, H, M, o_m, 0.0)
+        b_qt = _row(q, t0 + i, ok, i_h, H, K, o_k, 0.0) * scale
+        b_dot = _row(do, t0 + i, ok, i_h, H, V, o_v, 0.0)
+        b_phi = tl.exp(tl.where(o_c[:, None] <= i, b_s - b_at[None, :], _NEG))  # [BC, BM]
+        b_dk += tl.sum(b_phi * b_dSt[None, :], 1)[:, None] * b_qt[None, :]
+        b_dv += tl.sum(b_phi * b_pt[None, :], 1)[:, None] * b_dot[None, :]
+        b_ds += b_phi * (_col(b_kq, o_c, i)[:, None] * b_dSt[None, :]
+                         + _col(b_vdo, o_c, i)[:, None] * b_pt[None, :] - b_ct[None, :])
+
+    tl.store(dk + (rows[:, None] * H + i_h) * K + o_k[None, :], b_dk.to(dk.dtype.element_ty),
+             mask=r_ok[:, None] & (o_k < K)[None, :])
+    tl.store(dv + (rows[:, None] * H + i_h) * V + o_v[None, :], b_dv.to(dv.dtype.element_ty),
+             mask=r_ok[:, None] & (o_v < V)[None, :])
+    tl.store(ds + (rows[:, None] * H + i_h) * M + o_m[None, :], b_ds.to(ds.dtype.element_ty),
+             mask=r_ok[:, None] & (o_m < M)[None, :])
+
+
+# --------------------------------------------------------------------------------------
+# Host side
+# --------------------------------------------------------------------------------------
+
+def _pad(n: int) -> int:
+    """The smallest power of two ≥ max(n, 16)."""
+    return max(16, triton.next_power_of_2(n))
+
+
+class _Plan(NamedTuple):
+    """Where the chunks and sub-blocks of a packed batch lie (on the device)."""
+
+    cu: torch.Tensor  # [N + 1] int32, sequence boundaries
+    boff: torch.Tensor  # [N] int32, global index of each sequence's first chunk
+    sub_idx: torch.Tensor  # [sub-blocks, 2] int32, (sequence, sub-block in it)
+    n_seq: int
+    n_chunks: int
+    chunk: int  # BT
+    scale: float
+    precision: str
+
+
+def _plan(bounds: list[int], chunk: int, scale: float, precision: str,
+          device: torch.device) -> _Plan:
+    lens = torch.tensor(bounds[1:]) - torch.tensor(bounds[:-1])
+    n_chunks = (lens + chunk - 1) // chunk
+    n_sub = (lens + BC - 1) // BC
+    seq = torch.repeat_interleave(torch.arange(len(lens)), n_sub)
+    first = torch.cumsum(n_sub, 0) - n_sub
+    sub = torch.arange(int(n_sub.sum())) - first[seq]
+    as_int = {"dtype": torch.int32, "device": device}
+    return _Plan(torch.tensor(bounds, **as_int), (torch.cumsum(n_chunks, 0) - n_chunks).to(**as_int),
+                 torch.stack((seq, sub), dim=1).to(**as_int).contiguous(), len(lens),
+                 int(n_chunks.sum()), chunk, scale, precision)
+
+
+def _state_blocks(M: int, D: int) -> tuple[int, int]:
+    return min(64, _pad(M)), min(64, _pad(D))
+
+
+def _warps(*blocks: int) -> int:
+    """4 warps for small tiles, else 8: with 4, tiles of 64 × 128 spill registers on sm_90."""
+    return 4 if max(blocks) <= 32 else 8
+
+
+def _forward(q, k, v, s, lz0, k0, v0, plan: _Plan):
+    """q [T, H, K], k [T, H, K], v [T, H, V], s [T, H, M] packed; initial state fp32 or None."""
+    T, H, K = q.shape
+    V, M = v.shape[-1], s.shape[-1]
+    N, NT, BT, prec = plan.n_seq, plan.n_chunks, plan.chunk, plan.precision
+    f32 = {"dtype": torch.float32, "device": q.device}
+    a = torch.empty(T, H, M, **f32)
+    zprev, zend = torch.empty(NT, H, M, **f32), torch.empty(NT, H, M, **f32)
+    hk, hv = torch.empty(NT, H, M, K, **f32), torch.empty(NT, H, M, V, **f32)
+    lzT = torch.empty(N, H, M, **f32)
+    kT, vT = torch.empty(N, H, M, K, **f32), torch.empty(N, H, M, V, **f32)
+    has_init = lz0 is not None
+    for x, x0, h, xT, store_a in ((k, k0, hk, kT, True), (v, v0, hv, vT, False)):
+        D = x.shape[-1]
+        BM, BD = _state_blocks(M, D)
+        grid = (triton.cdiv(D, BD), triton.cdiv(M, BM), N * H)
+        _fwd_states[grid](x, s, lz0 if has_init else lzT, x0 if has_init else xT, a, zprev,
+                          zend, h, lzT, xT, plan.cu, plan.boff, H, M, D,
+                          HAS_INIT=has_init, STORE_A=store_a, BT=BT, BM=BM, BD=BD, PREC=prec,
+                          num_warps=_warps(BT, BM, BD))
+    o = torch.empty(T, H, V, dtype=q.dtype, device=q.device)
+    S, lse = torch.empty(T, H, M, **f32), torch.empty(T, H, **f32)
+    _fwd_output[(plan.sub_idx.shape[0], H)](
+        q, k, v, s, a, zprev, hk, hv, o, S, lse, plan.cu, plan.boff, plan.sub_idx, plan.scale,
+        H, K, V, M, BT=BT, BC=BC, BK=_pad(K), BV=_pad(V), BM=_pad(M), PREC=prec,
+        num_warps=_warps(_pad(K), _pad(V), _pad(M)))
+    return o, (lzT, kT, vT), (a, zprev, zend, hk, hv, S, lse)
+
+
+def _backward(q, k, v, s, do, saved, final, dfinal, plan: _Plan):
+    """Gradients of q, k, v, s and of the initial memories; dfinal = (dlz, dK̃, dṼ) or None."""
+    a, zprev, zend, hk, hv, S, lse = saved
+    T, H, K = q.shape
+    V, M = v.shape[-1], s.shape[-1]
+    N, NT, BT, prec = plan.n_seq, plan.n_chunks, plan.chunk, plan.precision
+    f32 = {"dtype": torch.float32, "device": q.device}
+    sub = (plan.sub_idx.shape[0], H)
+    blocks = {"BT": BT, "BC": BC, "BK": _pad(K), "BV": _pad(V), "BM": _pad(M), "PREC": prec,
+              "num_warps": _warps(_pad(K), _pad(V), _pad(M))}
+
+    dq = torch.empty_like(q)
+    dS, c = torch.empty(T, H, M, **f32), torch.empty(T, H, M, **f32)
+    _bwd_dq[sub](q, k, v, s, a, zprev, hk, hv, S, lse, do, dq, dS, c, plan.cu, plan.boff,
+                 plan.sub_idx, plan.scale, H, K, V, M, **blocks)
+
+    dcT = None
+    if dfinal is not None:
+        dlzT, dkT, dvT = dfinal
+        _, kT, vT = final
+        dcT = ((kT * dkT).sum(-1) + (vT * dvT).sum(-1) - dlzT).contiguous()
+    dhk, dhv = torch.empty(NT, H, M, K, **f32), torch.empty(NT, H, M, V, **f32)
+    dhc = torch.empty(NT, H, M, **f32)
+    dk0, dv0, dc0 = (torch.empty(N, H, M, K, **f32), torch.empty(N, H, M, V, **f32),
+                     torch.empty(N, H, M, **f32))
+    dkT, dvT = (None, None) if dfinal is None else dfinal[1:]
+    for x, coef, dxT, dh, dx0, is_v in ((q, dS, dkT, dhk, dk0, False),
+                                        (do, S, dvT, dhv, dv0, True)):
+        D = x.shape[-1]
+        BM, BD = _state_blocks(M, D)
+        grid = (triton.cdiv(D, BD), triton.cdiv(M, BM), N * H)
+        _bwd_states[grid](x, coef, lse, c, a, zprev, zend, dx0 if dxT is None else dxT,
+                          dc0 if dcT is None else dcT, dh, dhc, dx0, dc0, plan.cu, plan.boff,
+                          plan.scale, H, M, D, IS_V=is_v, HAS_DFINAL=dfinal is not None,
+                          BT=BT, BM=BM, BD=BD, PREC=prec, num_warps=_warps(BT, BM, BD))
+
+    dk, dv, ds = torch.empty_like(k), torch.empty_like(v), torch.empty_like(s)
+    _bwd_dkv[sub](q, k, v, s, a, zend, S, lse, do, dS, c, dhk, dhv, dhc, dk, dv, ds,
+                  plan.cu, plan.boff, plan.sub_idx, plan.scale, H, K, V, M, **blocks)
+    return dq, dk, dv, ds, (dc0, dk0, dv0)
+
+
+class _ABCChunk(torch.autograd.Function):
+    """Packed inputs [T, H, D] and fp32 initial state tensors (or None) -> o [T, H, V] and
+    the final state (log_z, K̃, Ṽ), all differentiable."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, s, lz0, k0, v0, plan: _Plan):
+        ctx.set_materialize_grads(False)
+        o, final, saved = _forward(q, k, v, s, lz0, k0, v0, plan)
+        ctx.save_for_backward(q, k, v, s, k0, v0, *final, *saved)
+        ctx.plan, ctx.has_init = plan, lz0 is not None
+        return (o, *final)
+
+    @staticmethod
+    def backward(ctx, do, dlzT, dkT, dvT):
+        q, k, v, s, k0, v0, lzT, kT, vT, *saved = ctx.saved_tensors
+        dfinal = None
+        if any(g is not None for g in (dlzT, dkT, dvT)):
+            dfinal = tuple(torch.zeros_like(x) if g is None else g.float().contiguous()
+                           for g, x in ((dlzT, lzT), (dkT, kT), (dvT, vT)))
+        if do is None:
+            do = torch.zeros(*q.shape[:2], v.shape[-1], dtype=q.dtype, device=q.device)
+        dq, dk, dv, ds, (dc0, dk0, dv0) = _backward(q, k, v, s, do.contiguous(), saved,
+                                                    (lzT, kT, vT), dfinal, ctx.plan)
+        dinit = (None, None, None)
+        if ctx.has_init:
+            # log_z_0 is the logit of the initial memory, read like a token's s.
+            dlz0 = (k0 * dk0).sum(-1) + (v0 * dv0).sum(-1) - dc0
+            dinit = (dlz0, dk0, dv0)
+        return dq, dk, dv, ds, *dinit, None
+
+
+def abc_chunk_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, s: torch.Tensor, *,
+                     scale: float | None = None, initial_state: ABCState | None = None,
+                     output_final_state: bool = False, cu_seqlens: torch.Tensor | None = None,
+                     chunk_size: int = 64) -> tuple[torch.Tensor, ABCState | None]:
+    """Causal ABC_MLP with the Triton kernels; the contract of `abc_chunked(causal=True)`.
+
+    q [B, T, H, K], k [B, T, H, K], v [B, T, H, V], s [B, T, H, M] slot logits, in
+    float32, float16 or bfloat16 (fp32 accumulation); K, V, M ≤ 128.
+    initial_state: ABCState (log_z [B, H, M], k [B, H, M, K], v [B, H, M, V]) or None.
+    cu_seqlens: [N + 1] integer boundaries of N sequences packed as B = 1; then the initial
+    and final states have batch N and every sequence starts from its own.
+    chunk_size: tokens per chunk of the memory recurrence, a power of two ≥ 16.
+    Returns o [B, T, H, V] in q's dtype and, if output_final_state, the ABCState (float32)
+    after the last token (of every sequence). Differentiable in q, k, v, s, the initial
+    state and through the final state.
+    """
+    if cu_seqlens is None:
+        B, _, T, H, K, V, M = check_inputs(q, k, v, s, "s", True, initial_state, ABCState)
+        bounds = list(range(0, B * T + 1, T))
+    else:
+        bounds = check_varlen(q, k, v, s, cu_seqlens, initial_state)
+        B, T, H, K = q.shape
+        V, M = v.shape[-1], s.shape[-1]
+    if not isinstance(chunk_size, int) or chunk_size < BC or chunk_size & (chunk_size - 1):
+        raise ValueError(f"chunk_size: expected a power of two ≥ {BC}, got {chunk_size!r}")
+    named = {"q": q, "k": k, "v": v, "s": s,
+             **{f"initial_state.{f}": t for f, t in zip(ABCState._fields, initial_state or ())}}
+    if not kernels_supported(*named.values()):
+        devices = sorted({str(t.device) for t in named.values()})
+        raise ValueError(f"q: the Triton kernels need CUDA tensors (or CPU tensors with "
+                         f"TRITON_INTERPRET=1), got tensors on {', '.join(devices)}")
+    for name, t in named.items():
+        if t.dtype not in KERNEL_DTYPES:
+            raise ShapeError(f"{name}: the Triton kernels take float32, float16 or bfloat16, "
+                             f"got {t.dtype}")
+    for name, size in (("K", K), ("V", V), ("M", M)):
+        if size > MAX_DIM:
+            raise ShapeError(f"q: the Triton kernels take {name} ≤ {MAX_DIM}, got {name}={size}")
+
+    half = any(t.dtype != torch.float32 for t in (q, k, v, s))
+    plan = _plan(bounds, chunk_size, default_scale(scale, K), "tf32" if half else "ieee",
+                 q.device)
+    packed = [x.reshape(B * T, H, x.shape[-1]).contiguous() for x in (q, k, v, s)]
+    init = (None, None, None) if initial_state is None else \
+        tuple(t.float().contiguous() for t in initial_state)
+    o, lzT, kT, vT = _ABCChunk.apply(*packed, *init, plan)
+    state = ABCState(lzT, kT, vT) if output_final_state else None
+    return o.view(B, T, H, V), state
+
+
+__all__ = ["abc_chunk_triton"]

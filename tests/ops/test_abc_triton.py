@@ -1,0 +1,242 @@
+"""memattn.kernels.abc_chunk (abc_chunk_triton, abc_attention(backend="triton")) and the
+packed variable-length forms: outputs, final states and every gradient against the reference.
+
+Without a GPU the kernels run in Triton's interpreter on CPU tensors (tests/conftest.py sets
+TRITON_INTERPRET=1), so the shapes are tiny; test_on_gpu repeats the checks with larger ones.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+
+import pytest
+import torch
+
+pytest.importorskip("triton", reason="the Triton kernels need the triton package")
+
+from memattn.errors import ShapeError
+from memattn.kernels import abc_chunk, kernels_supported
+from memattn.kernels.abc_chunk import abc_chunk_triton
+from memattn.ops.abc import ABCState, abc_attention, abc_chunked, abc_reference
+from memattn.ops.abc.varlen import abc_varlen
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+if DEVICE == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
+    pytest.skip("no GPU and TRITON_INTERPRET is not set: the kernels cannot run",
+                allow_module_level=True)
+
+# Every buffer the kernels fill starts as NaN: a read before a write shows.
+pytestmark = pytest.mark.usefixtures("nan_empty")
+
+F32 = {"atol": 2e-5, "rtol": 2e-5}
+HALF = {"atol": 4e-2, "rtol": 4e-2}
+
+
+def make_inputs(B=2, T=7, H=2, K=16, V=8, M=5, *, N=None, s_scale=1.0, dtype=torch.float32,
+                seed=0, device=DEVICE):
+    """q [B, T, H, K], k [B, T, H, K], v [B, T, H, V], s [B, T, H, M] and an ABCState of
+    batch N (default B), rounded to `dtype` and held in float64 (leaves for the reference)."""
+    g = torch.Generator().manual_seed(seed)
+    N = B if N is None else N
+    shapes = [(B, T, H, K), (B, T, H, K), (B, T, H, V), (B, T, H, M), (N, H, M), (N, H, M, K),
+              (N, H, M, V)]
+    xs = [torch.randn(*sh, generator=g, dtype=torch.float64) for sh in shapes]
+    xs[3] = xs[3] * s_scale
+    xs[4] = xs[4] * s_scale
+    return [x.to(dtype).to(device=device, dtype=torch.float64) for x in xs]
+
+
+def run(fn, xs, dtype, *, with_state=True, **kw):
+    """o, final state and the gradients of a fixed random functional of both, taken through
+    `fn` on the inputs `xs` cast to `dtype` (the state stays in float32 / float64)."""
+    leaves = [x.to(dtype).requires_grad_() for x in xs[:4]]
+    state_dtype = torch.float64 if dtype == torch.float64 else torch.float32
+    state = [x.to(state_dtype).requires_grad_() for x in xs[4:]] if with_state else []
+    o, final = fn(*leaves, initial_state=ABCState(*state) if with_state else None,
+                  output_final_state=True, **kw)
+    g = torch.Generator().manual_seed(123)
+    loss = (o.double() * torch.randn(o.shape, generator=g, dtype=torch.float64).to(o.device)).sum()
+    for t in final:
+        loss = loss + (t.double() * torch.randn(t.shape, generator=g,
+                                                dtype=torch.float64).to(t.device)).sum()
+    grads = torch.autograd.grad(loss, leaves + state)
+    return [t.detach().double() for t in (o, *final, *grads)]
+
+
+NAMES = ["o", "log_z", "k", "v", "dq", "dk", "dv", "ds", "dlog_z0", "dk0", "dv0"]
+
+
+def assert_all_close(got, want, **tol):
+    assert len(got) == len(want) == len(NAMES)
+    for name, a, b in zip(NAMES, got, want):
+        assert torch.isfinite(a).all(), name
+        torch.testing.assert_close(a, b, **tol, msg=lambda m, n=name: f"{n}: {m}")
+
+
+@pytest.mark.parametrize(("T", "chunk"), [(1, 16), (7, 16), (37, 16), (37, 32)])
+def test_matches_reference(T, chunk):
+    """Odd lengths, several chunks (16), several sub-blocks in a chunk (32), K ≠ V, M = 5."""
+    xs = make_inputs(T=T)
+    got = run(abc_chunk_triton, xs, torch.float32, chunk_size=chunk)
+    want = run(abc_reference, xs, torch.float64)
+    assert_all_close(got, want, **F32)
+
+
+def test_backend_triton_without_state():
+    """abc_attention(backend="triton"), no initial state, a loss on o only."""
+    xs = make_inputs(B=1, T=20, H=3, K=16, V=16, M=16)
+    q, k, v, s = (x.float().requires_grad_() for x in xs[:4])
+    o, state = abc_attention(q, k, v, s, backend="triton")
+    assert state is None
+    do = torch.randn_like(o)
+    got = [o, *torch.autograd.grad(o, (q, k, v, s), do)]
+    o_ref, _ = abc_reference(*(x.requires_grad_() for x in xs[:4]))
+    want = [o_ref, *torch.autograd.grad(o_ref, xs[:4], do.double())]
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a.double(), b, **F32)
+
+
+def test_gradients_through_the_final_state_only():
+    """A loss on the final state alone (o unused): gradients of k, v, s and the initial state."""
+    xs = make_inputs(B=1, T=9)
+    grads = []
+    for fn, dt in ((abc_chunk_triton, torch.float32), (abc_reference, torch.float64)):
+        leaves = [x.to(dt).requires_grad_() for x in xs[:4]]
+        state = [x.to(dt).requires_grad_() for x in xs[4:]]
+        _, final = fn(*leaves, initial_state=ABCState(*state), output_final_state=True)
+        loss = final.log_z.sum() + (final.k * 0.5).sum() - final.v.sum()
+        grads.append(torch.autograd.grad(loss, leaves[1:] + state))
+    for a, b in zip(*grads, strict=True):
+        torch.testing.assert_close(a.double(), b, **F32)
+
+
+def test_large_logits():
+    """s and log_z0 of ±1e3: every weight is a product of factors ≤ 1, nothing overflows."""
+    xs = make_inputs(B=1, T=37, s_scale=1e3)
+    got = run(abc_chunk_triton, xs, torch.float32, chunk_size=32)
+    want = run(abc_reference, xs, torch.float64)
+    assert_all_close(got, want, atol=1e-4, rtol=1e-4)
+
+
+def test_varlen_matches_each_sequence():
+    """Three packed sequences (1, 19 and 25 tokens), each from its own initial state."""
+    bounds = [0, 1, 20, 45]
+    xs = make_inputs(B=1, T=45, N=3, M=6)
+    cu = torch.tensor(bounds, dtype=torch.int32, device=DEVICE)
+    got = run(abc_attention, xs, torch.float32, cu_seqlens=cu, backend="triton")
+    want = run(abc_varlen, xs, torch.float64, cu_seqlens=cu.long())
+    assert_all_close(got, want, **F32)
+
+    # abc_varlen itself: one reference call per sequence, outputs and states side by side.
+    per_seq = [abc_reference(*(x[:, a:b] for x in xs[:4]),
+                             initial_state=ABCState(*(t[n:n + 1] for t in xs[4:])),
+                             output_final_state=True)
+               for n, (a, b) in enumerate(itertools.pairwise(bounds))]
+    torch.testing.assert_close(want[0], torch.cat([o for o, _ in per_seq], dim=1))
+    for i in range(3):
+        torch.testing.assert_close(want[1 + i], torch.cat([st[i] for _, st in per_seq]))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_half_precision(dtype):
+    """fp16 / bf16 inputs (fp32 accumulation) against the float64 reference of the same
+    rounded inputs; o and the gradients come back in the input dtype."""
+    xs = make_inputs(T=21, dtype=dtype)
+    q = xs[0].to(dtype)
+    o, state = abc_chunk_triton(q, *(x.to(dtype) for x in xs[1:4]), output_final_state=True,
+                                chunk_size=16)
+    assert o.dtype == dtype and all(t.dtype == torch.float32 for t in state)
+    got = run(abc_chunk_triton, xs, dtype, chunk_size=16)
+    want = run(abc_reference, xs, torch.float64)
+    assert_all_close(got, want, **HALF)
+
+
+def test_varlen_torch_fallback():
+    """abc_attention(cu_seqlens=..., backend="torch") is abc_varlen: per-sequence chunked calls."""
+    bounds = [0, 1, 8, 20]
+    xs = make_inputs(B=1, T=20, N=3, device="cpu")
+    state = ABCState(*xs[4:])
+    o, final = abc_attention(*xs[:4], cu_seqlens=torch.tensor(bounds), initial_state=state,
+                             output_final_state=True, backend="torch")
+    for n, (a, b) in enumerate(itertools.pairwise(bounds)):
+        o_n, st_n = abc_chunked(*(x[:, a:b] for x in xs[:4]),
+                                initial_state=ABCState(*(t[n:n + 1] for t in state)),
+                                output_final_state=True)
+        torch.testing.assert_close(o[:, a:b], o_n)
+        for t, t_n in zip(final, st_n):
+            torch.testing.assert_close(t[n:n + 1], t_n)
+
+
+@pytest.mark.parametrize(("cu", "kw", "match"), [
+    ([1, 5, 20], {}, "start at 0"),
+    ([0, 12, 12, 20], {}, "strictly increasing"),
+    ([0, 12, 5, 20], {}, "strictly increasing"),
+    ([0, 5, 19], {}, "end at the packed length 20"),
+    ([0, 5, 20], {"B": 2}, "batch 1"),
+    ([0, 5, 20], {"N": 3}, "initial_state.log_z"),
+    ([0.0, 5.0, 20.0], {}, "integer"),
+])
+def test_varlen_errors(cu, kw, match):
+    B, N = kw.get("B", 1), kw.get("N", len(cu) - 1)
+    xs = make_inputs(B=B, T=20, N=N, device="cpu")
+    for backend in ("torch", "triton"):
+        with pytest.raises(ShapeError, match=match):
+            abc_attention(*xs[:4], cu_seqlens=torch.tensor(cu), initial_state=ABCState(*xs[4:]),
+                          backend=backend)
+
+
+def test_backend_errors():
+    xs = make_inputs(B=1, T=5, device="cpu")
+    with pytest.raises(ValueError, match="backend"):
+        abc_attention(*xs[:4], backend="cuda")
+    with pytest.raises(ValueError, match="causal=False"):
+        abc_attention(*xs[:4], causal=False, backend="triton")
+    with pytest.raises(ValueError, match="causal=True only"):
+        abc_attention(*xs[:4], causal=False, cu_seqlens=torch.tensor([0, 5]))
+    with pytest.raises(ValueError, match="mode"):
+        abc_attention(*xs[:4], mode="reference", backend="triton")
+    with pytest.raises(ValueError, match="chunk_size"):
+        abc_chunk_triton(*xs[:4], chunk_size=8)
+    with pytest.raises(ShapeError, match="float64"):
+        abc_chunk_triton(*xs[:4])
+
+
+def test_auto_stays_on_torch_on_cpu(monkeypatch):
+    """backend="auto" never takes the kernels for CPU tensors, interpreter or not."""
+    def refuse(*args, **kwargs):
+        raise AssertionError("the Triton kernel ran on CPU tensors with backend='auto'")
+    monkeypatch.setattr(abc_chunk, "abc_chunk_triton", refuse)
+    xs = make_inputs(B=1, T=9, device="cpu")
+    q, k, v, s = (x.float() for x in xs[:4])
+    o, _ = abc_attention(q, k, v, s)
+    torch.testing.assert_close(o, abc_chunked(q, k, v, s)[0])
+    abc_attention(q, k, v, s, cu_seqlens=torch.tensor([0, 4, 9]))
+
+
+def test_kernels_supported(monkeypatch):
+    x = torch.zeros(2)
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert kernels_supported(x, None)
+    monkeypatch.delenv("TRITON_INTERPRET")
+    assert not kernels_supported(x)
+    assert kernels_supported()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_on_gpu():
+    """Larger shapes on the GPU: several chunks of 64, K, V, M not powers of two, varlen, bf16."""
+    xs = make_inputs(B=2, T=300, H=3, K=72, V=40, M=24, seed=1)
+    want = run(abc_chunked, xs, torch.float64)
+    assert_all_close(run(abc_chunk_triton, xs, torch.float32), want, atol=1e-4, rtol=1e-4)
+    assert_all_close(run(abc_chunk_triton, xs, torch.bfloat16), want, atol=6e-2, rtol=6e-2)
+
+    big = make_inputs(B=1, T=300, H=2, K=64, V=64, M=32, s_scale=1e3, seed=2)
+    assert_all_close(run(abc_chunk_triton, big, torch.float32),
+                     run(abc_chunked, big, torch.float64), atol=2e-4, rtol=2e-4)
+
+    bounds = [0, 1, 130, 131, 400]
+    xs = make_inputs(B=1, T=400, H=2, K=64, V=32, M=20, N=4, seed=3)
+    cu = torch.tensor(bounds, device=DEVICE)
+    assert_all_close(run(abc_attention, xs, torch.float32, cu_seqlens=cu),
+                     run(abc_varlen, xs, torch.float64, cu_seqlens=cu), atol=1e-4, rtol=1e-4)
