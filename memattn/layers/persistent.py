@@ -188,6 +188,12 @@ class PersistentCache(AttentionState):
             k, v = k[:, start:].contiguous(), v[:, start:].contiguous()
         self._k, self._v, self._len = k, v, k.shape[1]
 
+    def grows_in_place(self, keep: int | None) -> bool:
+        """Whether `append(.., keep)` writes into the storage without copying it (unbounded
+        decoding, no gradient)."""
+        keep = self.limit if keep is None else keep
+        return keep is None and not torch.is_grad_enabled()
+
     def _write_in_place(self, k: torch.Tensor, v: torch.Tensor) -> None:
         """Unbounded decoding: amortised O(1) per token (doubling storage, as `KVCache`)."""
         need = self._len + k.shape[1]
@@ -309,13 +315,20 @@ class PersistentAttention(nn.Module):
         past = memory_state.past() if memory_state is not None else None
         if attention_mask is not None and past is not None:
             attention_mask = torch.cat([attention_mask.new_ones(B, past[0].shape[1]), attention_mask], 1)
+        keep = self.cache_tokens()
+        written = memory_state is not None and memory_state.grows_in_place(keep)
+        if written:
+            # unbounded decoding: write first, then read every key where the cache holds it
+            # (query i sits at position Tk - Tq + i either way), instead of copying the cache
+            memory_state.append(k, v, keep=keep)
+            (k, v), past = memory_state.past(), None
         span = self.span.clamp(0, 1) * self.options.span_max if self.span is not None else None
         o, _ = persistent_attention(q, k, v, pk, pv, causal=self.spec.causal, mode=self.mode, pq=pq,
                                     pscale=pscale, rel=self.rel, span=span,
                                     ramp=float(self.options.span_ramp), window=self.limit,
                                     attention_mask=attention_mask, initial_state=past)
-        if memory_state is not None:
-            memory_state.append(k, v, keep=self.cache_tokens())
+        if memory_state is not None and not written:
+            memory_state.append(k, v, keep=keep)
         return self.dropout(self.out(o.reshape(B, T, d))), memory_state
 
     def _persistent(self) -> tuple[torch.Tensor, torch.Tensor]:

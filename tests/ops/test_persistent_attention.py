@@ -85,11 +85,12 @@ def materialise(option, *, B, Tq, Tk, H, K, N, mode, causal, grad=False):
     return out, extra
 
 
+@pytest.mark.parametrize("few_queries", [False, True])  # True: a decoding step, Tq ≪ Tk
 @pytest.mark.parametrize("causal", [True, False])
 @pytest.mark.parametrize("mode", ["joint", "split", "heads"])
 @pytest.mark.parametrize("option", list(OPTIONS))
-def test_fast_form_matches_reference_forward_and_gradients(mode, option, causal):
-    B, Tq, Tk, H, K, N = 2, (5 if causal else 4), 13, 4, 6, 3
+def test_fast_form_matches_reference_forward_and_gradients(mode, option, causal, few_queries):
+    B, Tq, Tk, H, K, N = 2, 1 if few_queries else (5 if causal else 4), 13, 4, 6, 3
     q, k, v, pk, pv = inputs(B, Tq, Tk, H, K, 5, N, mode, grad=True)
     kwargs, extra = materialise(OPTIONS[option], B=B, Tq=Tq, Tk=Tk, H=H, K=K, N=N, mode=mode,
                                 causal=causal, grad=True)

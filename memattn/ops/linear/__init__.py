@@ -23,6 +23,7 @@ from memattn.kernels import use_kernels
 from memattn.ops.linear.backward import (ALPHA_MIN, MAX_AMPLIFICATION, choose_state_mode,
                                          linear_attention_autograd)
 from memattn.ops.linear.chunked import DEFAULT_CHUNK_SIZE, linear_attention_chunked
+from memattn.ops.linear.common import check_alpha_values, check_inputs
 from memattn.ops.linear.recurrent import (linear_attention_read, linear_attention_recurrent,
                                           linear_attention_step)
 from memattn.ops.linear.reference import linear_attention_reference
@@ -60,7 +61,16 @@ def linear_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causa
         return linear_attention_triton(q, k, v, alpha=alpha, beta=beta, scale=scale,
                                        initial_state=initial_state,
                                        output_final_state=output_final_state)
-    if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in inputs):
+    needs_grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad
+                                                 for t in inputs)
+    if causal and q.dim() == 4 and q.shape[1] == 1 and not needs_grad:  # one decoding step
+        check_inputs(q, k, v, causal=causal, alpha=alpha, beta=beta, initial_state=initial_state)
+        check_alpha_values(alpha)
+        o, state = linear_attention_step(
+            q[:, 0], k[:, 0], v[:, 0], initial_state,
+            *(None if t is None else t[:, 0] for t in (alpha, beta)), scale=scale)
+        return o[:, None], (state if output_final_state else None)
+    if needs_grad:
         o, state = linear_attention_autograd(q, k, v, causal=causal, alpha=alpha, beta=beta,
                                              scale=scale, initial_state=initial_state)
         return o, (state if output_final_state else None)

@@ -82,6 +82,29 @@ def _with_persistent_columns(mask: torch.Tensor | None, N: int) -> torch.Tensor 
     return torch.cat([lead, mask], -1)
 
 
+# Few queries on a long context (decoding): read the context keys and values where they lie
+# rather than copy them next to the persistent ones for one fused call.
+DECODE_RATIO = 8
+
+
+def _joint_read(qh, pqh, pkb, pvb, kh, vh, mask, scale, pscale):
+    """One softmax over N persistent and Tk context keys, without concatenating the keys.
+
+    qh [B, H, Tq, K] (context scores), pqh [B, H, Tq, Kp] (persistent scores), pkb / pvb
+    [B, H, N, D], kh / vh [B, H, Tk, D], mask [.., Tq, Tk] (bool: seen, or an additive
+    bias) or None -> [B, H, Tq, V]; scores in fp32 at least.
+    """
+    N = pkb.shape[2]
+    dt = torch.promote_types(qh.dtype, torch.float32)
+    context = (qh @ kh.transpose(-1, -2)).to(dt) * scale
+    if mask is not None:
+        context = (context.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool
+                   else context + mask)
+    scores = torch.cat([(pqh @ pkb.transpose(-1, -2)).to(dt) * pscale, context], -1)
+    p = torch.softmax(scores, -1).to(vh.dtype)
+    return p[..., :N] @ pvb + p[..., N:] @ vh
+
+
 def persistent_attention_sdpa(q, k, v, pk, pv, *, causal=True, scale=None, mode="joint", pq=None,
                               pscale=None, rel=None, span=None, ramp=None, window=None,
                               attention_mask=None, initial_state=None, output_final_state=False):
@@ -105,6 +128,10 @@ def persistent_attention_sdpa(q, k, v, pk, pv, *, causal=True, scale=None, mode=
 
     if mode == "joint" and N > 0:
         qh = q.transpose(1, 2)  # [B, H, Tq, K]
+        if Tq * DECODE_RATIO <= Tk:
+            pqh = qh if pq is None else pq.transpose(1, 2)
+            o = _joint_read(qh, pqh, pkb, pvb, kh, vh, mask, scale, pscale)
+            return o.transpose(1, 2), ((k, v) if output_final_state else None)
         if pq is None and pscale == scale:  # one query for both parts: concatenate the keys
             queries, keys = qh, torch.cat([pkb, kh], 2)
         else:  # the persistent scores have their own query: concatenate the features
