@@ -13,7 +13,7 @@ fp32, B=4, H=8, D=64 (K = V), M=32 slots.
   Median of many steps.
 
 The script re-runs itself with OMP_WAIT_POLICY=PASSIVE and glibc malloc tunables that keep
-freed memory in the process (see ENV below), unless --no-env-tuning: on a machine whose
+freed memory in the process (`memattn.bench.timing.ENV`), unless --no-env-tuning: on a machine whose
 vCPUs share one core, spinning OpenMP workers stall each other on every small parallel
 region, and large tensors returned to the kernel are page-faulted in again on each call.
 Both settings apply to softmax and ABC alike. The op's tests run first; a failure stops the
@@ -33,10 +33,8 @@ import sys
 import time
 from pathlib import Path
 
-ENV = {
-    "OMP_WAIT_POLICY": "PASSIVE",
-    "GLIBC_TUNABLES": "glibc.malloc.mmap_max=0:glibc.malloc.trim_threshold=1000000000000",
-}
+from memattn.bench.timing import ENV, median_times, reexec_tuned
+
 B, H, D, M = 4, 8, 64, 32
 NOTES = [
     "- s ~ N(0, 1): every chunk takes the fast path of the chunked form. Logits that jump by",
@@ -66,9 +64,8 @@ def parse_args() -> argparse.Namespace:
 
 def tuned_environment(args: argparse.Namespace) -> None:
     """Re-run this script with ENV set (it must be in place before the process starts)."""
-    if args.no_env_tuning or all(os.environ.get(k) == v for k, v in ENV.items()):
-        return
-    os.execve(sys.executable, [sys.executable, *sys.argv], {**os.environ, **ENV})
+    if not args.no_env_tuning:
+        reexec_tuned([sys.executable, *sys.argv])
 
 
 def run_tests() -> None:
@@ -77,19 +74,6 @@ def run_tests() -> None:
     if done.returncode != 0:
         sys.exit("tests/ops/test_abc.py fails; no benchmark until it passes:\n"
                  + done.stdout[-3000:])
-
-
-def median_interleaved(fns: dict, repeats: int) -> dict[str, float]:
-    """Median seconds of each function, one warm-up call each, calls interleaved."""
-    for fn in fns.values():
-        fn()
-    times = {name: [] for name in fns}
-    for _ in range(repeats):
-        for name, fn in fns.items():
-            t0 = time.perf_counter()
-            fn()
-            times[name].append(time.perf_counter() - t0)
-    return {name: statistics.median(ts) for name, ts in times.items()}
 
 
 def training(T: int, repeats: int, chunk_size: int) -> dict:
@@ -113,7 +97,7 @@ def training(T: int, repeats: int, chunk_size: int) -> dict:
         o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True)
         o.backward(do_s)
 
-    t = median_interleaved({"abc": abc, "softmax": softmax}, repeats)
+    t = median_times({"abc": abc, "softmax": softmax}, repeats=repeats, warmup=1)
     return {"T": T, "abc_s": t["abc"], "softmax_s": t["softmax"],
             "speedup": t["softmax"] / t["abc"]}
 

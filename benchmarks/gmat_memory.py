@@ -14,27 +14,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
-import time
 from pathlib import Path
 
 import torch
-from torch.profiler import ProfilerActivity, profile
 
+from memattn.bench.timing import median_time, peak_allocated
 from memattn.layers import LayerSpec, build_attention
 
 D_MODEL, HEADS, M = 64, 4, 8
-
-
-def peak_bytes(fn) -> int:
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        fn()
-    live = peak = 0
-    events = [e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"]
-    for e in sorted(events, key=lambda e: e.start_ns()):
-        live += e.nbytes()
-        peak = max(peak, live)
-    return peak
 
 
 def case(name: str, options: dict, L: int):
@@ -71,15 +58,11 @@ def main() -> None:
             if name == "softmax" and L > args.softmax_max:
                 continue
             run = case(name, options, L)
-            peak = peak_bytes(run)
-            times = []
-            for _ in range(args.repeats):
-                start = time.perf_counter()
-                run()
-                times.append(time.perf_counter() - start)
+            peak = peak_allocated(run, torch.device("cpu"))
+            seconds = median_time(run, repeats=args.repeats, warmup=0)  # the measured call warmed it
             rows.append({"layer": label, "L": L, "peak_mib": round(peak / 2**20, 2),
-                         "seconds": round(statistics.median(times), 4)})
-            print(f"{label:20s} L={L:6d} peak {peak / 2**20:8.2f} MiB  {statistics.median(times):.3f} s", flush=True)
+                         "seconds": round(seconds, 4)})
+            print(f"{label:20s} L={L:6d} peak {peak / 2**20:8.2f} MiB  {seconds:.3f} s", flush=True)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     meta = {"d_model": D_MODEL, "heads": HEADS, "batch": 1, "dtype": "float32", "threads": 1,

@@ -9,7 +9,8 @@ from conftest import tiny_overrides
 
 from memattn.cli import build_parser, main
 
-COMMANDS = ["train", "eval", "generate", "info", "demo", "experiment", "compress", "decompress"]
+COMMANDS = ["train", "eval", "generate", "info", "demo", "experiment", "compress", "decompress",
+            "bench"]
 
 
 def run(*args, timeout=120):

@@ -1,0 +1,518 @@
+"""memattn's Triton kernels on a GPU against softmax and flash-linear-attention, in one run.
+
+    .venv/bin/python benchmarks/gpu_kernels.py [--dims 64 128] [--slots 32 64]
+        [--lengths 1024 2048 4096 8192 16384 32768] [--batch 8] [--heads 8]
+        [--contexts 1024 4096 16384 32768] [--decode-batches 1 64]
+        [--repeats 10] [--warmup 3] [--decode-steps 100] [--out DIR] [--dry-run] [--skip-tests]
+
+bf16 inputs, B·H = batch · heads (64 by default), head dim D = K = V.
+
+- Training, causal, forward and forward + backward, against T:
+    softmax       `scaled_dot_product_attention(is_causal=True)` under the FlashAttention
+                  backend (`torch.nn.attention.sdpa_kernel`), on [B, H, T, D] views
+    memattn-abc   `memattn.ops.abc.abc_attention(..., backend="triton")` (the chunked
+                  Triton kernels), M slots
+    fla-abc       flash-linear-attention's `fla.ops.abc.chunk_abc(q, k, v, s)`, [B, T, H, D]
+                  layout, where installed. Same ABC_MLP normalisation (the memory is the
+                  running softmax-weighted mean, z = logcumsumexp(s)) and scale K^-0.5;
+                  its state keeps K̃ as [K, M] where memattn keeps [M, K].
+    linear        `memattn.kernels.linear.linear_attention_triton` with α, β gates
+- Decoding, one token for every sequence of the batch, against the context length:
+    abc-step        `abc_attention_step(..., backend="triton", inplace=True)`: the fused
+                    kernel, Python checks included
+    abc-step-graph  the same step captured in a CUDA graph and replayed: the kernel alone
+    abc-step-torch  the torch step (`backend="torch"`)
+    softmax-kv      write k_t, v_t into a preallocated KV cache, then SDPA of one query over
+                    the context (FlashAttention backend), captured in a CUDA graph
+  tokens/s = batch / (seconds a step).
+
+Timing: CUDA events around each call, `--warmup` calls first, the median of `--repeats`
+(decoding: of `--repeats` runs of `--decode-steps` steps). A configuration that runs out of
+memory (or fails) is recorded with its reason and the run goes on.
+
+FLOPs (matmul multiply-adds × 2, "model" counts of the math, not of the kernels' extra work):
+    softmax  fwd 2·B·H·T²·D (QKᵀ and PV, each 2·T²·D, halved by causality); fwd+bwd 3.5× fwd
+    ABC      fwd 4·B·H·T·M·(K + V) (write K̃, Ṽ: 2·M·(K + V) a token; read: 2·M·(K + V));
+             fwd+bwd 3× fwd
+    linear   fwd 4·B·H·T·K·V (write 2·K·V, read 2·K·V a token); fwd+bwd 3× fwd
+Bytes (the least a kernel must move): training, the inputs read and o written (fwd+bwd also
+reads them again with do and writes their gradients); decoding, ABC reads and writes its fp32
+state (log_z, K̃, Ṽ) plus the token's q, k, v, s; softmax reads the bf16 KV cache.
+TFLOP/s and GB/s are set against H100 SXM peaks: 989 TFLOP/s bf16 dense, 3.35 TB/s.
+
+The kernels' tests run first (the CUDA tests among them); a failure stops the benchmark.
+Writes benchmarks/results/<device-name>/gpu_kernels.json and .md, with the exact command.
+`--dry-run` lists the configurations (on any machine) and writes nothing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import inspect
+import json
+import math
+import shlex
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+PEAK_TFLOPS = 989.0  # H100 SXM, bf16 dense
+PEAK_TBPS = 3.35  # H100 SXM, HBM3
+BF16 = 2  # bytes
+TESTS = ["tests/ops/test_abc_decode_triton.py", "tests/ops/test_linear_triton.py"]
+TRAIN_OPS = ("softmax", "memattn-abc", "fla-abc", "linear")
+DECODE_OPS = ("abc-step", "abc-step-graph", "abc-step-torch", "softmax-kv")
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter,
+                                epilog="\n".join(__doc__.splitlines()[6:]))
+    p.add_argument("--dims", type=int, nargs="+", default=[64, 128], help="head dims D")
+    p.add_argument("--slots", type=int, nargs="+", default=[32, 64], help="ABC memory slots M")
+    p.add_argument("--lengths", type=int, nargs="+",
+                   default=[1024, 2048, 4096, 8192, 16384, 32768], help="training lengths T")
+    p.add_argument("--batch", type=int, default=8, help="training batch B")
+    p.add_argument("--heads", type=int, default=8, help="heads H (training and decoding)")
+    p.add_argument("--contexts", type=int, nargs="+", default=[1024, 4096, 16384, 32768],
+                   help="decoding context lengths")
+    p.add_argument("--decode-batches", type=int, nargs="+", default=[1, 64])
+    p.add_argument("--repeats", type=int, default=10)
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--decode-steps", type=int, default=100, help="steps in one timed run")
+    p.add_argument("--modes", nargs="+", default=["fwd", "fwd+bwd"], choices=["fwd", "fwd+bwd"])
+    p.add_argument("--out", default=None,
+                   help="output folder (default benchmarks/results/<device-name>)")
+    p.add_argument("--dry-run", action="store_true",
+                   help="list the configurations and exit (no GPU needed)")
+    p.add_argument("--skip-tests", action="store_true", help="do not run the kernels' tests first")
+    args = p.parse_args(argv)
+    for name in ("dims", "slots", "lengths", "contexts", "decode_batches"):
+        if any(x < 1 for x in getattr(args, name)):
+            p.error(f"--{name.replace('_', '-')}: expected positive integers")
+    for name in ("batch", "heads", "repeats", "decode_steps"):
+        if getattr(args, name) < 1:
+            p.error(f"--{name.replace('_', '-')}: expected a positive integer")
+    return args
+
+
+def plan(args: argparse.Namespace) -> list[dict]:
+    """Every configuration the run measures, in order (softmax does not depend on M: once
+    per D and T; linear attention has no slots)."""
+    B, H = args.batch, args.heads
+    configs = []
+    for D in args.dims:
+        for mode in args.modes:
+            for T in args.lengths:
+                configs.append(dict(section="train", op="softmax", mode=mode, B=B, H=H, D=D, T=T))
+                for M in args.slots:
+                    for op in ("memattn-abc", "fla-abc"):
+                        configs.append(dict(section="train", op=op, mode=mode, B=B, H=H, D=D,
+                                            M=M, T=T))
+                configs.append(dict(section="train", op="linear", mode=mode, B=B, H=H, D=D, T=T))
+    for D in args.dims:
+        for Bd in args.decode_batches:
+            for ctx in args.contexts:
+                for M in args.slots:
+                    for op in ("abc-step", "abc-step-graph", "abc-step-torch"):
+                        configs.append(dict(section="decode", op=op, B=Bd, H=H, D=D, M=M,
+                                            context=ctx))
+                configs.append(dict(section="decode", op="softmax-kv", B=Bd, H=H, D=D,
+                                    context=ctx))
+    return configs
+
+
+def flops(c: dict) -> float:
+    """Model FLOPs of one call (see the module docstring); 0 for decoding."""
+    if c["section"] != "train":
+        return 0.0
+    B, H, D, T = c["B"], c["H"], c["D"], c["T"]
+    if c["op"] == "softmax":
+        fwd, bwd_factor = 2.0 * B * H * T * T * D, 3.5
+    elif c["op"] == "linear":
+        fwd, bwd_factor = 4.0 * B * H * T * D * D, 3.0
+    else:
+        fwd, bwd_factor = 4.0 * B * H * T * c["M"] * (2 * D), 3.0
+    return fwd * (bwd_factor if c["mode"] == "fwd+bwd" else 1.0)
+
+
+def bytes_moved(c: dict) -> float:
+    """The least bytes one call reads and writes (see the module docstring)."""
+    B, H, D = c["B"], c["H"], c["D"]
+    if c["section"] == "train":
+        per_token = {"softmax": 3 * D, "linear": 3 * D + 2}.get(c["op"], 3 * D + c.get("M", 0))
+        io = B * H * c["T"] * BF16 * (per_token + D)  # inputs read, o written
+        return io if c["mode"] == "fwd" else io + B * H * c["T"] * BF16 * (2 * per_token + 2 * D)
+    if c["op"].startswith("abc"):
+        M = c["M"]
+        state = 4 * B * H * (M + 2 * M * D)  # fp32 log_z, K̃, Ṽ
+        return 2 * state + B * H * BF16 * (4 * D + M)
+    return B * H * (c["context"] + 1) * 2 * D * BF16 + B * H * BF16 * 4 * D
+
+
+def describe(c: dict) -> str:
+    keys = ("op", "mode", "B", "H", "D", "M", "T", "context")
+    return " ".join(f"{k}={c[k]}" for k in keys if k in c)
+
+
+# --- measurement (CUDA only below this line) ---------------------------------------------
+
+
+def cuda_ms(fn, warmup: int, repeats: int) -> float:
+    """Median milliseconds of fn() between two CUDA events, after `warmup` calls."""
+    import torch
+
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+def as_graph(fn):
+    """fn captured in a CUDA graph (after one eager call on a side stream); returns replay."""
+    import torch
+
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return graph.replay
+
+
+def flash_sdpa():
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    return sdpa_kernel(SDPBackend.FLASH_ATTENTION)
+
+
+def memattn_abc():
+    """The memattn Triton ABC op: abc_attention(backend="triton") where it takes a backend,
+    else the kernel module's entry point (same contract)."""
+    from memattn.ops.abc import abc_attention
+
+    if "backend" in inspect.signature(abc_attention).parameters:
+        return lambda q, k, v, s: abc_attention(q, k, v, s, causal=True, backend="triton")[0]
+    from memattn.kernels.abc_chunk import abc_chunk_triton
+
+    return lambda q, k, v, s: abc_chunk_triton(q, k, v, s)[0]
+
+
+def train_call(c: dict, peers: dict):
+    """(a zero-argument callable running the configuration once, or None with a reason)."""
+    import torch
+    import torch.nn.functional as F
+
+    B, H, D, T = c["B"], c["H"], c["D"], c["T"]
+    g = torch.Generator(device="cuda").manual_seed(T * 131 + D)
+
+    def rand(*shape):
+        return torch.randn(*shape, generator=g, device="cuda", dtype=torch.bfloat16)
+
+    q, k, v = rand(B, T, H, D), rand(B, T, H, D), rand(B, T, H, D)
+    extra = {}
+    if c["op"] == "softmax":
+        def fwd(q, k, v):
+            with flash_sdpa():
+                return F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2),
+                                                      v.transpose(1, 2), is_causal=True)
+    elif c["op"] == "linear":
+        from memattn.kernels.linear import linear_attention_triton
+
+        extra = {"alpha": torch.sigmoid(rand(B, T, H).float() + 4.0).to(torch.bfloat16),
+                 "beta": torch.sigmoid(rand(B, T, H).float()).to(torch.bfloat16)}
+        k = k * D ** -0.5
+
+        def fwd(q, k, v, alpha, beta):
+            return linear_attention_triton(q, k, v, alpha=alpha, beta=beta)[0]
+    else:
+        op, reason = peers[c["op"]]
+        if op is None:
+            return None, reason
+        extra = {"s": rand(B, T, H, c["M"])}
+
+        def fwd(q, k, v, s):
+            return op(q, k, v, s)
+
+    inputs = [q, k, v, *extra.values()]
+    if c["mode"] == "fwd":
+        def run():
+            with torch.no_grad():
+                fwd(*inputs)
+        return run, ""
+    leaves = [t.detach().requires_grad_() for t in inputs]
+    do = rand(B, H, T, D) if c["op"] == "softmax" else rand(B, T, H, D)
+
+    def run():
+        o = fwd(*leaves)
+        torch.autograd.grad(o, leaves, do)
+    return run, ""
+
+
+def decode_call(c: dict, args: argparse.Namespace):
+    import torch
+    import torch.nn.functional as F
+
+    from memattn.ops.abc import ABCState, abc_attention_step
+
+    B, H, D, ctx = c["B"], c["H"], c["D"], c["context"]
+    g = torch.Generator(device="cuda").manual_seed(ctx * 7 + B)
+
+    def rand(*shape, dtype=torch.bfloat16):
+        return torch.randn(*shape, generator=g, device="cuda", dtype=dtype)
+
+    q_t, k_t, v_t = rand(B, H, D), rand(B, H, D), rand(B, H, D)
+    steps = args.decode_steps
+    if c["op"].startswith("abc"):
+        M = c["M"]
+        s_t = rand(B, H, M)
+        # The state after `ctx` tokens: its size, hence the step's cost, does not depend on ctx.
+        f32 = torch.float32
+        state = ABCState(rand(B, H, M, dtype=f32) + math.log(ctx), rand(B, H, M, D, dtype=f32),
+                         rand(B, H, M, D, dtype=f32))
+        backend = "torch" if c["op"] == "abc-step-torch" else "triton"
+
+        def one():
+            abc_attention_step(q_t, k_t, v_t, s_t, state, inplace=True, backend=backend)
+    else:
+        k_cache, v_cache = rand(B, H, ctx + 1, D), rand(B, H, ctx + 1, D)
+        q_1 = q_t[:, :, None]
+
+        def one():
+            k_cache[:, :, ctx] = k_t
+            v_cache[:, :, ctx] = v_t
+            with flash_sdpa():
+                F.scaled_dot_product_attention(q_1, k_cache, v_cache)
+
+    step = as_graph(one) if c["op"] in ("abc-step-graph", "softmax-kv") else one
+
+    def run():
+        with torch.inference_mode():
+            for _ in range(steps):
+                step()
+    return run, ""
+
+
+def measure(c: dict, args: argparse.Namespace, peers: dict) -> dict:
+    """The configuration's row: status ok / oom / error / skipped, ms, rates."""
+    import torch
+
+    from memattn.bench.timing import failure, release
+
+    row = dict(c)
+    try:
+        fn, reason = (train_call(c, peers) if c["section"] == "train" else decode_call(c, args))
+        if fn is None:
+            row.update(status="skipped", reason=reason)
+            return row
+        torch.cuda.reset_peak_memory_stats()
+        ms = cuda_ms(fn, args.warmup, args.repeats)
+        if c["section"] == "decode":
+            ms /= args.decode_steps
+            row["tokens_per_s"] = c["B"] / (ms / 1e3)
+        row.update(status="ok", ms=ms, peak_gib=torch.cuda.max_memory_allocated() / 2**30)
+        if flops(c):
+            row["tflops"] = flops(c) / (ms / 1e3) / 1e12
+            row["tflops_pct_peak"] = 100 * row["tflops"] / PEAK_TFLOPS
+        row["gbps"] = bytes_moved(c) / (ms / 1e3) / 1e9
+        row["bw_pct_peak"] = 100 * row["gbps"] / (PEAK_TBPS * 1e3)
+    except Exception as e:  # noqa: BLE001  (OOM or a failing configuration: record, go on)
+        row["status"], row["reason"] = failure(e)
+    finally:
+        release(torch.device("cuda"))
+    return row
+
+
+def peer_ops() -> dict:
+    import torch
+
+    from memattn.bench.peers import fla_chunk_abc
+
+    peers = {}
+    try:
+        peers["memattn-abc"] = (memattn_abc(), "")
+    except ImportError as e:
+        peers["memattn-abc"] = (None, f"memattn's Triton ABC is missing: {e}")
+    peers["fla-abc"] = fla_chunk_abc(torch.device("cuda"))
+    return peers
+
+
+# --- report ------------------------------------------------------------------------------
+
+
+def _cell(r: dict | None, key: str, fmt: str) -> str:
+    if r is None:
+        return ""
+    if r["status"] != "ok":
+        return r["status"]
+    return format(r[key], fmt)
+
+
+def _ratio(base: dict | None, r: dict | None) -> str:
+    if not base or not r or base["status"] != "ok" or r["status"] != "ok":
+        return ""
+    return f"{base['ms'] / r['ms']:.2f}x"
+
+
+def markdown(res: dict) -> str:
+    cfg, rows = res["config"], res["rows"]
+    find = {}
+    for r in rows:
+        find[tuple(r.get(k) for k in ("section", "op", "mode", "B", "D", "M", "T", "context"))] = r
+
+    def get(section, op, mode=None, B=None, D=None, M=None, T=None, context=None):
+        return find.get((section, op, mode, B, D, M, T, context))
+
+    lines = ["# memattn Triton kernels against softmax attention and flash-linear-attention", "",
+             "```", res["command"], "```", "",
+             (f"{res['device']}, torch {res['torch']}, triton {res['triton']}, "
+              f"flash-linear-attention: {res['fla']}. bf16, B={cfg['batch']}, "
+              f"H={cfg['heads']}. Median of {cfg['repeats']} after {cfg['warmup']} warm-up "
+              "calls (CUDA events)."),
+             "", (f"FLOP and byte counts: see benchmarks/gpu_kernels.py. Peaks: "
+                  f"{PEAK_TFLOPS:g} TFLOP/s bf16 dense, {PEAK_TBPS:g} TB/s."), ""]
+    B = cfg["batch"]
+    for D in cfg["dims"]:
+        for mode in cfg["modes"]:
+            lines += [f"## Training {mode}, D = {D}: ms (TFLOP/s)", ""]
+            head = ["T", "softmax"]
+            for M in cfg["slots"]:
+                head += [f"memattn ABC M={M}", f"fla ABC M={M}", f"softmax / memattn M={M}",
+                         f"fla / memattn M={M}"]
+            head += ["linear α,β"]
+            lines += _table_head(head)
+            for T in cfg["lengths"]:
+                sm = get("train", "softmax", mode, B, D, None, T)
+                cells = [str(T), _both(sm)]
+                for M in cfg["slots"]:
+                    ours = get("train", "memattn-abc", mode, B, D, M, T)
+                    fla = get("train", "fla-abc", mode, B, D, M, T)
+                    cells += [_both(ours), _both(fla), _ratio(sm, ours), _ratio(fla, ours)]
+                cells.append(_both(get("train", "linear", mode, B, D, None, T)))
+                lines.append("| " + " | ".join(cells) + " |")
+            lines.append("")
+    for D in cfg["dims"]:
+        for Bd in cfg["decode_batches"]:
+            lines += [f"## Decoding, batch {Bd}, D = {D}: tokens/s (GB/s, % of peak bandwidth)",
+                      ""]
+            head = ["context", "softmax + KV cache"]
+            for M in cfg["slots"]:
+                head += [f"ABC fused M={M}", f"ABC fused, graph M={M}", f"ABC torch M={M}",
+                         f"softmax / ABC graph M={M} (time)"]
+            lines += _table_head(head)
+            for ctx in cfg["contexts"]:
+                sm = get("decode", "softmax-kv", None, Bd, D, None, None, ctx)
+                cells = [str(ctx), _rate(sm)]
+                for M in cfg["slots"]:
+                    rs = [get("decode", op, None, Bd, D, M, None, ctx)
+                          for op in ("abc-step", "abc-step-graph", "abc-step-torch")]
+                    cells += [_rate(r) for r in rs] + [_ratio(sm, rs[1])]
+                lines.append("| " + " | ".join(cells) + " |")
+            lines.append("")
+    failed = [r for r in rows if r["status"] != "ok"]
+    if failed:
+        lines += ["## Not measured", ""]
+        lines += [f"- {describe(r)}: {r['status']} ({r.get('reason', '')})" for r in failed]
+        lines.append("")
+    return "\n".join(lines)
+
+
+def _table_head(head: list[str]) -> list[str]:
+    return ["| " + " | ".join(head) + " |", "|" + "---:|" * len(head)]
+
+
+def _both(r: dict | None) -> str:
+    if r is None or r["status"] != "ok":
+        return _cell(r, "ms", "")
+    return f"{r['ms']:.3f} ({r['tflops']:.3g})"
+
+
+def _rate(r: dict | None) -> str:
+    if r is None or r["status"] != "ok":
+        return _cell(r, "ms", "")
+    return f"{r['tokens_per_s']:,.0f} ({r['gbps']:.0f}, {r['bw_pct_peak']:.0f}%)"
+
+
+# --- main --------------------------------------------------------------------------------
+
+
+def run_tests() -> None:
+    tests = [t for t in TESTS if (ROOT / t).exists()]
+    found = (str(p.relative_to(ROOT)) for p in (ROOT / "tests/ops").glob("test_abc*triton*.py"))
+    tests += sorted(t for t in found if t not in tests)
+    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *tests]
+    done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, check=False)
+    if done.returncode != 0:
+        sys.exit(f"{' '.join(tests)} fail; no benchmark until they pass:\n" + done.stdout[-3000:])
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    configs = plan(args)
+    if args.dry_run:
+        out = args.out or "benchmarks/results/<device-name>"
+        print(f"{len(configs)} configurations; results would go to {out}/gpu_kernels.json and .md")
+        for c in configs:
+            print(f"  {c['section']:6s} {describe(c)}  flops={flops(c):.3g} "
+                  f"bytes={bytes_moved(c):.3g}")
+        return
+    import torch
+
+    if not torch.cuda.is_available():
+        sys.exit("gpu_kernels.py needs a CUDA GPU; --dry-run lists the configurations")
+    if not args.skip_tests:
+        run_tests()
+    import triton
+
+    from memattn.bench.settings import device_slug
+
+    device = torch.device("cuda")
+    peers = peer_ops()
+    command = " ".join(shlex.quote(a) for a in [".venv/bin/python", "benchmarks/gpu_kernels.py",
+                                                *(sys.argv[1:] if argv is None else argv)])
+    t0 = time.perf_counter()
+    rows = []
+    for i, c in enumerate(configs):
+        rows.append(measure(c, args, peers))
+        r = rows[-1]
+        done = (f"{r['ms']:.3f} ms" if r["status"] == "ok"
+                else f"{r['status']}: {r.get('reason', '')}")
+        print(f"[{i + 1}/{len(configs)}] {describe(c)}: {done}", flush=True)
+    fla_reason = peers["fla-abc"][1]
+    res = {
+        "command": command,
+        "device": torch.cuda.get_device_name(device),
+        "torch": torch.__version__,
+        "triton": triton.__version__,
+        "fla": "not installed" if "not installed" in fla_reason else (fla_reason or "installed"),
+        "config": {k: v for k, v in vars(args).items() if k not in ("out", "dry_run")},
+        "peaks": {"tflops_bf16_dense": PEAK_TFLOPS, "tbps": PEAK_TBPS},
+        "rows": rows,
+        "wall_s": time.perf_counter() - t0,
+    }
+    out = Path(args.out) if args.out else ROOT / "benchmarks" / "results" / device_slug(device)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "gpu_kernels.json").write_text(json.dumps(res, indent=2) + "\n")
+    (out / "gpu_kernels.md").write_text(markdown(res))
+    print(markdown(res))
+
+
+if __name__ == "__main__":
+    main()
