@@ -17,9 +17,12 @@ Models: 2-layer encoders (`memattn.models.Encoder` with a tagging head), gmat at
 with the chunked pattern, split positions (p = 512·q + r), trained with AdamW on fresh
 batches; M = 0 and M = num_memory on MAJORITY(512, 1), MAJORITY(512, 3) and
 MAJORITY(8192, 1) (smaller batches, fewer steps and larger chunks at 8,192). The last two
-start from the trained MAJORITY(512, 1) model of the same M (its weights fit any L and p).
+start from the trained MAJORITY(512, 1) model of the same M (its weights fit any L and p;
+at 8,192 the split table's new block rows copy the trained one, so the memory's average
+over 16 blocks starts out as uniform as over one, and a short fine-tune at a low rate
+sharpens its precision for margins of about √8192 in 8,192).
 
-    memattn experiment gmat-majority [--quick] [steps=400 long_steps=200 num_memory=8 ...]
+    memattn experiment gmat-majority [--quick] [steps=800 segment_steps=2000 long_steps=200 ...]
 
 Writes results.json, results.md and gmat_majority.png to the output folder.
 """
@@ -53,23 +56,27 @@ class Settings:
     n_heads: int = 4
     positions: str = "split"  # model.positions: split (p = 512·q + r), learned or rotary
     # training data: "uniform" wide margins; "fair" coins; "curriculum": wide margins for the
-    # first half of the steps, then half wide, half fair
+    # first `wide_phase` of the steps, then half wide, half fair
     train_margins: str = "curriculum"
+    wide_phase: float = 0.5  # curriculum: share of the steps on wide margins alone at L = 512
+    long_wide_phase: float = 0.0  # ... at L = 8192 (a chained model already knows the rule)
     # "chain": MAJORITY(512, 3) and MAJORITY(8192, 1) start from the trained MAJORITY(512, 1)
     # model of the same M (the weights do not depend on L or p); "scratch": every model anew
     start: str = "chain"
     num_memory: int = 8  # M of the memory models (the others have M = 0)
     chunk_size: int = 64  # C at L = 512
     long_chunk_size: int = 256  # C at L = 8192
-    steps: int = 400  # training steps at L = 512
-    long_steps: int = 200  # training steps at L = 8192
+    steps: int = 800  # training steps on MAJORITY(512, 1)
+    segment_steps: int = 2000  # ... on MAJORITY(512, 3)
+    long_steps: int = 200  # ... on MAJORITY(8192, 1)
     batch: int = 16  # sequences a step at L = 512
     long_batch: int = 2  # sequences a step at L = 8192
     lr: float = 3e-3
-    long_lr: float = 1e-3  # at L = 8192 (fine-tuning, two sequences a step)
+    long_lr: float = 2e-4  # at L = 8192 (fine-tuning, two sequences a step: larger rates unlearn)
     warmup: int = 30
+    long_warmup: int = 10
     test_sequences: int = 200  # fresh sequences scored at L = 512
-    long_test_sequences: int = 40  # ... at L = 8192
+    long_test_sequences: int = 100  # ... at L = 8192
     seed: int = 0
     budget_s: float = 0.0  # > 0: stop a model's training after this many seconds
     threads: int = 1  # torch threads (on a shared 2-core CPU one thread runs fastest)
@@ -86,7 +93,10 @@ class Settings:
             elif f.name == "train_margins":
                 if value not in ("uniform", "fair", "curriculum"):
                     raise ConfigError(f"train_margins: expected uniform, fair or curriculum, got {value!r}")
-            elif value < 0 or (value == 0 and f.name not in ("seed", "budget_s", "warmup")):
+            elif f.name in ("wide_phase", "long_wide_phase"):
+                if not 0 <= value <= 1:
+                    raise ConfigError(f"{f.name}: expected a share in [0, 1], got {value!r}")
+            elif value < 0 or (value == 0 and f.name not in ("seed", "budget_s", "warmup", "long_warmup")):
                 raise ConfigError(f"{f.name}: expected a positive value, got {value!r}")
         if self.d_model % self.n_heads:
             raise ConfigError(f"d_model: {self.d_model} is not divisible by n_heads={self.n_heads}")
@@ -95,10 +105,11 @@ class Settings:
 TRAINING = {
     "uniform": "sequences with wide margins",
     "fair": "fair-coin sequences",
-    "curriculum": "wide-margin sequences for the first half of the steps, then half wide-margin, half fair-coin",
+    "curriculum": "wide-margin sequences alone for the first {wide_phase:.0%} of the steps at L = 512 "
+                  "({long_wide_phase:.0%} at L = 8192), then half wide-margin, half fair-coin",
 }
-QUICK = dict(d_model=32, steps=40, long_steps=4, batch=8, long_batch=1, test_sequences=32,
-             long_test_sequences=4, warmup=5)
+QUICK = dict(d_model=32, steps=40, segment_steps=40, long_steps=4, batch=8, long_batch=1, test_sequences=32,
+             long_test_sequences=4, warmup=5, long_warmup=1)
 TASKS = ((512, 1), (512, 3), (8192, 1))
 
 
@@ -156,13 +167,17 @@ def score(model: Encoder, length: int, parts: int, sequences: int, batch: int, s
 
 
 def start_from(model: Encoder, trained: Encoder) -> None:
-    """Copy a shorter model's weights into `model`; position rows it lacks keep their init."""
+    """Copy a shorter model's weights into `model`. Position rows it lacks: the split table's
+    block rows (q ≥ 1) start as copies of its last block row, so that every block of 512
+    positions looks like the one it was trained on; a learned table's rows keep their init."""
     own = model.state_dict()
     for name, t in trained.state_dict().items():
         if own[name].shape == t.shape:
             own[name] = t
         else:  # a position table of the shorter model: its first rows
             own[name][: t.shape[0]] = t
+            if name.endswith("pos.high.weight"):
+                own[name][t.shape[0]:] = t[-1]
     model.load_state_dict(own)
 
 
@@ -178,17 +193,19 @@ def run_one(length: int, parts: int, num_memory: int, s: Settings,
         start_from(model, init)
     g = torch.Generator().manual_seed(s.seed * 1000 + length + parts)  # same data for M = 0 and M > 0
 
-    steps = s.long_steps if long else s.steps
+    steps = s.long_steps if long else s.segment_steps if parts > 1 else s.steps
+    wide_steps = int(steps * (s.long_wide_phase if long else s.wide_phase))
 
     def loss_of(step: int) -> torch.Tensor:
-        hard = {"uniform": 0, "fair": batch, "curriculum": 0 if step < steps // 2 else batch // 2}[s.train_margins]
+        hard = {"uniform": 0, "fair": batch, "curriculum": 0 if step < wide_steps else batch // 2}[s.train_margins]
         easy = majority_batch(length, parts, batch - hard, g, margins="uniform")  # wide margins: find the rule
         fair = majority_batch(length, parts, hard, g)  # narrow margins: count precisely
         bits, tags = (torch.cat(pair) for pair in zip(easy, fair))
         return F.cross_entropy(model.tag_logits(model(bits)).flatten(0, 1), tags.flatten())
 
     label = f"{NAME}: MAJORITY({length}, {parts}) M={num_memory}"
-    trained = train_steps(model, loss_of, steps=steps, lr=s.long_lr if long else s.lr, warmup=s.warmup,
+    trained = train_steps(model, loss_of, steps=steps, lr=s.long_lr if long else s.lr,
+                          warmup=s.long_warmup if long else s.warmup,
                           log_every=max(1, steps // 10), label=label,
                           budget_s=s.budget_s)
     sequences = s.long_test_sequences if long else s.test_sequences
@@ -238,7 +255,7 @@ def render_markdown(results: dict, command: str) -> str:
         "",
         f"2-layer encoders, d_model {s['d_model']}, {s['n_heads']} heads, gmat attention with the "
         f"chunked pattern, {s['positions']} positions; AdamW with warm-up and cosine decay. Training "
-        f"data: {TRAINING[s['train_margins']]}. Exact match = every tag of a sequence right, on fresh "
+        f"data: {TRAINING[s['train_margins']].format(**s)}. Exact match = every tag of a sequence right, on fresh "
         "fair-coin sequences of our own seeded generator (margins about √n, so no chunk of C bits can "
         "decide alone), and on fresh wide-margin ones (a majority count uniform in n/2 … n).",
         "",
