@@ -342,14 +342,54 @@ def counted_softmax(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, count: to
     return torch.einsum("bhqk,bkhv->bqhv", p, v)
 
 
+def local_window_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, real: torch.Tensor,
+                           window: int, causal: bool) -> torch.Tensor:
+    """Softmax attention over a sliding window, in blocks: O(T · n) time and memory.
+
+    q, k [B, T, H, D], v [B, T, H, V], real [B, T] bool (False: padding, never read).
+    Causal: query t reads keys t-n+1 .. t; bidirectional: keys within n // 2 of it. The
+    sequence is cut into blocks of c tokens (c = n causal, n // 2 + 1 bidirectional) and a
+    block reads itself and its neighbours (the one before; bidirectional also the one
+    after), which hold every key of its window. A query with no real key reads zeros.
+    """
+    B, T, H, D = q.shape
+    c = window if causal else window // 2 + 1
+    nb = -(-T // c)
+    pad = nb * c - T
+    before, after = 1, (0 if causal else 1)
+
+    def blocks(x: torch.Tensor, fill=0.0) -> torch.Tensor:  # [B, T, ...] -> [B, nb + pads, c, ...]
+        x = F.pad(x.movedim(1, -1), (before * c, pad + after * c), value=fill).movedim(-1, 1)
+        return x.unflatten(1, (nb + before + after, c))
+
+    def neighbours(x: torch.Tensor) -> torch.Tensor:  # [B, nb + pads, c, ...] -> [B, nb, (1 + before + after) c, ...]
+        return torch.cat([x[:, i:i + nb] for i in range(before + after + 1)], dim=2)
+
+    qb = blocks(q)[:, before:before + nb]  # [B, nb, c, H, D]
+    kb, vb = neighbours(blocks(k)), neighbours(blocks(v))  # [B, nb, w, H, *]
+    keep = neighbours(blocks(real, False))  # [B, nb, w]
+    qpos = torch.arange(nb * c, device=q.device).view(nb, c)  # [nb, c]
+    kpos = qpos[:, :1] - before * c + torch.arange(kb.shape[2], device=q.device)  # [nb, w]
+    rel = qpos[:, :, None] - kpos[:, None, :]  # [nb, c, w]
+    seen = (rel >= 0) & (rel < window) if causal else rel.abs() <= window // 2
+    seen = seen[None] & keep[:, :, None, :]  # [B, nb, c, w]
+    scores = torch.einsum("bncht,bnwht->bnhcw", qb, kb) * D ** -0.5
+    scores = scores.masked_fill(~seen[:, :, None], -torch.inf)
+    empty = ~seen.any(-1)[:, :, None, :, None]  # [B, nb, 1, c, 1]
+    p = torch.softmax(scores.masked_fill(empty, 0.0), dim=-1).masked_fill(empty, 0.0)
+    o = torch.einsum("bnhcw,bnwhv->bnchv", p, vb)
+    return o.flatten(1, 2)[:, :T]
+
+
 @register("abc-window", options=ABCWindowOptions)
 class ABCWindowAttention(_ABCBase):
     """ABC with sliding-window control: a FIFO memory of the last n tokens; n-slot ring buffer.
 
     The paper's shift-matrix control φ_t = e_n with K̃_t = U K̃_{t-1} + e_n ⊗ k_t holds
     exactly the last n keys (values) in its n slots, so the read softmax_n(K̃_t q_t)ᵀ Ṽ_t is
-    softmax attention over those tokens; the full forward computes it with a window mask
-    (O(T²) memory here), decoding with a ring buffer of n keys and values (slot p mod n).
+    softmax attention over those tokens; a sequence read from an empty state is computed in
+    blocks (`local_window_attention`, O(T · n)), decoding with a ring buffer of n keys and
+    values (slot p mod n).
     Bidirectional, every token reads the tokens within n // 2 of it on either side.
     """
 
@@ -390,6 +430,13 @@ class ABCWindowAttention(_ABCBase):
         real = (attention_mask if attention_mask is not None
                 else torch.ones(B, T, dtype=torch.bool, device=x.device))
         qpos = torch.arange(offset, offset + T, device=x.device)
+        if not self.dilated and offset == 0 and T > self.options.window:
+            o = local_window_attention(q, k, v, real, self.options.window, self.spec.causal)
+            if memory_state is not None:
+                n = self.options.window
+                memory_state.queues[0].write(k, v, real, qpos, torch.remainder(qpos, n))
+                memory_state.seen += T
+            return self.finish(o), memory_state
         # The new tokens can sit in both queues; a buffered key only in its own queue.
         count = self._local(qpos, qpos).long()
         if self.dilated:

@@ -154,11 +154,12 @@ def window_reference(q, k, v, n, causal):
 
 @pytest.mark.parametrize("causal", [True, False])
 @pytest.mark.parametrize("positions", ["none", "rotary"])
-def test_abc_window_equals_softmax_over_the_last_n_tokens(causal, positions):
-    m = layer("abc-window", causal=causal, positions=positions, window=4)
+@pytest.mark.parametrize("window", [1, 4, 5, 13])  # < T: in blocks; T itself: one pass
+def test_abc_window_equals_softmax_over_the_last_n_tokens(causal, positions, window):
+    m = layer("abc-window", causal=causal, positions=positions, window=window)
     x = torch.randn(2, 13, D_MODEL, dtype=F64)
     q, k, v = projections(m, x, positions)
-    want = output(m, window_reference(q, k, v, 4, causal))
+    want = output(m, window_reference(q, k, v, window, causal))
     torch.testing.assert_close(m(x)[0], want, rtol=1e-9, atol=1e-9)
 
 
@@ -187,6 +188,15 @@ def test_abc_window_padding_is_masked():
     mask[1, 5:] = False
     y, _ = m(x, attention_mask=mask)
     torch.testing.assert_close(y[1, :5], m(x[1:, :5])[0][0], rtol=1e-9, atol=1e-9)
+
+
+def test_causal_abc_window_never_reads_left_padding():
+    m = layer("abc-window", window=3)
+    x = torch.randn(2, 10, D_MODEL, dtype=F64)
+    mask = torch.ones(2, 10, dtype=torch.bool)
+    mask[1, :4] = False
+    y, _ = m(x, attention_mask=mask)
+    torch.testing.assert_close(y[1, 4:], m(x[1:, 4:])[0][0], rtol=1e-9, atol=1e-9)
 
 
 @pytest.mark.parametrize("positions", ["none", "rotary"])
