@@ -805,7 +805,8 @@ def cluster_keys(k: torch.Tensor, n: int, iters: int,
     ⌊j L / n⌋, j = 0 .. n-1 (L real tokens, in order); then `iters` Lloyd iterations, and a
     last assignment to the nearest centre (ties to the lowest index). A centre that loses
     all its keys stays where it is. Padding (mask False) is assigned but moves no centre.
-    Squared distances are taken elementwise, so a key's cluster does not depend on padding.
+    Distances are taken elementwise (never through a matrix product), so a key's cluster
+    does not depend on padding.
     """
     B, T, H, D = k.shape
     kt = k.detach().transpose(1, 2)  # [B, H, T, D]
@@ -818,8 +819,8 @@ def cluster_keys(k: torch.Tensor, n: int, iters: int,
     centres = kt.gather(2, start[:, None, :, None].expand(B, H, n, D))  # [B, H, n, D]
     weight = real[:, None, :, None].to(kt.dtype)  # [B, 1, T, 1]
 
-    def nearest(c: torch.Tensor) -> torch.Tensor:
-        return (kt[:, :, :, None, :] - c[:, :, None, :, :]).square().sum(-1).argmin(-1)
+    def nearest(c: torch.Tensor) -> torch.Tensor:  # [B, H, T]; no [B, H, T, n, D] difference
+        return torch.cdist(kt, c, compute_mode="donot_use_mm_for_euclid_dist").argmin(-1)
 
     for _ in range(iters):
         member = F.one_hot(nearest(centres), n).to(kt.dtype) * weight  # [B, H, T, n]
