@@ -58,11 +58,10 @@ import triton
 import triton.language as tl
 
 from memattn.errors import ShapeError
-from memattn.kernels import kernels_supported
+from memattn.kernels import KERNEL_DTYPES, kernels_supported
 from memattn.ops.abc.common import ABCState, check_inputs, default_scale
 from memattn.ops.abc.varlen import check_varlen
 
-KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 # The largest K, V and M the sub-block kernels hold whole: at 256 their tiles outgrow the
 # shared memory of an H100.
 MAX_DIM = 128

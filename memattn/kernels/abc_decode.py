@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import torch
 
-from memattn.kernels import kernels_supported
+from memattn.kernels import KERNEL_DTYPES, kernels_supported
 from memattn.ops.abc.common import (
     ABCState,
     BoundedMemoryState,
@@ -33,7 +33,6 @@ try:
 except ImportError:  # the torch forms work without triton
     triton = None
 
-KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
 def check_kernel_inputs(name: str, tensors: dict[str, torch.Tensor | None], *,

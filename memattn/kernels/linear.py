@@ -46,7 +46,6 @@ except ImportError:  # the torch forms work without triton
     triton = None
 
 DEFAULT_CHUNK_SIZE = 64
-KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
 if triton is not None:
