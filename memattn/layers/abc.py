@@ -343,14 +343,17 @@ def counted_softmax(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, count: to
 
 
 def local_window_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, real: torch.Tensor,
-                           window: int, causal: bool) -> torch.Tensor:
+                           window: int, causal: bool, dilation: int = 0) -> torch.Tensor:
     """Softmax attention over a sliding window, in blocks: O(T · n) time and memory.
 
     q, k [B, T, H, D], v [B, T, H, V], real [B, T] bool (False: padding, never read).
     Causal: query t reads keys t-n+1 .. t; bidirectional: keys within n // 2 of it. The
     sequence is cut into blocks of c tokens (c = n causal, n // 2 + 1 bidirectional) and a
     block reads itself and its neighbours (the one before; bidirectional also the one
-    after), which hold every key of its window. A query with no real key reads zeros.
+    after), which hold every key of its window. dilation d > 0 (causal): query t also reads
+    the last n positions ≤ t that are multiples of d, in the same softmax (a key in both
+    sets counts twice), gathered per block from the keys at 0, d, 2d, ... A query with no
+    real key reads zeros.
     """
     B, T, H, D = q.shape
     c = window if causal else window // 2 + 1
@@ -373,6 +376,16 @@ def local_window_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, re
     rel = qpos[:, :, None] - kpos[:, None, :]  # [nb, c, w]
     seen = (rel >= 0) & (rel < window) if causal else rel.abs() <= window // 2
     seen = seen[None] & keep[:, :, None, :]  # [B, nb, c, w]
+    if dilation:  # the strided keys j·d of block i: j in [i c // d - n + 1, ((i + 1) c - 1) // d]
+        d = dilation
+        first = qpos[:, 0] // d - window + 1  # [nb]
+        j = first[:, None] + torch.arange(window + c // d + 1, device=q.device)  # [nb, s]
+        pos = (j * d).clamp(0, T - 1)
+        kb = torch.cat([kb, k[:, pos]], dim=2)
+        vb = torch.cat([vb, v[:, pos]], dim=2)
+        back = (qpos // d)[:, :, None] - j[:, None, :]  # [nb, c, s]
+        strided = (j >= 0)[:, None, :] & (back >= 0) & (back < window) & (j * d < T)[:, None, :]
+        seen = torch.cat([seen, strided[None] & real[:, pos][:, :, None, :]], dim=-1)
     scores = torch.einsum("bncht,bnwht->bnhcw", qb, kb) * D ** -0.5
     scores = scores.masked_fill(~seen[:, :, None], -torch.inf)
     empty = ~seen.any(-1)[:, :, None, :, None]  # [B, nb, 1, c, 1]
@@ -430,27 +443,24 @@ class ABCWindowAttention(_ABCBase):
         real = (attention_mask if attention_mask is not None
                 else torch.ones(B, T, dtype=torch.bool, device=x.device))
         qpos = torch.arange(offset, offset + T, device=x.device)
-        if not self.dilated and offset == 0 and T > self.options.window:
-            o = local_window_attention(q, k, v, real, self.options.window, self.spec.causal)
-            if memory_state is not None:
-                n = self.options.window
-                memory_state.queues[0].write(k, v, real, qpos, torch.remainder(qpos, n))
-                memory_state.seen += T
-            return self.finish(o), memory_state
-        # The new tokens can sit in both queues; a buffered key only in its own queue.
-        count = self._local(qpos, qpos).long()
-        if self.dilated:
-            count = count + self._strided(qpos, qpos).long()
-        count = count[None] * real[:, None, :]
-        keys, values, counts = [k], [v], [count]
-        if memory_state is not None and offset > 0:
-            rules = [self._local] + ([self._strided] if self.dilated else [])
-            for queue, rule in zip(memory_state.queues, rules):
-                held = queue.real & (queue.pos >= 0)[None]
-                keys.append(queue.k.to(k.dtype))
-                values.append(queue.v.to(v.dtype))
-                counts.append(rule(qpos, queue.pos).long()[None] * held[:, None, :])
-        o = counted_softmax(q, torch.cat(keys, 1), torch.cat(values, 1), torch.cat(counts, 2))
+        if offset == 0 and T > self.options.window:  # from an empty state: in blocks
+            o = local_window_attention(q, k, v, real, self.options.window, self.spec.causal,
+                                       self.options.dilation if self.dilated else 0)
+        else:  # the new tokens can sit in both queues; a buffered key only in its own queue
+            count = self._local(qpos, qpos).long()
+            if self.dilated:
+                count = count + self._strided(qpos, qpos).long()
+            count = count[None] * real[:, None, :]
+            keys, values, counts = [k], [v], [count]
+            if memory_state is not None and offset > 0:
+                rules = [self._local] + ([self._strided] if self.dilated else [])
+                for queue, rule in zip(memory_state.queues, rules):
+                    held = queue.real & (queue.pos >= 0)[None]
+                    keys.append(queue.k.to(k.dtype))
+                    values.append(queue.v.to(v.dtype))
+                    counts.append(rule(qpos, queue.pos).long()[None] * held[:, None, :])
+            o = counted_softmax(q, torch.cat(keys, 1), torch.cat(values, 1),
+                                torch.cat(counts, 2))
         if memory_state is not None:
             n = self.options.window
             memory_state.queues[0].write(k, v, real, qpos, torch.remainder(qpos, n))
@@ -471,6 +481,7 @@ class ABCDilatedAttention(ABCWindowAttention):
     tokens at positions 0, d, 2d, ... (a shift-matrix queue written only by those). The read
     is one softmax over the 2n slots, so a token held by both queues weighs twice, as its
     two slots do in the paper's memory. Causal only: the queues are a left-to-right write rule.
+    A sequence read from an empty state is computed in blocks, O(T · n), as abc-window's.
     """
 
     dilated = True

@@ -190,8 +190,9 @@ def test_abc_window_padding_is_masked():
     torch.testing.assert_close(y[1, :5], m(x[1:, :5])[0][0], rtol=1e-9, atol=1e-9)
 
 
-def test_causal_abc_window_never_reads_left_padding():
-    m = layer("abc-window", window=3)
+@pytest.mark.parametrize("name,options", [("abc-window", {}), ("abc-dilated", {"dilation": 2})])
+def test_causal_window_queues_never_read_left_padding(name, options):
+    m = layer(name, window=3, **options)
     x = torch.randn(2, 10, D_MODEL, dtype=F64)
     mask = torch.ones(2, 10, dtype=torch.bool)
     mask[1, :4] = False
@@ -200,10 +201,11 @@ def test_causal_abc_window_never_reads_left_padding():
 
 
 @pytest.mark.parametrize("positions", ["none", "rotary"])
-def test_abc_dilated_reads_the_local_and_the_strided_queue(positions):
+@pytest.mark.parametrize("n,d", [(3, 2), (2, 5), (4, 1), (20, 3)])  # T = 15 > n: in blocks
+def test_abc_dilated_reads_the_local_and_the_strided_queue(positions, n, d):
     """Memory of token t: the last n tokens and the last n tokens at multiples of d, a
     token in both held twice (so it weighs twice in the softmax)."""
-    n, d, T = 3, 2, 15
+    T = 15
     m = layer("abc-dilated", positions=positions, window=n, dilation=d)
     x = torch.randn(2, T, D_MODEL, dtype=F64)
     q, k, v = projections(m, x, positions)
