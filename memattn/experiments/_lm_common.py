@@ -12,6 +12,7 @@ import torch
 
 from memattn.config import load_config
 from memattn.evaluate import evaluate
+from memattn.experiments._common import save_figure
 
 
 def train_and_test(out_dir: Path, name: str, shared: list[str], mechanism: str, options: dict,
@@ -42,12 +43,6 @@ def train_and_test(out_dir: Path, name: str, shared: list[str], mechanism: str, 
     return model, cfg, row
 
 
-def recorded_command(out_dir: Path) -> str:
-    """The command line `memattn experiment` wrote to out_dir/command.txt, or ""."""
-    path = out_dir / "command.txt"
-    return path.read_text().strip() if path.exists() else ""
-
-
 def slug(name: str) -> str:
     return name.replace(", ", "-").replace("=", "").replace(" ", "-").lower()
 
@@ -71,5 +66,4 @@ def plot_curves(out_dir: Path, rows: list[dict]) -> None:
     for ax in (left, right):
         ax.grid(alpha=0.3)
     fig.tight_layout()
-    fig.savefig(out_dir / "learning_curves.png", dpi=120)
-    plt.close(fig)
+    save_figure(fig, out_dir / "learning_curves.png", dpi=120)

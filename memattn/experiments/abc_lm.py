@@ -14,7 +14,6 @@ the setup), learning_curves.png, logs/<row>.jsonl; the runs (checkpoints) go to 
 
 from __future__ import annotations
 
-import json
 import time
 from pathlib import Path
 
@@ -22,7 +21,8 @@ import torch
 
 from memattn.config import load_config
 from memattn.evaluate import as_tensor
-from memattn.experiments._lm_common import plot_curves, recorded_command, train_and_test
+from memattn.experiments._common import command_of, write_results
+from memattn.experiments._lm_common import plot_curves, train_and_test
 from memattn.generate import generate
 
 DESCRIPTION = ("bounded-memory control (Peng et al. 2022): softmax against ABC_MLP, Linformer, "
@@ -81,13 +81,13 @@ def run(out_dir: Path, *, quick: bool, overrides: list[str]) -> dict:
         rows.append(row)
         print(f"{name:<20} {row['params']:>9,} params  test {row['test_bpc']:.3f} bpc  "
               f"{row['train_s']:6.0f} s  decode {decode:6.0f} tok/s", flush=True)
-    result = {"experiment": "abc-lm", "quick": quick, "command": recorded_command(out_dir),
+    command = command_of(out_dir, "abc-lm", quick, overrides)
+    result = {"experiment": "abc-lm", "quick": quick, "command": command,
               "config": shared, "corpus": corpus.name, "test_tokens": rows[0]["test_tokens"],
               "decode": {"prompt_tokens": int(prompt.numel()), "new_tokens": DECODE_TOKENS[quick],
                          "batch": 1, "sampling": "greedy"},
               "rows": rows}
-    (out_dir / "results.json").write_text(json.dumps(result, indent=2) + "\n")
-    (out_dir / "results.md").write_text(markdown(result))
+    write_results(out_dir, result, markdown(result))
     plot_curves(out_dir, rows)
     return result
 
@@ -103,7 +103,7 @@ def markdown(result: dict) -> str:
         "against ABC's control strategies, small. Same trunk, same batches, same number of "
         "steps for every row; only the attention differs.",
         "",
-        f"Command: `{result['command'] or '(not recorded)'}`",
+        f"Command: `{result['command']}`",
         "",
         f"Corpus: {result['corpus']}; test bits per character over the first "
         f"{result['test_tokens']:,} characters of the test split. Decoding: greedy generation of "

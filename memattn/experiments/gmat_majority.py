@@ -40,7 +40,7 @@ import torch.nn.functional as F
 
 from memattn.config import AttentionConfig, ModelConfig
 from memattn.errors import ConfigError
-from memattn.experiments._gmat_common import (command_of, parse_settings, plot_curves, train_steps,
+from memattn.experiments._common import (command_of, parse_settings, plot_curves, train_steps,
                                               write_results)
 from memattn.models import Encoder
 

@@ -39,7 +39,7 @@ import torch.nn.functional as F
 from memattn.config import AttentionConfig, ModelConfig
 from memattn.data import load_corpus
 from memattn.errors import ConfigError
-from memattn.experiments._gmat_common import (command_of, parse_settings, plot_curves, train_steps,
+from memattn.experiments._common import (command_of, parse_settings, plot_curves, train_steps,
                                               write_results)
 from memattn.models import Compressor, Encoder
 from memattn.models.compressor import compress_ids, decompress_ids, save_compressor

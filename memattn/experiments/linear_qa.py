@@ -21,23 +21,21 @@ Writes results.json, results.md and linear_qa.png to the output folder.
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 import platform
 import statistics
 import time
-import typing
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import torch
 import torch.nn.functional as F
 
-from memattn.config import coerce, parse_override
+from memattn.config import to_dict
 from memattn.data.reading import ReadingBatch, ReadingConfig, ReadingTask
 from memattn.errors import ConfigError
-from memattn.fileio import atomic_write
+from memattn.experiments._common import command_of, save_figure, write_results
+from memattn.experiments._common import parse_settings as parse_typed
 from memattn.models.qa import ATTENTIONS, QAConfig, ReadingQA
 from memattn.ops.softmax import softmax_attention
 from memattn.representations import encode, lookup
@@ -95,24 +93,7 @@ QUICK = {"steps": 40, "batch": 16, "hidden": 16, "embed": 16, "doc_len": (100, 2
 
 def parse_settings(overrides: list[str], *, quick: bool) -> Settings:
     """Settings from the defaults (or QUICK), then `key=value` overrides checked by type."""
-    values: dict[str, Any] = dict(QUICK) if quick else {}
-    hints = typing.get_type_hints(Settings)
-    known = [f.name for f in dataclasses.fields(Settings)]
-    for text in overrides:
-        path, value = parse_override(text)
-        key = ".".join(path)
-        if key not in hints:
-            raise ConfigError(f"{key}: unknown setting of linear-qa (known: {', '.join(known)})")
-        hint = hints[key]
-        if typing.get_args(hint)[1:] == (Ellipsis,):  # tuple[X, ...]
-            item = typing.get_args(hint)[0]
-            if not isinstance(value, list) or not value:
-                raise ConfigError(f"{key}: expected a list of {item.__name__} like "
-                                  f"{_EXAMPLES[key]}, got {value!r}")
-            values[key] = tuple(coerce(key, v, item) for v in value)
-        else:
-            values[key] = coerce(key, value, hint)
-    return Settings(**values)
+    return parse_typed(Settings, "linear-qa", overrides, dict(QUICK) if quick else {}, _EXAMPLES)
 
 
 def run(out_dir: Path, *, quick: bool = False, overrides: list[str] = ()) -> dict:
@@ -139,37 +120,19 @@ def run(out_dir: Path, *, quick: bool = False, overrides: list[str] = ()) -> dic
 
     results = {
         "experiment": "linear-qa",
-        "settings": _plain(dataclasses.asdict(settings)),
+        "settings": to_dict(settings),
         "quick": quick,
         "chance": task.chance,
-        "task": _plain(dataclasses.asdict(task.config)),
+        "task": to_dict(task.config),
         "variants": variants,
         "lookup": costs,
         "environment": {"torch": torch.__version__, "threads": settings.threads,
                         "machine": platform.machine(), "processor": platform.processor()},
     }
-    command = _command(out_dir, quick, overrides)
-    text = json.dumps(results, indent=2) + "\n"
-    atomic_write(out_dir / "results.json", lambda tmp: tmp.write_text(text))
-    markdown = render_markdown(results, command)
-    atomic_write(out_dir / "results.md", lambda tmp: tmp.write_text(markdown))
+    write_results(out_dir, results,
+                  render_markdown(results, command_of(out_dir, "linear-qa", quick, overrides)))
     plot(results, out_dir / "linear_qa.png")
     return results
-
-
-def _plain(x):
-    if isinstance(x, dict):
-        return {k: _plain(v) for k, v in x.items()}
-    if isinstance(x, (list, tuple)):
-        return [_plain(v) for v in x]
-    return x
-
-
-def _command(out_dir: Path, quick: bool, overrides) -> str:
-    written = out_dir / "command.txt"
-    if written.exists():
-        return written.read_text().strip()
-    return " ".join(["memattn experiment linear-qa", *(["--quick"] if quick else []), *overrides])
 
 
 # Accuracy -----------------------------------------------------------------------------------
@@ -407,9 +370,4 @@ def plot(results: dict, path: Path) -> None:
     ax2.set_title(f"lookup cost, k = {rows[0]['k']}" if rows else "lookup cost")
     ax2.legend(fontsize=8)
     fig.tight_layout()
-
-    def write(tmp: Path) -> None:
-        fig.savefig(tmp, format="png", dpi=110)
-
-    atomic_write(path, write)
-    plt.close(fig)
+    save_figure(fig, path)

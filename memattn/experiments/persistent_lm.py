@@ -14,12 +14,12 @@ the setup), learning_curves.png, logs/<row>.jsonl; the runs (checkpoints) go to 
 from __future__ import annotations
 
 import dataclasses
-import json
 from pathlib import Path
 
 from memattn.config import AttentionConfig, RunConfig, load_config
 from memattn.evaluate import as_tensor
-from memattn.experiments._lm_common import plot_curves, recorded_command, train_and_test
+from memattn.experiments._common import command_of, write_results
+from memattn.experiments._lm_common import plot_curves, train_and_test
 from memattn.models import CausalLM
 
 DESCRIPTION = ("persistent memory vs feed-forward (Sukhbaatar et al. 2019): transformer, "
@@ -89,10 +89,10 @@ def run(out_dir: Path, *, quick: bool, overrides: list[str]) -> dict:
         rows.append(row)
         print(f"{name:<16} N={options.get('n_persistent', '-')!s:<6} {row['params']:>9,} params  "
               f"test {row['test_bpc']:.3f} bpc  {row['train_s']:6.0f} s", flush=True)
-    result = {"experiment": "persistent-lm", "quick": quick, "command": recorded_command(out_dir), "config": shared,
+    command = command_of(out_dir, "persistent-lm", quick, overrides)
+    result = {"experiment": "persistent-lm", "quick": quick, "command": command, "config": shared,
               "corpus": corpus.name, "test_tokens": rows[0]["test_tokens"], "rows": rows}
-    (out_dir / "results.json").write_text(json.dumps(result, indent=2) + "\n")
-    (out_dir / "results.md").write_text(markdown(result))
+    write_results(out_dir, result, markdown(result))
     plot_curves(out_dir, rows)
     return result
 
@@ -108,7 +108,7 @@ def markdown(result: dict) -> str:
         "vectors per head, or per layer for single-head and ff-attn) chosen so that the model "
         "has the transformer's parameter count, except N = 0.",
         "",
-        f"Command: `{result['command'] or '(not recorded)'}`",
+        f"Command: `{result['command']}`",
         "",
         f"Corpus: {result['corpus']}; test bits per character over the first "
         f"{result['test_tokens']:,} characters of the test split.",

@@ -10,7 +10,7 @@ import torch
 
 from memattn.errors import ConfigError
 from memattn.experiments import get_experiment
-from memattn.experiments._gmat_common import parse_settings
+from memattn.experiments._common import parse_settings
 from memattn.experiments.gmat_majority import Settings, majority_batch
 from memattn.experiments.gmat_mlm import MASK_RATE, mask_tokens
 

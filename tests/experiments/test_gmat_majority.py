@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from memattn.errors import ConfigError
-from memattn.experiments._gmat_common import parse_settings
+from memattn.experiments._common import parse_settings
 from memattn.experiments.gmat_majority import Settings, build_model, start_from
 
 

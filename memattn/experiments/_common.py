@@ -1,5 +1,5 @@
-"""What the GMAT experiments share: typed settings from key=value, a training loop for
-encoder objectives, and writing results (JSON, markdown, the command)."""
+"""What the experiments share: typed settings from key=value, a training loop for encoder
+objectives, and writing results (JSON, markdown, the command, figures), each atomically."""
 
 from __future__ import annotations
 
@@ -18,9 +18,11 @@ from memattn.fileio import atomic_write
 from memattn.train import lr_at, param_groups
 
 
-def parse_settings(cls, name: str, overrides: list[str], base: dict[str, Any]):
+def parse_settings(cls, name: str, overrides: list[str], base: dict[str, Any],
+                   examples: dict[str, str] | None = None):
     """Dataclass `cls` from `base` (defaults or quick values) and `key=value` overrides,
-    each checked against its field's type; unknown keys raise ConfigError naming them."""
+    each checked against its field's type; unknown keys raise ConfigError naming them.
+    A tuple[X, ...] field takes a list `[a,b]`; `examples` gives the example its error shows."""
     values = dict(base)
     hints = typing.get_type_hints(cls)
     for text in overrides:
@@ -29,7 +31,16 @@ def parse_settings(cls, name: str, overrides: list[str], base: dict[str, Any]):
         if key not in hints:
             known = ", ".join(f.name for f in dataclasses.fields(cls))
             raise ConfigError(f"{key}: unknown setting of {name} (known: {known})")
-        values[key] = coerce(key, value, hints[key])
+        hint = hints[key]
+        if typing.get_args(hint)[1:] == (Ellipsis,):  # tuple[X, ...]
+            item = typing.get_args(hint)[0]
+            if not isinstance(value, list) or not value:
+                example = (examples or {}).get(key, "[a,b]")
+                raise ConfigError(f"{key}: expected a list of {item.__name__} like {example}, "
+                                  f"got {value!r}")
+            values[key] = tuple(coerce(key, v, item) for v in value)
+        else:
+            values[key] = coerce(key, value, hint)
     return cls(**values)
 
 
@@ -103,9 +114,15 @@ def plot_curves(path: Path, title: str, curves: dict[str, list[list[float]]], yl
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
     fig.tight_layout()
+    save_figure(fig, path)
+
+
+def save_figure(fig, path: Path, dpi: int = 110) -> None:
+    """Write a matplotlib figure as PNG atomically, then close it."""
+    import matplotlib.pyplot as plt
 
     def write(tmp: Path) -> None:
-        fig.savefig(tmp, format="png", dpi=110)
+        fig.savefig(tmp, format="png", dpi=dpi)
 
     atomic_write(path, write)
     plt.close(fig)
