@@ -56,6 +56,18 @@ def nan_empty(monkeypatch):
         monkeypatch.setattr(owner, name, filled(getattr(owner, name)))
 
 
+def run_quick_lm_experiment(name, text_file, tmp_path):
+    """`memattn experiment NAME --quick` on `text_file` through the CLI: (out dir, results.json)."""
+    import json
+
+    from memattn.cli import main
+
+    out = tmp_path / "results"
+    data = ["data.corpus=text", f"data.path={text_file}", f"data.cache_dir={tmp_path / 'cache'}"]
+    assert main(["experiment", name, *data, "--quick", "--out-dir", str(out)]) == 0
+    return out, json.loads((out / "results.json").read_text())
+
+
 class Crash(Exception):
     """Raised from a training callback: the run stops as a killed process would."""
 

@@ -1,19 +1,14 @@
 """`memattn experiment abc-lm --quick`: every row trains, decodes and is written to the table."""
 
-import json
-
 import pytest
+from conftest import run_quick_lm_experiment
 
-from memattn.cli import main
 from memattn.experiments import get_experiment
 
 
 @pytest.mark.slow
 def test_quick_run_writes_the_table_curves_and_command(text_file, tmp_path):
-    out = tmp_path / "results"
-    data = ["data.corpus=text", f"data.path={text_file}", f"data.cache_dir={tmp_path / 'cache'}"]
-    assert main(["experiment", "abc-lm", *data, "--quick", "--out-dir", str(out)]) == 0
-    result = json.loads((out / "results.json").read_text())
+    out, result = run_quick_lm_experiment("abc-lm", text_file, tmp_path)
     rows = {r["model"]: r for r in result["rows"]}
     assert list(rows) == ["softmax", "abc-mlp, M=32", "abc-mlp, M=64", "abc-linformer, M=64",
                           "abc-random, M=64", "abc-window, n=64"]

@@ -1,19 +1,14 @@
 """`memattn experiment persistent-lm --quick`: every row trains, parameters match, files are written."""
 
-import json
-
 import pytest
+from conftest import run_quick_lm_experiment
 
-from memattn.cli import main
 from memattn.experiments import get_experiment
 
 
 @pytest.mark.slow
 def test_quick_run_writes_the_table_curves_and_command(text_file, tmp_path):
-    out = tmp_path / "results"
-    data = ["data.corpus=text", f"data.path={text_file}", f"data.cache_dir={tmp_path / 'cache'}"]
-    assert main(["experiment", "persistent-lm", *data, "--quick", "--out-dir", str(out)]) == 0
-    result = json.loads((out / "results.json").read_text())
+    out, result = run_quick_lm_experiment("persistent-lm", text_file, tmp_path)
     rows = {r["model"]: r for r in result["rows"]}
     assert list(rows) == ["transformer", "all-attn", "attn-split", "head-split", "single-head",
                           "ff-attn", "all-attn, N=0"]
