@@ -50,6 +50,7 @@ from memattn.ops.abc import (
     abc_attention,
     bounded_memory_attention,
 )
+from memattn.ops.abc.common import compute_dtype
 
 # Slot logit given to padding in abc-mlp: exp(PAD_LOGIT - s) underflows to exactly 0 next to
 # a real token's logit s > -9000 (from relu / sigmoid, s ≥ log(RELU_FLOOR) ≈ -27.6), and the op
@@ -841,10 +842,9 @@ def cluster_keys(k: torch.Tensor, n: int, iters: int,
     return nearest(centres).transpose(1, 2)  # [B, T, H]
 
 
-def nearest_centre(k: torch.Tensor, centres: torch.Tensor) -> torch.Tensor:
-    """k [B, T, H, D], unit centres [H, n, D] -> the centre of largest cosine, [B, T, H]."""
-    return torch.einsum("bthd,hnd->bthn", F.normalize(k.detach(), dim=-1),
-                        centres.to(k.dtype)).argmax(-1)
+def nearest_centre(unit: torch.Tensor, centres: torch.Tensor) -> torch.Tensor:
+    """Unit keys [B, T, H, D], unit centres [H, n, D] -> the centre of largest cosine, [B, T, H]."""
+    return torch.einsum("bthd,hnd->bthn", unit, centres.to(unit.dtype)).argmax(-1)
 
 
 @register("abc-cluster", options=ABCClusterOptions)
@@ -881,16 +881,15 @@ class ABCClusterAttention(_ABCBase):
         return self.empty_abc_state(batch_size, self.num_slots, device, dtype)
 
     @torch.no_grad()
-    def move_centres(self, k: torch.Tensor, cluster: torch.Tensor,
+    def move_centres(self, unit: torch.Tensor, cluster: torch.Tensor,
                      mask: torch.Tensor | None) -> None:
         """One online k-means step: each centre towards the mean unit key assigned to it."""
         n, decay = self.num_slots, self.options.decay
-        member = F.one_hot(cluster, n).to(torch.float32)  # [B, T, H, n]
+        member = F.one_hot(cluster, n).to(unit.dtype)  # [B, T, H, n]
         if mask is not None:
             member = member * mask[:, :, None, None]
-        unit = F.normalize(k.detach().float(), dim=-1)
-        sums = torch.einsum("bthn,bthd->hnd", member, unit)
-        count = member.sum((0, 1))[..., None]  # [H, n, 1]
+        sums = torch.einsum("bthn,bthd->hnd", member, unit).to(self.centres.dtype)
+        count = member.sum((0, 1))[..., None].to(self.centres.dtype)  # [H, n, 1]
         moved = F.normalize(decay * self.centres + (1 - decay) * sums / count.clamp(min=1),
                             dim=-1)
         self.centres.copy_(torch.where(count > 0, moved, self.centres))
@@ -901,9 +900,10 @@ class ABCClusterAttention(_ABCBase):
         _, q, k, v = self.project(x, memory_state, attention_mask)
         n = self.num_slots
         if self.spec.causal:
-            cluster = nearest_centre(k, self.centres)
+            unit = F.normalize(k.detach().to(compute_dtype(k)), dim=-1)  # fp32 at least
+            cluster = nearest_centre(unit, self.centres)
             if self.training:
-                self.move_centres(k, cluster, attention_mask)
+                self.move_centres(unit, cluster, attention_mask)
             s = torch.where(F.one_hot(cluster, n).bool(), 0.0, PAD_LOGIT).to(q.dtype)
             return self.attend_logits(q, k, v, s, memory_state, attention_mask), memory_state
         member = F.one_hot(cluster_keys(k, n, self.options.iters, attention_mask), n).to(q.dtype)

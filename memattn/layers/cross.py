@@ -29,6 +29,7 @@ from memattn.layers.abc import PAD_LOGIT, ABCMLPOptions, activation_logits
 from memattn.layers.base import LayerSpec, parse_options
 from memattn.ops.abc import ABCState
 from memattn.ops.abc.chunked import abc_memory, read_memory
+from memattn.ops.abc.common import compute_dtype
 from memattn.ops.softmax import softmax_attention
 
 
@@ -67,8 +68,11 @@ class _Cross(nn.Module):
         _check_source(src, src_mask, self.spec.d_model)
         return (self.heads(t) for t in self.kv(src).chunk(2, dim=-1))
 
-    def query(self, x: torch.Tensor) -> torch.Tensor:
+    def query(self, x: torch.Tensor, memory_batch: int) -> torch.Tensor:
+        """x [B, T, d] (B = the memory's batch) -> queries [B, T, H, D]."""
         check_tensor("x", x, "[B, T, d]", None, None, self.spec.d_model)
+        if x.shape[0] != memory_batch:
+            raise ShapeError(f"x: batch of {x.shape[0]} for a memory of batch {memory_batch}")
         return self.heads(self.q(x))
 
     def finish(self, o: torch.Tensor) -> torch.Tensor:
@@ -86,9 +90,7 @@ class SoftmaxCrossAttention(_Cross):
         return SourceKV(k, v, src_mask)
 
     def forward(self, x: torch.Tensor, memory: SourceKV) -> torch.Tensor:
-        q = self.query(x)
-        if q.shape[0] != memory.k.shape[0]:
-            raise ShapeError(f"x: batch of {q.shape[0]} for a memory of batch {memory.k.shape[0]}")
+        q = self.query(x, memory.k.shape[0])
         o = softmax_attention(q, memory.k, memory.v, causal=False,
                               attention_mask=memory.mask)
         return self.finish(o)
@@ -113,13 +115,11 @@ class ABCCrossAttention(_Cross):
                               self.options.activation)
         if src_mask is not None:
             s = s.masked_fill(~src_mask[:, :, None, None], PAD_LOGIT)
-        dt = torch.float64 if src.dtype == torch.float64 else torch.float32
+        dt = compute_dtype(src)
         return abc_memory(k.to(dt), v.to(dt), s.to(dt))
 
     def forward(self, x: torch.Tensor, memory: ABCState) -> torch.Tensor:
-        q = self.query(x)
-        if q.shape[0] != memory.k.shape[0]:
-            raise ShapeError(f"x: batch of {q.shape[0]} for a memory of batch {memory.k.shape[0]}")
+        q = self.query(x, memory.k.shape[0])
         o = read_memory(q.to(memory.k.dtype), memory.k, memory.v, self.spec.head_dim ** -0.5)
         return self.finish(o.to(x.dtype))
 
