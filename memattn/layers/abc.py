@@ -343,6 +343,21 @@ def counted_softmax(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, count: to
     return torch.einsum("bhqk,bkhv->bqhv", p, v)
 
 
+def in_window(qpos: torch.Tensor, kpos: torch.Tensor, window: int, causal: bool) -> torch.Tensor:
+    """Key position kpos is in the window of query qpos (broadcast): causal the last n
+    positions up to qpos, bidirectional those within n // 2 of it."""
+    rel = qpos - kpos
+    return (rel >= 0) & (rel < window) if causal else rel.abs() <= window // 2
+
+
+def in_strided_queue(qpos: torch.Tensor, kpos: torch.Tensor, window: int,
+                     dilation: int) -> torch.Tensor:
+    """Key position kpos is in the dilated queue of query qpos (broadcast): one of the last
+    n positions ≤ qpos that are multiples of d."""
+    d = dilation
+    return (kpos % d == 0) & (kpos <= qpos) & (qpos // d - kpos // d < window)
+
+
 def local_window_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, real: torch.Tensor,
                            window: int, causal: bool, dilation: int = 0) -> torch.Tensor:
     """Softmax attention over a sliding window, in blocks: O(T · n) time and memory.
@@ -374,8 +389,7 @@ def local_window_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, re
     keep = neighbours(blocks(real, False))  # [B, nb, w]
     qpos = torch.arange(nb * c, device=q.device).view(nb, c)  # [nb, c]
     kpos = qpos[:, :1] - before * c + torch.arange(kb.shape[2], device=q.device)  # [nb, w]
-    rel = qpos[:, :, None] - kpos[:, None, :]  # [nb, c, w]
-    seen = (rel >= 0) & (rel < window) if causal else rel.abs() <= window // 2
+    seen = in_window(qpos[:, :, None], kpos[:, None, :], window, causal)  # [nb, c, w]
     seen = seen[None] & keep[:, :, None, :]  # [B, nb, c, w]
     if dilation:  # the strided keys j·d of block i: j in [i c // d - n + 1, ((i + 1) c - 1) // d]
         d = dilation
@@ -384,8 +398,8 @@ def local_window_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, re
         pos = (j * d).clamp(0, T - 1)
         kb = torch.cat([kb, k[:, pos]], dim=2)
         vb = torch.cat([vb, v[:, pos]], dim=2)
-        back = (qpos // d)[:, :, None] - j[:, None, :]  # [nb, c, s]
-        strided = (j >= 0)[:, None, :] & (back >= 0) & (back < window) & (j * d < T)[:, None, :]
+        exists = ((j >= 0) & (j * d < T))[:, None, :]
+        strided = in_strided_queue(qpos[:, :, None], (j * d)[:, None, :], window, d) & exists
         seen = torch.cat([seen, strided[None] & real[:, pos][:, :, None, :]], dim=-1)
     scores = torch.einsum("bncht,bnwht->bnhcw", qb, kb) * D ** -0.5
     scores = scores.masked_fill(~seen[:, :, None], -torch.inf)
@@ -423,18 +437,12 @@ class ABCWindowAttention(_ABCBase):
 
     def _local(self, qpos: torch.Tensor, kpos: torch.Tensor) -> torch.Tensor:
         """[Tq, Tk] bool: key kpos is in the local queue of query qpos."""
-        rel = qpos[:, None] - kpos[None, :]
-        if self.spec.causal:
-            return (rel >= 0) & (rel < self.options.window)
-        return rel.abs() <= self.options.window // 2
+        return in_window(qpos[:, None], kpos[None, :], self.options.window, self.spec.causal)
 
     def _strided(self, qpos: torch.Tensor, kpos: torch.Tensor) -> torch.Tensor:
-        """[Tq, Tk] bool: key kpos is in the dilated queue of query qpos (causal): one of the
-        last n positions ≤ qpos that are multiples of d."""
-        d = self.options.dilation
-        back = qpos[:, None] // d - kpos[None, :] // d
-        return ((kpos % d == 0)[None, :] & (kpos[None, :] <= qpos[:, None])
-                & (back < self.options.window))
+        """[Tq, Tk] bool: key kpos is in the dilated queue of query qpos (causal)."""
+        return in_strided_queue(qpos[:, None], kpos[None, :], self.options.window,
+                                self.options.dilation)
 
     def forward(self, x: torch.Tensor, *, memory_state: QueueState | None = None,
                 attention_mask: torch.Tensor | None = None):
