@@ -218,7 +218,12 @@ def train(cfg: RunConfig, *, resume: bool = False, progress: bool = True,
     """Train `cfg` and return a summary. `on_step(step, record)` runs after each logged step."""
     ddp = Distributed(cfg.train.device)
     try:
-        return _train(cfg, ddp, resume, progress, on_step)
+        summary = _train(cfg, ddp, resume, progress, on_step)
+        # Every rank finishes before any tears the process group down: a rank that exits
+        # while another is still in gloo's last exchange aborts it ("terminate called
+        # without an active exception", seen once torch also loads triton).
+        ddp.barrier()
+        return summary
     finally:
         ddp.close()
 
