@@ -60,6 +60,9 @@ class ModelConfig:
     max_len: int = 1024  # longest sequence learned (or split) positions cover
     norm: Literal["layernorm", "rmsnorm"] = "layernorm"
     tie_embeddings: bool = True
+    # weights drawn N(0, init_std) (residual output projections / √(2·n_layers)); 0.02 is
+    # GPT-2's, for small widths ~1/√d_model lets symmetric units (memory tokens) part sooner
+    init_std: float = 0.02
     attention: AttentionConfig = field(default_factory=AttentionConfig)
 
     def __post_init__(self) -> None:
@@ -67,6 +70,7 @@ class ModelConfig:
         for name in ("d_model", "n_layers", "n_heads", "max_len"):
             _positive(f"model.{name}", getattr(self, name))
         _positive("model.ff_mult", self.ff_mult, zero_ok=True)
+        _positive("model.init_std", self.init_std)
         if self.d_model % self.n_heads:
             raise ConfigError(f"model.d_model: {self.d_model} is not divisible by model.n_heads={self.n_heads}")
         if self.positions == "rotary" and (self.d_model // self.n_heads) % 2:

@@ -6,23 +6,38 @@ generator (`majority_batch`, seeded) draws the bits independently and breaks a t
 even segment with as many 0s as 1s) by flipping one of its bits at random. Margins are
 then small, about √n for a segment of n bits, so a chunk of C bits often disagrees with
 its segment. A prediction is an exact match when all L tags are right. The generator can
-also draw wide margins (the majority count uniform in ⌊n/2⌋+1 … n), where a model finds
-the rule much sooner; training starts there (`train_margins`, see Settings).
+also draw wide margins, where a model finds the rule much sooner; training starts there
+(`train_margins`, see Settings). Two kinds: "uniform" (the majority count uniform in
+⌊n/2⌋+1 … n, bits in random order) and "runs" (each segment two runs: a prefix of random
+length mostly of one bit, the rest mostly of the other).
 
 A tag depends on the whole segment, but chunked attention lets a token see only its own
 chunk of C tokens: without memory (M = 0) a 2-layer encoder can only guess from its
 chunk; with M memory tokens that read everything, two layers suffice (write, then read).
+With p = 3 the memory tokens must also part the segments between them, and they start as
+near copies of each other (a saddle: no token prefers a memory token until that one
+covers its segment, and the reverse). Two choices get MAJORITY(512, 3) past it. "runs":
+under "uniform" any chunk of a segment already shows its majority, the model learns to
+answer from its chunk and the memory path gets almost no gradient; inside a run a chunk
+is wrong about its segment half of the time, only a count over the whole segment is
+right. Weights N(0, 1/√d_model) rather than GPT-2's N(0, 0.02): larger random differences
+between memory tokens. Exact match of probe runs at MAJORITY(512, 3), M = 8, 2,000 steps:
+uniform / 0.02 0.08 (0.04 even with the position table replaced by a segment indicator),
+uniform / 0.125 0.24, runs / 0.02 0.14, runs / 0.125 0.69 (0.84 after 3,000 steps; from
+the experiment's own initial draw 0.30 after 3,000 and 0.87 after 5,000, the default). At
+p = 1 nothing has to part: uniform / 0.02 gives 0.95 in 800 steps, uniform / 0.125 0.85,
+runs / 0.125 0.75, so each task has its own `wide` and `init_std`.
 
 Models: 2-layer encoders (`memattn.models.Encoder` with a tagging head), gmat attention
 with the chunked pattern, split positions (p = 512·q + r), trained with AdamW on fresh
 batches; M = 0 and M = num_memory on MAJORITY(512, 1), MAJORITY(512, 3) and
-MAJORITY(8192, 1) (smaller batches, fewer steps and larger chunks at 8,192). The last two
-start from the trained MAJORITY(512, 1) model of the same M (its weights fit any L and p;
-at 8,192 the split table's new block rows copy the trained one, so the memory's average
-over 16 blocks starts out as uniform as over one, and a short fine-tune at a low rate
-sharpens its precision for margins of about √8192 in 8,192).
+MAJORITY(8192, 1) (smaller batches, fewer steps and larger chunks at 8,192). The last task
+starts from the trained MAJORITY(512, 1) model of the same M (its weights fit any L; the
+split table's new block rows copy the trained one, so the memory's average over 16
+blocks starts out as uniform as over one, and a short fine-tune at a low rate sharpens its
+precision for margins of about √8192 in 8,192).
 
-    memattn experiment gmat-majority [--quick] [steps=800 segment_steps=2000 long_steps=200 ...]
+    memattn experiment gmat-majority [--quick] [steps=800 segment_steps=5000 long_steps=200 ...]
 
 Writes results.json, results.md and gmat_majority.png to the output folder.
 """
@@ -55,19 +70,23 @@ class Settings:
     d_model: int = 64
     n_heads: int = 4
     positions: str = "split"  # model.positions: split (p = 512·q + r), learned or rotary
-    # training data: "uniform" wide margins; "fair" coins; "curriculum": wide margins for the
-    # first `wide_phase` of the steps, then half wide, half fair
+    # training data: "wide" margins; "fair" coins; "curriculum": wide margins for the first
+    # `wide_phase` of the steps, then half wide, half fair
     train_margins: str = "curriculum"
+    wide: str = "uniform"  # the wide-margin sequences at p = 1: "runs" or "uniform" (see majority_batch)
+    segment_wide: str = "runs"  # ... at p = 3
     wide_phase: float = 0.5  # curriculum: share of the steps on wide margins alone at L = 512
     long_wide_phase: float = 0.0  # ... at L = 8192 (a chained model already knows the rule)
-    # "chain": MAJORITY(512, 3) and MAJORITY(8192, 1) start from the trained MAJORITY(512, 1)
-    # model of the same M (the weights do not depend on L or p); "scratch": every model anew
+    # "chain": MAJORITY(8192, 1) starts from the trained MAJORITY(512, 1) model of the same M
+    # (the weights do not depend on L); "scratch": every model anew
     start: str = "chain"
+    init_std: float = 0.02  # model.init_std at p = 1
+    segment_init_std: float = 0.125  # ... at p = 3 (1/√d_model)
     num_memory: int = 8  # M of the memory models (the others have M = 0)
     chunk_size: int = 64  # C at L = 512
     long_chunk_size: int = 256  # C at L = 8192
     steps: int = 800  # training steps on MAJORITY(512, 1)
-    segment_steps: int = 2000  # ... on MAJORITY(512, 3)
+    segment_steps: int = 5000  # ... on MAJORITY(512, 3)
     long_steps: int = 200  # ... on MAJORITY(8192, 1)
     batch: int = 16  # sequences a step at L = 512
     long_batch: int = 2  # sequences a step at L = 8192
@@ -91,8 +110,11 @@ class Settings:
                 if value not in ("chain", "scratch"):
                     raise ConfigError(f"start: expected chain or scratch, got {value!r}")
             elif f.name == "train_margins":
-                if value not in ("uniform", "fair", "curriculum"):
-                    raise ConfigError(f"train_margins: expected uniform, fair or curriculum, got {value!r}")
+                if value not in ("wide", "fair", "curriculum"):
+                    raise ConfigError(f"train_margins: expected wide, fair or curriculum, got {value!r}")
+            elif f.name in ("wide", "segment_wide"):
+                if value not in WIDE:
+                    raise ConfigError(f"{f.name}: expected {' or '.join(WIDE)}, got {value!r}")
             elif f.name in ("wide_phase", "long_wide_phase"):
                 if not 0 <= value <= 1:
                     raise ConfigError(f"{f.name}: expected a share in [0, 1], got {value!r}")
@@ -102,12 +124,15 @@ class Settings:
             raise ConfigError(f"d_model: {self.d_model} is not divisible by n_heads={self.n_heads}")
 
 
+WIDE = ("runs", "uniform")
 TRAINING = {
-    "uniform": "sequences with wide margins",
+    "wide": "wide-margin sequences ({wide}; {segment_wide} at p = 3)",
     "fair": "fair-coin sequences",
-    "curriculum": "wide-margin sequences alone for the first {wide_phase:.0%} of the steps at L = 512 "
-                  "({long_wide_phase:.0%} at L = 8192), then half wide-margin, half fair-coin",
+    "curriculum": "wide-margin sequences ({wide}; {segment_wide} at p = 3) alone for the first "
+                  "{wide_phase:.0%} of the steps at L = 512 ({long_wide_phase:.0%} at L = 8192), then half "
+                  "wide-margin, half fair-coin",
 }
+RUN_PURITY = 0.9  # "runs": the share of a run's bits that are its bit
 QUICK = dict(d_model=32, steps=40, segment_steps=40, long_steps=4, batch=8, long_batch=1, test_sequences=32,
              long_test_sequences=4, warmup=5, long_warmup=1)
 TASKS = ((512, 1), (512, 3), (8192, 1))
@@ -118,14 +143,16 @@ def majority_batch(length: int, parts: int, batch: int, generator: torch.Generat
     """MAJORITY(length, parts): (bits [batch, length] int64, tags [batch, length] int64).
 
     Segment s covers positions [s·length // parts, (s+1)·length // parts) and holds n bits.
-    margins "fair": the bits are fair coins and a tied segment gets one of its bits, chosen
-    at random, flipped (margins about √n). "uniform": the majority bit is a fair coin and
-    its count is uniform in ⌊n/2⌋+1 … n, the bits in random order (wide margins, easy).
+    In every kind a tied segment gets one of its bits, chosen at random, flipped.
+    margins "fair": the bits are fair coins (margins about √n). "uniform": the majority bit
+    is a fair coin and its count is uniform in ⌊n/2⌋+1 … n, the bits in random order.
+    "runs": a fair bit b fills a prefix of uniform length 1 … n-1 and 1 - b the rest, each
+    bit then flipped with probability 1 - RUN_PURITY; the longer run decides the tag.
     """
     if parts < 1 or length < parts:
         raise ConfigError(f"parts: expected 1 <= parts <= length = {length}, got {parts}")
-    if margins not in ("fair", "uniform"):
-        raise ConfigError(f"margins: expected fair or uniform, got {margins!r}")
+    if margins not in ("fair", *WIDE):
+        raise ConfigError(f"margins: expected fair, {' or '.join(WIDE)}, got {margins!r}")
     bits = torch.randint(0, 2, (batch, length), generator=generator)
     bounds = [s * length // parts for s in range(parts + 1)]
     for lo, hi in zip(bounds[:-1], bounds[1:]):
@@ -135,6 +162,11 @@ def majority_batch(length: int, parts: int, batch: int, generator: torch.Generat
             count = torch.randint(n // 2 + 1, n + 1, (batch, 1), generator=generator)
             order = torch.rand(batch, n, generator=generator).argsort(dim=1).argsort(dim=1)
             bits[:, lo:hi] = torch.where(order < count, majority, 1 - majority)
+        elif margins == "runs" and n > 1:
+            first = torch.randint(0, 2, (batch, 1), generator=generator)
+            prefix = torch.arange(n) < torch.randint(1, n, (batch, 1), generator=generator)
+            noise = (torch.rand(batch, n, generator=generator) >= RUN_PURITY).long()
+            bits[:, lo:hi] = torch.where(prefix, first, 1 - first) ^ noise
         tied = torch.nonzero(2 * bits[:, lo:hi].sum(dim=1) == n).flatten()
         flip = torch.randint(lo, hi, (len(tied),), generator=generator)
         bits[tied, flip] = 1 - bits[tied, flip]
@@ -144,9 +176,9 @@ def majority_batch(length: int, parts: int, batch: int, generator: torch.Generat
     return bits, tags
 
 
-def build_model(length: int, num_memory: int, chunk_size: int, s: Settings) -> Encoder:
+def build_model(length: int, num_memory: int, chunk_size: int, s: Settings, init_std: float) -> Encoder:
     cfg = ModelConfig(vocab_size=2, d_model=s.d_model, n_layers=2, n_heads=s.n_heads, ff_mult=2,
-                      positions=s.positions, max_len=length,
+                      positions=s.positions, max_len=length, init_std=init_std,
                       attention=AttentionConfig("gmat", {"num_memory": num_memory, "pattern": "chunked",
                                                          "chunk_size": chunk_size}))
     return Encoder(cfg, n_tags=2)
@@ -188,17 +220,19 @@ def run_one(length: int, parts: int, num_memory: int, s: Settings,
     chunk = s.long_chunk_size if long else s.chunk_size
     batch = s.long_batch if long else s.batch
     torch.manual_seed(s.seed)
-    model = build_model(length, num_memory, chunk, s)
+    segments = parts > 1
+    model = build_model(length, num_memory, chunk, s, s.segment_init_std if segments else s.init_std)
     if init is not None:
         start_from(model, init)
     g = torch.Generator().manual_seed(s.seed * 1000 + length + parts)  # same data for M = 0 and M > 0
 
-    steps = s.long_steps if long else s.segment_steps if parts > 1 else s.steps
+    steps = s.long_steps if long else s.segment_steps if segments else s.steps
     wide_steps = int(steps * (s.long_wide_phase if long else s.wide_phase))
 
     def loss_of(step: int) -> torch.Tensor:
-        hard = {"uniform": 0, "fair": batch, "curriculum": 0 if step < wide_steps else batch // 2}[s.train_margins]
-        easy = majority_batch(length, parts, batch - hard, g, margins="uniform")  # wide margins: find the rule
+        hard = {"wide": 0, "fair": batch, "curriculum": 0 if step < wide_steps else batch // 2}[s.train_margins]
+        easy = majority_batch(length, parts, batch - hard, g,  # wide margins: find the rule
+                              margins=s.segment_wide if segments else s.wide)
         fair = majority_batch(length, parts, hard, g)  # narrow margins: count precisely
         bits, tags = (torch.cat(pair) for pair in zip(easy, fair))
         return F.cross_entropy(model.tag_logits(model(bits)).flatten(0, 1), tags.flatten())
@@ -230,7 +264,7 @@ def run(out_dir: Path, *, quick: bool = False, overrides: list[str] = ()) -> dic
         rows, first = [], {}
         for L, p in TASKS:
             for M in (0, s.num_memory):
-                init = first.get(M) if s.start == "chain" else None
+                init = first.get(M) if s.start == "chain" and L > 512 else None
                 row, model = run_one(L, p, M, s, init)
                 rows.append(row)
                 if (L, p) == (512, 1):
@@ -254,7 +288,8 @@ def render_markdown(results: dict, command: str) -> str:
         f"Command: `{command}`" + (" (quick smoke run: numbers are not meaningful)" if results["quick"] else ""),
         "",
         f"2-layer encoders, d_model {s['d_model']}, {s['n_heads']} heads, gmat attention with the "
-        f"chunked pattern, {s['positions']} positions; AdamW with warm-up and cosine decay. Training "
+        f"chunked pattern, {s['positions']} positions, weights initialised N(0, {s['init_std']}) "
+        f"(N(0, {s['segment_init_std']}) at p = 3); AdamW with warm-up and cosine decay. Training "
         f"data: {TRAINING[s['train_margins']].format(**s)}. Exact match = every tag of a sequence right, on fresh "
         "fair-coin sequences of our own seeded generator (margins about √n, so no chunk of C bits can "
         "decide alone), and on fresh wide-margin ones (a majority count uniform in n/2 … n).",

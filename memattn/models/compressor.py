@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import math
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -37,7 +36,7 @@ from memattn.config import ModelConfig, from_dict, to_dict
 from memattn.errors import CheckpointError, ConfigError, ShapeError
 from memattn.fileio import atomic_write, read_tagged
 from memattn.layers.base import LayerSpec, memory_layout
-from memattn.models.lm import Block, SplitPositions, Transformer, make_norm
+from memattn.models.lm import Block, SplitPositions, init_weights, make_norm
 
 COMPRESSED_FORMAT = "memattn-compressed/1"
 KIND = "compressor"
@@ -85,10 +84,7 @@ class Compressor(nn.Module):
         self.decompress_blocks = blocks(n_compress + n_memory, n_decompress)
         self.norm = make_norm(cfg.norm, cfg.d_model)
         self.head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
-        self.apply(Transformer._init)
-        for name, p in self.named_parameters():
-            if name.endswith(("attn.out.weight", "ff.down.weight")):
-                nn.init.normal_(p, std=0.02 / math.sqrt(2 * cfg.n_layers))
+        init_weights(self, cfg)
         if cfg.tie_embeddings:
             self.head.weight = self.embed.weight
 

@@ -97,6 +97,19 @@ class SplitPositions(nn.Module):
         return self.low(positions % self.base) + self.high(positions // self.base)
 
 
+def init_weights(model: nn.Module, cfg: ModelConfig) -> None:
+    """GPT-2 style: linear and embedding weights N(0, cfg.init_std), biases 0, residual output
+    projections N(0, cfg.init_std / √(2·n_layers))."""
+    for m in model.modules():
+        if isinstance(m, (nn.Linear, nn.Embedding)):
+            nn.init.normal_(m.weight, std=cfg.init_std)
+            if getattr(m, "bias", None) is not None:
+                nn.init.zeros_(m.bias)
+    for name, p in model.named_parameters():
+        if name.endswith(("attn.out.weight", "cross.out.weight", "ff.down.weight")):
+            nn.init.normal_(p, std=cfg.init_std / math.sqrt(2 * cfg.n_layers))
+
+
 def insert_memory(x: torch.Tensor, memory: torch.Tensor, layout: MemoryLayout, offset: int,
                   attention_mask: torch.Tensor | None = None):
     """Insert memory blocks into x [B, T, d] whose first token sits at position `offset`.
@@ -173,18 +186,7 @@ class Transformer(nn.Module):
         self.norm = make_norm(cfg.norm, cfg.d_model)
 
     def init_weights(self) -> None:
-        """GPT-2 style: N(0, 0.02), residual output projections scaled by 1/√(2·layers)."""
-        self.apply(self._init)
-        for name, p in self.named_parameters():
-            if name.endswith(("attn.out.weight", "cross.out.weight", "ff.down.weight")):
-                nn.init.normal_(p, std=0.02 / math.sqrt(2 * self.cfg.n_layers))
-
-    @staticmethod
-    def _init(m: nn.Module) -> None:
-        if isinstance(m, (nn.Linear, nn.Embedding)):
-            nn.init.normal_(m.weight, std=0.02)
-            if getattr(m, "bias", None) is not None:
-                nn.init.zeros_(m.bias)
+        init_weights(self, self.cfg)
 
     def num_parameters(self) -> int:
         return sum(p.numel() for p in self.parameters())

@@ -19,9 +19,10 @@ def test_both_are_registered_experiments():
     assert get_experiment("gmat-majority").DESCRIPTION and get_experiment("gmat-mlm").DESCRIPTION
 
 
-@pytest.mark.parametrize("length, parts", [(512, 1), (512, 3), (101, 4)])
-def test_majority_tags_are_the_majority_bit_of_each_segment(length, parts):
-    bits, tags = majority_batch(length, parts, 64, torch.Generator().manual_seed(0))
+@pytest.mark.parametrize("margins", ["fair", "uniform", "runs"])
+@pytest.mark.parametrize("length, parts", [(512, 1), (512, 3), (101, 4), (3, 3)])
+def test_majority_tags_are_the_majority_bit_of_each_segment(length, parts, margins):
+    bits, tags = majority_batch(length, parts, 64, torch.Generator().manual_seed(0), margins=margins)
     assert bits.shape == tags.shape == (64, length) and set(bits.unique().tolist()) <= {0, 1}
     bounds = [s * length // parts for s in range(parts + 1)]
     for lo, hi in zip(bounds[:-1], bounds[1:]):
@@ -29,7 +30,7 @@ def test_majority_tags_are_the_majority_bit_of_each_segment(length, parts):
         majority = (2 * ones > hi - lo).long()
         assert (2 * ones != hi - lo).all()  # never a tie
         assert (tags[:, lo:hi] == majority[:, None]).all()
-    again = majority_batch(length, parts, 64, torch.Generator().manual_seed(0))
+    again = majority_batch(length, parts, 64, torch.Generator().manual_seed(0), margins=margins)
     assert torch.equal(again[0], bits)  # seeded
 
 
@@ -39,6 +40,18 @@ def test_majority_bits_are_fair_coins_with_ties_broken():
     margin = (2 * bits.sum(1) - 512).abs().float()
     assert margin.min() >= 2 and abs(margin.mean().item() - 18.05) < 1.0  # E|N(0, √512)| ≈ 18.05
     assert 0.45 < tags[:, 0].float().mean() < 0.55
+
+
+def test_runs_segments_mislead_a_chunk_but_have_wide_margins():
+    bits, tags = majority_batch(512, 1, 4000, torch.Generator().manual_seed(2), margins="runs")
+    # the first and the last bit lie in different runs: they differ unless one of them was flipped
+    assert abs((bits[:, 0] != bits[:, -1]).float().mean().item() - (0.9 ** 2 + 0.1 ** 2)) < 0.02
+    # the majority of the first chunk of 64 is that of the segment about half of the time only
+    first_chunk = (2 * bits[:, :64].sum(1) > 64).long()
+    assert 0.4 < (first_chunk != tags[:, 0]).float().mean().item() < 0.55
+    # |2·ones - n| ≈ 0.8·|2k - n| for a prefix of k uniform in 1 … n-1: mean ≈ 0.8 · n / 2
+    margin = (2 * bits.sum(1) - 512).abs().float().mean().item()
+    assert abs(margin - 0.8 * 256) < 8
 
 
 def test_bert_masking_rates():
@@ -59,6 +72,10 @@ def test_settings_are_typed_and_checked():
         parse_settings(Settings, "gmat-majority", ["steps=many"], {})
     with pytest.raises(ConfigError, match=r"num_memory: expected a positive value, got 0"):
         parse_settings(Settings, "gmat-majority", ["num_memory=0"], {})
+    with pytest.raises(ConfigError, match=r"wide: expected runs or uniform, got 'often'"):
+        parse_settings(Settings, "gmat-majority", ["wide=often"], {})
+    with pytest.raises(ConfigError, match=r"margins: expected fair, runs or uniform, got 'x'"):
+        majority_batch(8, 1, 2, torch.Generator(), margins="x")
 
 
 @pytest.mark.slow

@@ -13,7 +13,7 @@ from memattn.experiments.gmat_majority import Settings, build_model, start_from
 
 def test_chaining_copies_the_trained_block_row_to_every_new_block():
     s = Settings(d_model=16, n_heads=2)
-    short, long = build_model(512, 8, 64, s), build_model(2048, 8, 256, s)
+    short, long = build_model(512, 8, 64, s, 0.02), build_model(2048, 8, 256, s, 0.02)
     start_from(long, short)
     high = long.pos.high.weight
     assert high.shape[0] == 4 and torch.equal(high, short.pos.high.weight.expand(4, -1))

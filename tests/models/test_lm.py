@@ -5,10 +5,10 @@ import pytest
 import torch
 
 from memattn.config import AttentionConfig, ModelConfig
-from memattn.errors import ShapeError
+from memattn.errors import ConfigError, ShapeError
 from memattn.generate import generate
 from memattn.layers import mechanisms
-from memattn.models import CausalLM
+from memattn.models import CausalLM, Compressor
 
 
 def small(name="softmax", **kw):
@@ -71,6 +71,25 @@ def test_tied_embeddings_share_one_tensor():
     assert model.head.weight is model.embed.weight
     untied = small(tie_embeddings=False)
     assert untied.num_parameters() == model.num_parameters() + 37 * 32
+
+
+@pytest.mark.parametrize("std", [0.02, 0.125])
+def test_weights_start_at_the_configured_scale(std):
+    torch.manual_seed(0)
+    model = CausalLM(ModelConfig(vocab_size=500, d_model=64, n_layers=3, n_heads=4, init_std=std))
+    # N(0, std) everywhere, residual output projections N(0, std / √(2·layers)), biases 0
+    assert model.embed.weight.std().item() == pytest.approx(std, rel=0.03)
+    block = model.blocks[1]
+    assert block.ff.up.weight.std().item() == pytest.approx(std, rel=0.03)
+    for out in (block.attn.out.weight, block.ff.down.weight):
+        assert out.std().item() == pytest.approx(std / 6 ** 0.5, rel=0.05)
+    compressor = Compressor(ModelConfig(vocab_size=500, d_model=64, n_layers=3, n_heads=4, init_std=std,
+                                        attention=AttentionConfig("gmat", {"num_memory": 4})),
+                            n_compress=1, n_decompress=1)
+    assert compressor.embed.weight.std().item() == pytest.approx(std, rel=0.03)
+    assert compressor.memory_blocks[0].attn.out.weight.std().item() == pytest.approx(std / 6 ** 0.5, rel=0.05)
+    with pytest.raises(ConfigError, match="model.init_std"):
+        ModelConfig(init_std=0.0)
 
 
 def test_learned_positions_reject_sequences_past_max_len():
