@@ -128,16 +128,29 @@ def _probs(S_ptr, lse_ptr, rows, r_ok, i_h, H, M, o_m):
 
 
 @triton.jit
-def _locate(cu, boff, sub_idx, i_x, BT: tl.constexpr, BC: tl.constexpr):
-    """Sub-block i_x of the packed batch -> (its first token, the end and the start of its
+def _locate(cu, boff, sub_idx, BT: tl.constexpr, BC: tl.constexpr):
+    """This program's sub-block of the packed batch (program id 0) -> (its first token, its
+    tokens [BC] and which of them lie in the sequence, the end and the start of its
     sequence, its index in the sequence, that of the first sub-block of its chunk, the
     global index of its chunk)."""
+    i_x = tl.program_id(0)
     i_n = tl.load(sub_idx + 2 * i_x)
     i_s = tl.load(sub_idx + 2 * i_x + 1)
     bos = tl.load(cu + i_n).to(tl.int64)
     eos = tl.load(cu + i_n + 1).to(tl.int64)
     i_g = tl.load(boff + i_n).to(tl.int64) + (i_s * BC) // BT
-    return bos + i_s * BC, eos, bos, i_s, i_s - i_s % (BT // BC), i_g
+    t0 = bos + i_s * BC
+    rows = t0 + tl.arange(0, BC)
+    return t0, rows, rows < eos, eos, bos, i_s, i_s - i_s % (BT // BC), i_g
+
+
+@triton.jit
+def _chunk_decay(a, zprev, rows, r_ok, i_g, i_h, H, M, o_m):
+    """(a of the rows [BC, BM], the weight exp(z_prev - a) [BC, BM] of the memory at the
+    start of their chunk)."""
+    b_a = _tile(a, rows, r_ok, i_h, H, M, o_m, _POS)
+    b_zp = tl.load(zprev + (i_g * H + i_h) * M + o_m, mask=o_m < M, other=_NEG)
+    return b_a, tl.exp(b_zp[None, :] - b_a)
 
 
 # --------------------------------------------------------------------------------------
@@ -255,17 +268,13 @@ def _fwd_output(q, k, v, s, a, zprev, hk, hv, o, S, lse, cu, boff, sub_idx, scal
                 BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
                 BM: tl.constexpr, PREC: tl.constexpr):
     """o, S, lse of one sub-block of BC tokens of one head."""
-    i_x, i_h = tl.program_id(0), tl.program_id(1)
-    t0, eos, bos, i_s, j0, i_g = _locate(cu, boff, sub_idx, i_x, BT, BC)
+    i_h = tl.program_id(1)
+    t0, rows, r_ok, eos, bos, i_s, j0, i_g = _locate(cu, boff, sub_idx, BT, BC)
     o_c = tl.arange(0, BC)
     o_k = tl.arange(0, BK)
     o_v = tl.arange(0, BV)
     o_m = tl.arange(0, BM)
-    rows = t0 + o_c
-    r_ok = rows < eos
-    b_a = _tile(a, rows, r_ok, i_h, H, M, o_m, _POS)  # [BC, BM]
-    b_zp = tl.load(zprev + (i_g * H + i_h) * M + o_m, mask=o_m < M, other=_NEG)
-    decay = tl.exp(b_zp[None, :] - b_a)  # [BC, BM], weight of the chunk-start memory
+    b_a, decay = _chunk_decay(a, zprev, rows, r_ok, i_g, i_h, H, M, o_m)
     b_q = _tile(q, rows, r_ok, i_h, H, K, o_k, 0.0) * scale  # [BC, BK]
 
     b_S = _keys_to_slots(b_q, _block(hk, i_g, i_h, H, M, K, o_m, o_k), decay, k, s, a, b_a,
@@ -295,17 +304,13 @@ def _bwd_dq(q, k, v, s, a, zprev, hk, hv, S, lse, do, dq, dS, c, cu, boff, sub_i
             BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
             BM: tl.constexpr, PREC: tl.constexpr):
     """dq, dS, c of one sub-block of one head."""
-    i_x, i_h = tl.program_id(0), tl.program_id(1)
-    t0, eos, bos, i_s, j0, i_g = _locate(cu, boff, sub_idx, i_x, BT, BC)
+    i_h = tl.program_id(1)
+    t0, rows, r_ok, eos, bos, i_s, j0, i_g = _locate(cu, boff, sub_idx, BT, BC)
     o_c = tl.arange(0, BC)
     o_k = tl.arange(0, BK)
     o_v = tl.arange(0, BV)
     o_m = tl.arange(0, BM)
-    rows = t0 + o_c
-    r_ok = rows < eos
-    b_a = _tile(a, rows, r_ok, i_h, H, M, o_m, _POS)
-    b_zp = tl.load(zprev + (i_g * H + i_h) * M + o_m, mask=o_m < M, other=_NEG)
-    decay = tl.exp(b_zp[None, :] - b_a)
+    b_a, decay = _chunk_decay(a, zprev, rows, r_ok, i_g, i_h, H, M, o_m)
     b_do = _tile(do, rows, r_ok, i_h, H, V, o_v, 0.0)  # [BC, BV]
 
     # dp_t[m] = do_t · Ṽ_t[m]
@@ -386,14 +391,12 @@ def _bwd_dkv(q, k, v, s, a, zend, S, lse, do, dS, c, dhk, dhv, dhc, dk, dv, ds,
              BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
              BM: tl.constexpr, PREC: tl.constexpr):
     """dk, dv, ds of one sub-block of one head."""
-    i_x, i_h = tl.program_id(0), tl.program_id(1)
-    t0, eos, bos, i_s, j0, i_g = _locate(cu, boff, sub_idx, i_x, BT, BC)
+    i_h = tl.program_id(1)
+    t0, rows, r_ok, eos, bos, i_s, j0, i_g = _locate(cu, boff, sub_idx, BT, BC)
     o_c = tl.arange(0, BC)
     o_k = tl.arange(0, BK)
     o_v = tl.arange(0, BV)
     o_m = tl.arange(0, BM)
-    rows = t0 + o_c
-    r_ok = rows < eos
 
     b_k = _tile(k, rows, r_ok, i_h, H, K, o_k, 0.0)  # [BC, BK]
     b_v = _tile(v, rows, r_ok, i_h, H, V, o_v, 0.0)  # [BC, BV]
