@@ -142,7 +142,7 @@ class Variant:
 
 
 def build_variants(s: Settings, vocab_size: int) -> list[Variant]:
-    def config(num_memory: int, n_layers: int, init_std: float = 0.02) -> ModelConfig:
+    def config(num_memory: int, n_layers: int, init_std: float = ModelConfig.init_std) -> ModelConfig:
         return ModelConfig(vocab_size=vocab_size, d_model=s.d_model, n_layers=n_layers, n_heads=s.n_heads,
                            ff_mult=4, positions=s.positions, max_len=s.seq_len, init_std=init_std,
                            attention=AttentionConfig("gmat", {"num_memory": num_memory, "pattern": "chunked",
@@ -254,7 +254,7 @@ def render_markdown(results: dict, command: str) -> str:
         f"Character level, corpus `{s['corpus']}` (vocabulary {results['vocab_size']} + a mask symbol), "
         f"windows of L = {s['seq_len']}, gmat attention with chunks of C = {s['chunk_size']}, {s['positions']} "
         f"positions, d_model {s['d_model']}, {s['n_heads']} heads; {s['steps']} steps of {s['batch']} windows "
-        f"each with AdamW: the encoders at lr {s['lr']:g} from N(0, 0.02), the compressor at lr "
+        f"each with AdamW: the encoders at lr {s['lr']:g} from N(0, {ModelConfig.init_std:g}), the compressor at lr "
         f"{s['compressor_lr']:g} from N(0, {s['compressor_init_std']:g}). 15 % of the positions masked "
         f"(BERT 80/10/10). Scores on the masked "
         f"positions of the first {s['eval_windows']} windows of each split, with a fixed masking.",
