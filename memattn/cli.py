@@ -38,19 +38,32 @@ def cmd_train(args) -> int:
 
 
 def cmd_eval(args) -> int:
-    from memattn.evaluate import as_tensor, evaluate
+    from memattn.errors import ConfigError
+    from memattn.evaluate import as_tensor, check_streamable, evaluate
     from memattn.train import load_run_corpus, model_from_checkpoint
 
     model, cfg, _ = model_from_checkpoint(args.checkpoint, args.device)
     corpus = load_run_corpus(cfg)
     ids = as_tensor(getattr(corpus, args.split))
     seq_len = args.seq_len or cfg.train.seq_len
+    stream = args.stream or cfg.train.segments
+    if args.context < 0:
+        raise ConfigError(f"--context: expected a number of tokens >= 0, got {args.context}")
+    if stream and args.context:
+        raise ConfigError("--context: a stream (--stream, or a run trained with train.segments) "
+                          "already reads everything before each segment")
+    if args.stream:
+        check_streamable(model)
     result = evaluate(model, ids, seq_len=seq_len, batch_size=args.batch_size,
-                      max_batches=args.batches, device=args.device, segments=cfg.train.segments)
-    result.update(split=args.split, seq_len=seq_len, checkpoint=str(args.checkpoint))
+                      max_batches=args.batches, device=args.device, segments=stream,
+                      context=args.context)
+    result.update(split=args.split, seq_len=seq_len, context=args.context, stream=stream,
+                  checkpoint=str(args.checkpoint))
+    reading = ("one stream per row, state carried" if stream else
+               f"segments of {seq_len} after {args.context} unscored tokens")
     print(json.dumps(result) if args.json else
           f"{args.split}: loss {result['loss']:.4f} nats, {result['bpc']:.4f} bits/char, "
-          f"perplexity {result['ppl']:.3f} over {result['tokens']:,} tokens")
+          f"perplexity {result['ppl']:.3f} over {result['tokens']:,} tokens ({reading})")
     return 0
 
 
@@ -147,7 +160,7 @@ def cmd_experiment(args) -> int:
     out_dir = Path(args.out_dir or f"results/{args.name}")
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "command.txt").write_text(args.command_line + "\n")
-    module.run(out_dir, quick=args.quick, overrides=args.overrides)
+    module.run(out_dir, quick=args.quick, overrides=args.overrides, jobs=args.jobs)
     return 0
 
 
@@ -251,6 +264,11 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--seq-len", type=int, default=0, help="window length (default: the training seq_len)")
     e.add_argument("--batch-size", type=int, default=16, help="windows per forward pass")
     e.add_argument("--batches", type=int, default=0, help="evaluate only the first N batches (default: all)")
+    e.add_argument("--context", type=int, default=0,
+                   help="tokens read before each scored segment but not scored (default: 0)")
+    e.add_argument("--stream", action="store_true",
+                   help="read the split as --batch-size contiguous streams in one pass, each layer's "
+                   "fixed-size state carried from segment to segment (bounded mechanisms only)")
     e.add_argument("--device", default="cpu", help="torch device to run on")
     e.add_argument("--json", action="store_true", help="print one JSON object")
     e.set_defaults(fn=cmd_eval)
@@ -294,6 +312,10 @@ def build_parser() -> argparse.ArgumentParser:
     x.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help=OVERRIDES_HELP)
     x.add_argument("--out-dir", help="where results go (default: results/NAME)")
     x.add_argument("--quick", action="store_true", help="a small smoke run, about a minute on a CPU")
+    x.add_argument("--jobs", type=int, default=1,
+                   help="models trained at once, one thread each (experiments that train models "
+                   "in run folders: abc-lm, persistent-lm); running the command again continues "
+                   "unfinished models and reuses finished ones")
     x.set_defaults(fn=cmd_experiment)
 
     c = sub.add_parser("compress", help="compress a text into M memory vectors per sequence",
@@ -365,7 +387,13 @@ def main(argv: list[str] | None = None) -> int:
     import shlex
 
     argv = sys.argv[1:] if argv is None else list(argv)
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args, extra = parser.parse_known_args(argv)
+    # key=value overrides may also come after the flags (`experiment NAME --quick steps=10`)
+    if extra and hasattr(args, "overrides") and all("=" in x and not x.startswith("-") for x in extra):
+        args.overrides = [*args.overrides, *extra]
+    elif extra:
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
     args.command_line = shlex.join(["memattn", *argv])
     try:
         return args.fn(args)

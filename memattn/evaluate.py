@@ -31,21 +31,30 @@ def segment_window(ids: torch.Tensor, streams: int, seq_len: int, segment: int) 
 @torch.no_grad()
 def evaluate(model: torch.nn.Module, ids: torch.Tensor, *, seq_len: int, batch_size: int,
              max_batches: int = 0, device: str | torch.device = "cpu",
-             segments: bool = False) -> dict[str, float]:
-    """Loss over consecutive non-overlapping windows of `seq_len` + 1 tokens.
+             segments: bool = False, context: int = 0) -> dict[str, float]:
+    """Loss over consecutive non-overlapping segments of `seq_len` scored tokens.
 
     ids: int64 [N]. max_batches > 0 evaluates only the first batches (deterministic).
+    context: each scored segment is preceded by `context` tokens that the model reads but
+    that are not scored (the model sees context + seq_len tokens; a bounded memory carries
+    its state over them, softmax attends to them). Segment i scores the targets
+    ids[context + i·seq_len + 1 : context + (i + 1)·seq_len + 1].
     segments: read the split as batch_size contiguous streams, segment after segment, with
     the model's cache carrying each layer's memory from one segment to the next (as
     `train.segments` trains); max_batches > 0 then reads the first segments of each stream.
     Returns {"loss": nats/token, "bpc": bits/token, "ppl": perplexity, "tokens": count}.
     """
+    if context < 0:
+        raise ValueError(f"evaluate: context must be >= 0, got {context}")
     if segments:
+        if context:
+            raise ValueError("evaluate: a stream carries its whole past; context applies to windows only")
         return _evaluate_segments(model, ids, seq_len=seq_len, streams=batch_size,
                                   max_segments=max_batches, device=device)
-    n_windows = (len(ids) - 1) // seq_len
-    if n_windows == 0:
-        raise ValueError(f"evaluate: split of {len(ids)} tokens is shorter than seq_len + 1 = {seq_len + 1}")
+    n_windows = (len(ids) - 1 - context) // seq_len
+    if n_windows <= 0:
+        raise ValueError(f"evaluate: split of {len(ids)} tokens is shorter than context + seq_len + 1 = "
+                         f"{context + seq_len + 1}")
     if max_batches > 0:
         n_windows = min(n_windows, max_batches * batch_size)
     was_training = model.training
@@ -53,15 +62,29 @@ def evaluate(model: torch.nn.Module, ids: torch.Tensor, *, seq_len: int, batch_s
     total, count = 0.0, 0
     for start in range(0, n_windows, batch_size):
         rows = torch.arange(start, min(start + batch_size, n_windows)) * seq_len
-        idx = rows[:, None] + torch.arange(seq_len + 1)[None, :]
-        window = ids[idx].to(device)
-        logits = model(window[:, :-1])
-        loss = F.cross_entropy(logits.float().flatten(0, 1), window[:, 1:].flatten(), reduction="sum")
+        idx = rows[:, None] + torch.arange(context + seq_len + 1)[None, :]
+        window = ids[idx].to(device)  # [b, context + seq_len + 1]
+        logits = model(window[:, :-1])[:, context:]
+        targets = window[:, context + 1:]
+        loss = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(), reduction="sum")
         total += loss.item()
-        count += window[:, 1:].numel()
+        count += targets.numel()
     model.train(was_training)
     loss = total / count
     return {"loss": loss, "bpc": loss / math.log(2), "ppl": math.exp(min(loss, 50.0)), "tokens": count}
+
+
+def check_streamable(model: torch.nn.Module) -> None:
+    """Raise ConfigError unless every layer's decoding state stays the same size as it reads."""
+    from memattn.errors import ConfigError
+
+    cache = model.init_cache(1)
+    growing = [i for i, s in enumerate(cache.states) if not s.fixed_size]
+    if growing:
+        name = model.cfg.attention.name
+        raise ConfigError(f"--stream: the decoding state of {name!r} grows with the context "
+                          f"(layers {growing}); streaming needs a bounded memory (an abc-* or "
+                          "linear mechanism, or persistent with attention.context=window)")
 
 
 def _evaluate_segments(model, ids, *, seq_len, streams, max_segments, device):

@@ -16,10 +16,12 @@ The objective adds the model's auxiliary losses (`aux_loss()`, e.g. adaptive-spa
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import math
 import os
+import socket
 import time
 from pathlib import Path
 from typing import Any, Callable
@@ -213,12 +215,46 @@ def load_run_corpus(cfg: RunConfig, ddp: Distributed | None = None):
     return corpus if corpus is not None else load()
 
 
+@contextlib.contextmanager
+def run_folder_lock(out: Path, enabled: bool = True):
+    """Hold `out/.lock` while a process trains in the run folder `out`; a second trainer is
+    refused with a ConfigError naming the process that holds it."""
+    if not enabled:
+        yield
+        return
+    import fcntl
+
+    out.mkdir(parents=True, exist_ok=True)
+    with open(out / ".lock", "a+") as f:
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            f.seek(0)
+            holder = f.read().strip() or "another process"
+            raise ConfigError(f"train.out_dir: {out} is in use by {holder}; wait for it to finish "
+                              "or choose another train.out_dir") from None
+        f.seek(0)
+        f.truncate()
+        f.write(f"process {os.getpid()} on {socket.gethostname()}\n")
+        f.flush()
+        try:
+            yield
+        finally:
+            f.truncate(0)
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
 def train(cfg: RunConfig, *, resume: bool = False, progress: bool = True,
           on_step: Callable[[int, dict[str, Any]], None] | None = None) -> dict[str, Any]:
-    """Train `cfg` and return a summary. `on_step(step, record)` runs after each logged step."""
+    """Train `cfg` and return a summary. `on_step(step, record)` runs after each logged step.
+
+    resume: continue from the checkpoint in train.out_dir; a run that already reached
+    train.steps is returned as it is (its summary is kept, nothing is rewritten).
+    """
     ddp = Distributed(cfg.train.device)
     try:
-        summary = _train(cfg, ddp, resume, progress, on_step)
+        with run_folder_lock(Path(cfg.train.out_dir), ddp.main):
+            summary = _train(cfg, ddp, resume, progress, on_step)
         # Every rank finishes before any tears the process group down: a rank that exits
         # while another is still in gloo's last exchange aborts it ("terminate called
         # without an active exception", seen once torch also loads triton).
@@ -256,12 +292,15 @@ def _train(cfg: RunConfig, ddp: Distributed, resume: bool, progress: bool, on_st
         if n_segments == 0:
             raise ConfigError(f"train.segments: {tc.batch_size} streams of the training split "
                               f"({len(train_ids):,} tokens) are shorter than train.seq_len={tc.seq_len}")
-    start = 0
+    start, seconds_before = 0, 0.0
     if resume:
         ckpt = load_checkpoint(ckpt_path)
         check_resumable(ckpt.meta["config"], cfg)
-        restore(ckpt, model, optimizer)
         start = ckpt.step
+        seconds_before = float(ckpt.meta.get("train_seconds", 0.0))
+        if start >= tc.steps and (out / "summary.json").exists():
+            return json.loads((out / "summary.json").read_text())  # complete: nothing to add
+        restore(ckpt, model, optimizer)
         log.truncate_after(start)
         if tc.segments:
             carry = restore_carried_memory(ckpt, model, tc.batch_size // ddp.world, ddp, device)
@@ -339,6 +378,7 @@ def _train(cfg: RunConfig, ddp: Distributed, resume: bool, progress: bool, on_st
         if saving and ddp.main:
             save_checkpoint(ckpt_path, model, step=done, optimizer=optimizer, extra=extra,
                             meta=dict(meta, segments=segments_meta,
+                                      train_seconds=seconds_before + time.perf_counter() - wall_start,
                                       metrics={"train_loss": train_loss, **{f"val_{k}": v for k, v in last_val.items()}}))
         if done % tc.save_every == 0:
             ddp.barrier()
@@ -349,7 +389,7 @@ def _train(cfg: RunConfig, ddp: Distributed, resume: bool, progress: bool, on_st
     wall = time.perf_counter() - wall_start
     summary = {"attention": cfg.model.attention.name, "params": n_params, "steps": tc.steps,
                "train_loss": train_loss, "val": last_val, "tokens_per_s": tok_per_s,
-               "wall_s": wall, "checkpoint": str(ckpt_path), "world_size": ddp.world,
+               "wall_s": wall, "train_seconds": seconds_before + wall, "checkpoint": str(ckpt_path), "world_size": ddp.world,
                "ranks_in_sync": ddp.in_sync(model)}
     if ddp.main:
         (out / "summary.json").write_text(json.dumps(summary, indent=2))

@@ -4,11 +4,14 @@ Each module here is one experiment, named like the module with '-' for '_' (abc_
 `abc-lm`). A module defines:
 
     DESCRIPTION: str                              one line for `--help`
-    def run(out_dir: Path, *, quick: bool, overrides: list[str]) -> dict
+    def run(out_dir: Path, *, quick: bool, overrides: list[str], jobs: int = 1) -> dict
 
 `run` trains and evaluates what the experiment compares, writes its results table (JSON +
 markdown, plots where useful, and the command that made them) under `out_dir`, and returns
 the table. `quick` shrinks it to a smoke test that finishes in about a minute on a CPU.
+`jobs`: models trained at once. Experiments whose models are run folders
+(`memattn.experiments._runner`) continue across sittings and take any `jobs`; the others
+train in one process and refuse jobs > 1 (`single_process`).
 """
 
 from __future__ import annotations
@@ -38,3 +41,10 @@ def get_experiment(name: str) -> ModuleType:
     if name not in known:
         raise ConfigError(f"experiment: unknown experiment {name!r}; known: {', '.join(known) or 'none'}")
     return known[name]
+
+
+def single_process(name: str, jobs: int) -> None:
+    """Raise ConfigError for --jobs > 1 in an experiment that trains in one process."""
+    if jobs != 1:
+        raise ConfigError(f"--jobs: experiment {name} trains its models one after another in one "
+                          f"process; got --jobs {jobs}")

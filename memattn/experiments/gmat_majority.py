@@ -56,6 +56,7 @@ import torch.nn.functional as F
 
 from memattn.config import AttentionConfig, ModelConfig
 from memattn.errors import ConfigError
+from memattn.experiments import single_process
 from memattn.experiments._common import (command_of, parse_settings, plot_curves, train_steps,
                                               write_results)
 from memattn.models import Encoder
@@ -255,8 +256,9 @@ def run_one(length: int, parts: int, num_memory: int, s: Settings,
     return row, model
 
 
-def run(out_dir: Path, *, quick: bool = False, overrides: list[str] = ()) -> dict:
+def run(out_dir: Path, *, quick: bool = False, overrides: list[str] = (), jobs: int = 1) -> dict:
     """Train and score M = 0 and M = num_memory on each task; write the results under out_dir."""
+    single_process("gmat-majority", jobs)
     s = parse_settings(Settings, NAME, list(overrides), QUICK if quick else {})
     out_dir = Path(out_dir)
     threads = torch.get_num_threads()

@@ -44,6 +44,7 @@ import torch.nn.functional as F
 from memattn.config import AttentionConfig, ModelConfig
 from memattn.data import load_corpus
 from memattn.errors import ConfigError
+from memattn.experiments import single_process
 from memattn.experiments._common import (command_of, parse_settings, plot_curves, train_steps,
                                               write_results)
 from memattn.models import Compressor, Encoder
@@ -183,8 +184,9 @@ def evaluate(v: Variant, data: torch.Tensor, mask_id: int, vocab: int, seed: int
     return out
 
 
-def run(out_dir: Path, *, quick: bool = False, overrides: list[str] = ()) -> dict:
+def run(out_dir: Path, *, quick: bool = False, overrides: list[str] = (), jobs: int = 1) -> dict:
     """Train and score the three models; write the results (and the compressor) under out_dir."""
+    single_process("gmat-mlm", jobs)
     s = parse_settings(Settings, NAME, list(overrides), QUICK if quick else {})
     out_dir = Path(out_dir)
     threads = torch.get_num_threads()

@@ -34,6 +34,7 @@ import torch.nn.functional as F
 from memattn.config import to_dict
 from memattn.data.reading import ReadingBatch, ReadingConfig, ReadingTask
 from memattn.errors import ConfigError
+from memattn.experiments import single_process
 from memattn.experiments._common import command_of, save_figure, write_results
 from memattn.experiments._common import parse_settings as parse_typed
 from memattn.models.qa import ATTENTIONS, QAConfig, ReadingQA
@@ -96,8 +97,9 @@ def parse_settings(overrides: list[str], *, quick: bool) -> Settings:
     return parse_typed(Settings, "linear-qa", overrides, dict(QUICK) if quick else {}, _EXAMPLES)
 
 
-def run(out_dir: Path, *, quick: bool = False, overrides: list[str] = ()) -> dict:
+def run(out_dir: Path, *, quick: bool = False, overrides: list[str] = (), jobs: int = 1) -> dict:
     """Train and evaluate the four variants, time lookups; write the results under out_dir."""
+    single_process("linear-qa", jobs)
     settings = parse_settings(list(overrides), quick=quick)
     out_dir = Path(out_dir)
     threads = torch.get_num_threads()

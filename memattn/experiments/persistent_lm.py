@@ -67,7 +67,7 @@ def matching_n(cfg: RunConfig, options: dict, target: int, vocab_size: int) -> i
     return max(1, round(1 + (target - p1) / (p2 - p1)))
 
 
-def run(out_dir: Path, *, quick: bool, overrides: list[str]) -> dict:
+def run(out_dir: Path, *, quick: bool, overrides: list[str], jobs: int = 1) -> dict:
     from memattn.train import load_run_corpus
 
     out_dir = Path(out_dir)

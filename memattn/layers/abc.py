@@ -173,6 +173,9 @@ class ABCMLPOptions:
         "sigmoid"; α is normalised per slot over the prefix (causal) or the sequence.
     tie_phi: one W_φ shared by every layer of the model (through spec.shared).
     bias: biases on the q/k/v, output and φ projections.
+    phi_init_std: W_φ drawn N(0, phi_init_std²) instead of the model's init (0: the model's).
+        A larger scale gives the slots different logits from the start: with near-equal
+        logits every slot holds about the mean of the prefix and they learn alike.
     """
 
     num_slots: int = 32
@@ -180,8 +183,11 @@ class ABCMLPOptions:
     activation: Literal["exp", "relu", "sigmoid"] = "exp"
     tie_phi: bool = False
     bias: bool = False
+    phi_init_std: float = 0.0
 
     def __post_init__(self) -> None:
+        if not self.phi_init_std >= 0:  # NaN too
+            raise ConfigError(f"attention.phi_init_std: expected a number >= 0, got {self.phi_init_std!r}")
         _check_slots("num_slots", self.num_slots)
         if self.cross_slots is None:
             self.cross_slots = self.num_slots
@@ -221,6 +227,12 @@ class ABCMLPAttention(_ABCBase):
             self.phi = spec.shared[key]
         else:
             self.phi = nn.Linear(spec.d_model, H * M, bias=options.bias)
+        self.reset_own_parameters()
+
+    def reset_own_parameters(self) -> None:
+        """W_φ from attention.phi_init_std when set; a model calls this after its own init."""
+        if self.options.phi_init_std > 0:
+            nn.init.normal_(self.phi.weight, std=self.options.phi_init_std)
 
     def init_state(self, batch_size: int, device=None, dtype=None) -> ABCMemoryState:
         """An empty memory: log_z = -inf [B, H, M], zeros [B, H, M, D] for keys and values."""

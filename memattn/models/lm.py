@@ -99,7 +99,8 @@ class SplitPositions(nn.Module):
 
 def init_weights(model: nn.Module, cfg: ModelConfig) -> None:
     """GPT-2 style: linear and embedding weights N(0, cfg.init_std), biases 0, residual output
-    projections N(0, cfg.init_std / √(2·n_layers))."""
+    projections N(0, cfg.init_std / √(2·n_layers)); then each module that has its own init
+    for some parameters (`reset_own_parameters()`, e.g. a mechanism's option) applies it."""
     for m in model.modules():
         if isinstance(m, (nn.Linear, nn.Embedding)):
             nn.init.normal_(m.weight, std=cfg.init_std)
@@ -108,6 +109,9 @@ def init_weights(model: nn.Module, cfg: ModelConfig) -> None:
     for name, p in model.named_parameters():
         if name.endswith(("attn.out.weight", "cross.out.weight", "ff.down.weight")):
             nn.init.normal_(p, std=cfg.init_std / math.sqrt(2 * cfg.n_layers))
+    for m in model.modules():
+        if hasattr(m, "reset_own_parameters"):
+            m.reset_own_parameters()
 
 
 def insert_memory(x: torch.Tensor, memory: torch.Tensor, layout: MemoryLayout, offset: int,

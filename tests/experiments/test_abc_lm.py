@@ -1,30 +1,62 @@
-"""`memattn experiment abc-lm --quick`: every row trains, decodes and is written to the table."""
+"""`memattn experiment abc-lm --quick`: every model trains, is measured and lands in the table."""
+
+import math
 
 import pytest
 from conftest import run_quick_lm_experiment
 
+from memattn.evaluate import as_tensor, evaluate
 from memattn.experiments import get_experiment
+from memattn.experiments.abc_lm import jobs_of, summarise
+from memattn.train import load_run_corpus, model_from_checkpoint
 
 
 @pytest.mark.slow
-def test_quick_run_writes_the_table_curves_and_command(text_file, tmp_path):
+def test_quick_run_writes_the_table_sweep_and_slot_usage(text_file, tmp_path):
     out, result = run_quick_lm_experiment("abc-lm", text_file, tmp_path)
-    rows = {r["model"]: r for r in result["rows"]}
-    assert list(rows) == ["softmax", "abc-mlp, M=32", "abc-mlp, M=64", "abc-linformer, M=64",
-                          "abc-random, M=64", "abc-window, n=64"]
-    for row in rows.values():
-        assert 0 < row["test_bpc"] < 8 and row["train_s"] > 0 and row["decode_tokens_per_s"] > 0
-        assert row["params"] > 0
-    # the slot count shows in the parameters only where the control is learned
-    assert rows["abc-mlp, M=64"]["params"] > rows["abc-mlp, M=32"]["params"]
-    assert rows["abc-random, M=64"]["params"] == rows["softmax"]["params"]
-    assert result["decode"]["new_tokens"] > 0
-    assert result["command"].startswith("memattn experiment abc-lm data.corpus=text")
+    models = {m["model"]: m for m in result["models"]}
+    assert list(models) == ["softmax", "abc-mlp, M=4", "abc-mlp, M=8", "abc-random, M=8",
+                            "abc-mlp, M=4, W_phi init"]
+    assert models["softmax"]["seeds"] == 2 and len(result["runs"]) == 6
+    model, cfg, _ = model_from_checkpoint(out / "runs" / "abc-mlp-m8")
+    uniform = math.log2(cfg.model.vocab_size)
+    for m in models.values():
+        assert m["test_bpc"] < uniform and m["test_bpc_context"] < uniform  # learned something
+    # the table's test figure is the checkpoint's evaluation over the same windows
+    test = as_tensor(load_run_corpus(cfg).test)
+    again = evaluate(model, test, seq_len=cfg.train.seq_len, batch_size=cfg.train.batch_size,
+                     max_batches=2)
+    assert models["abc-mlp, M=8"]["test_bpc"] == pytest.approx(again["bpc"], rel=1e-6)
+    # slot statistics for ABC_MLP only; the larger W_φ init parts the slots' writes
+    assert "slots_trained" not in models["softmax"] and "slots_trained" not in models["abc-random, M=8"]
+    plain, parted = models["abc-mlp, M=4"]["slots_init"], models["abc-mlp, M=4, W_phi init"]["slots_init"]
+    assert parted["write_spread"] < plain["write_spread"] and parted["key_cosine"] < plain["key_cosine"]
     table = (out / "results.md").read_text()
-    assert result["command"] in table and "| abc-linformer, M=64 |" in table
-    assert "Against the paper's finding" in table
+    assert result["command"] in table and "| abc-random, M=8 | 1 |" in table and "In progress" not in table
+    assert (out / "memory_sweep.png").stat().st_size > 1000
     assert (out / "learning_curves.png").stat().st_size > 1000
-    assert len(list((out / "logs").glob("*.jsonl"))) == 6
+
+
+def test_seeds_share_everything_but_the_seed():
+    pairs = jobs_of(["train.steps=5"], quick=False)
+    names = [job.name for _, job in pairs]
+    assert len(names) == len(set(names)) == 20
+    first = next(j for _, j in pairs if j.name == "softmax")
+    second = next(j for _, j in pairs if j.name == "softmax, seed 1")
+    assert [s for s in first.settings if s != "train.seed=0"] == [s for s in second.settings if s != "train.seed=1"]
+    # every model's seed 0 comes before any seed 1
+    seed_one = [i for i, (_, j) in enumerate(pairs) if j.name.endswith("seed 1")]
+    assert len(seed_one) == 7 and min(seed_one) == len(pairs) - 7
+
+
+def test_summary_gives_mean_and_spread_over_seeds():
+    run = {"attention": "softmax", "options": {}, "params": 10, "steps": 5, "context": 3, "test_tokens": 8,
+           "context_tokens": 8, "val_bpc": 2.0, "train_tokens_per_s": 1.0, "decode_tokens_per_s": 1.0,
+           "train_s": 1.0, "slots_init": {}, "slots_trained": {}}
+    rows = [dict(run, test_bpc=2.0, test_bpc_context=1.5), dict(run, test_bpc=2.5, test_bpc_context=1.0)]
+    (m,) = summarise(["softmax", "softmax"], rows)
+    assert m["seeds"] == 2 and m["test_bpc"] == 2.25 and m["test_bpc_spread"] == 0.5
+    assert m["test_bpc_context"] == 1.25 and m["test_bpc_context_spread"] == 0.5
 
 
 def test_is_listed_with_a_description():

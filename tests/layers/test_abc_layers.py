@@ -553,3 +553,20 @@ def test_causal_abc_cluster_centres_follow_the_keys_in_training_only():
                 want = before[h, j].double()
             torch.testing.assert_close(m.centres[h, j].double(), want, rtol=1e-6, atol=1e-6)
     assert not torch.equal(m.centres, before)
+
+
+def test_phi_init_std_sets_w_phi_alone_and_survives_the_model_init():
+    from memattn.models import CausalLM
+
+    def model(**options):
+        torch.manual_seed(0)
+        return CausalLM(ModelConfig(vocab_size=11, d_model=64, n_layers=2, n_heads=4, init_std=0.02,
+                                    attention=AttentionConfig("abc-mlp", {"num_slots": 32, **options})))
+
+    plain, wide = model(), model(phi_init_std=0.5)
+    for a, b in zip(plain.blocks, wide.blocks):
+        assert a.attn.phi.weight.std().item() == pytest.approx(0.02, rel=0.05)
+        assert b.attn.phi.weight.std().item() == pytest.approx(0.5, rel=0.05)
+        assert b.attn.qkv.weight.std().item() == pytest.approx(0.02, rel=0.05)  # the rest as before
+    with pytest.raises(ConfigError, match="phi_init_std"):
+        AttentionConfig("abc-mlp", {"phi_init_std": -1.0})

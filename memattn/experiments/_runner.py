@@ -1,0 +1,214 @@
+"""Experiments that finish across sittings: each model is a run folder, trained and measured
+in a worker process, N at a time.
+
+A job is one model: its `key=value` settings and a name. Its run folder
+`out_dir/runs/<slug of name>` holds the checkpoint, the log and, once the model is trained
+and measured, `row.json`. Running the experiment again reuses every folder with a
+`row.json` made from the same settings, resumes every folder with a checkpoint (exactly, as
+`memattn train --resume` does) and starts the rest. A folder whose settings differ from the
+job's is refused rather than mixed into the table.
+
+While jobs run, a status line says which are done, which are running (step reached) and
+how many are left, with an estimate of the time left.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as futures
+import json
+import multiprocessing
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+from memattn.errors import ConfigError, MemattnError
+from memattn.fileio import atomic_write
+
+ROW_FILE = "row.json"
+
+
+@dataclass(frozen=True)
+class Job:
+    """One model of an experiment: `name` (its row) and the settings of its run."""
+
+    name: str
+    settings: tuple[str, ...]
+
+    @property
+    def slug(self) -> str:
+        return self.name.replace(", ", "-").replace("=", "").replace(" ", "-").lower()
+
+
+# measure(model, cfg, run_dir) -> figures of the trained model (test bpc, decoding, ...),
+# called in the worker; it must be a module-level function (workers import it).
+Measure = Callable[[Any, Any, Path], dict[str, Any]]
+
+
+def run_dir_of(out_dir: Path, job: Job) -> Path:
+    return Path(out_dir) / "runs" / job.slug
+
+
+def finished_row(run_dir: Path, job: Job) -> dict[str, Any] | None:
+    """The saved row of a finished job, None if it has none; ConfigError if the folder was made
+    with other settings."""
+    path = run_dir / ROW_FILE
+    settings = run_dir / "settings.json"
+    if settings.exists() and json.loads(settings.read_text()) != list(job.settings):
+        raise ConfigError(f"{run_dir}: this run folder was made with other settings than the "
+                          f"job {job.name!r} has now; move it away (or use another --out-dir) "
+                          "to train it anew")
+    if not path.exists():
+        return None
+    return json.loads(path.read_text())
+
+
+def train_and_measure(run_dir: Path, job: Job, measure: Measure) -> dict[str, Any]:
+    """Train the job's model in run_dir (resuming a checkpoint there), measure it, write row.json."""
+    import torch
+
+    from memattn.config import load_config
+    from memattn.train import model_from_checkpoint, train
+
+    row = finished_row(run_dir, job)
+    if row is not None:
+        return row
+    cfg = load_config(None, [*job.settings, f"train.out_dir={run_dir}"])
+    run_dir.mkdir(parents=True, exist_ok=True)
+    atomic_write(run_dir / "settings.json", lambda tmp: tmp.write_text(json.dumps(list(job.settings))))
+    summary = train(cfg, resume=(run_dir / "checkpoint.safetensors").exists(), progress=False)
+    model, cfg, _ = model_from_checkpoint(run_dir)
+    if cfg.train.threads > 0:
+        torch.set_num_threads(cfg.train.threads)
+    log = [json.loads(line) for line in (run_dir / "log.jsonl").read_text().splitlines() if line.strip()]
+    speeds = sorted(r["tokens_per_s"] for r in log if "tokens_per_s" in r)
+    row = {"model": job.name, "settings": list(job.settings), "params": summary["params"],
+           "steps": summary["steps"], "val_bpc": summary["val"]["bpc"],
+           "train_s": round(summary["train_seconds"], 1),
+           "train_tokens_per_s": speeds[len(speeds) // 2] if speeds else 0.0,
+           **measure(model, cfg, run_dir)}
+    text = json.dumps(row, indent=2) + "\n"
+    atomic_write(run_dir / ROW_FILE, lambda tmp: tmp.write_text(text))
+    return row
+
+
+def _die_with_parent() -> None:
+    """In a worker: end when the experiment process ends (Linux), so no orphan keeps training."""
+    try:
+        import ctypes
+        import signal
+
+        ctypes.CDLL("libc.so.6").prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+
+
+def run_jobs(out_dir: Path, jobs: list[Job], measure: Measure, *, workers: int = 1,
+             label: str = "experiment", interval: float = 60.0, out=None,
+             on_rows: Callable[[dict[str, dict[str, Any]]], None] | None = None) -> list[dict[str, Any]]:
+    """Rows of every job, in order: reused where finished, trained (resumed) where not,
+    `workers` at a time. Failed jobs are reported together after the others are done.
+    on_rows(rows by job name) runs whenever a job finishes (e.g. to write a partial table)."""
+    if workers < 1:
+        raise ConfigError(f"--jobs: expected a positive number of models at once, got {workers}")
+    names = [job.name for job in jobs]
+    if len(set(names)) != len(names):
+        raise ConfigError(f"{label}: two jobs share a name: {names}")
+    out = out or sys.stdout
+    out_dir = Path(out_dir)
+    rows: dict[str, dict[str, Any]] = {}
+    for job in jobs:
+        row = finished_row(run_dir_of(out_dir, job), job)
+        if row is not None:
+            rows[job.name] = row
+    todo = [job for job in jobs if job.name not in rows]
+    progress = Progress(out_dir, jobs, label, workers, out)
+    progress.report(rows, {}, force=True)
+    errors: dict[str, str] = {}
+    if todo:
+        context = multiprocessing.get_context("spawn")
+        with futures.ProcessPoolExecutor(max_workers=min(workers, len(todo)), mp_context=context,
+                                         initializer=_die_with_parent) as pool:
+            running = {pool.submit(train_and_measure, run_dir_of(out_dir, job), job, measure): job
+                       for job in todo}
+            pending = set(running)
+            while pending:
+                done, pending = futures.wait(pending, timeout=min(interval, 5.0),
+                                             return_when=futures.FIRST_COMPLETED)
+                for future in done:
+                    job = running[future]
+                    try:
+                        rows[job.name] = future.result()
+                    except Exception as e:  # noqa: BLE001 (reported with the others below)
+                        errors[job.name] = f"{type(e).__name__}: {e}"
+                progress.report(rows, errors, force=bool(done))
+                if done and on_rows is not None and len(rows) < len(jobs):
+                    on_rows(dict(rows))
+    if errors:
+        raise MemattnError(f"{label}: {len(errors)} of {len(jobs)} models failed ("
+                           + "; ".join(f"{name}: {why}" for name, why in errors.items())
+                           + "); the others are saved, run the same command again to continue")
+    return [rows[name] for name in names]
+
+
+class Progress:
+    """One status line per change (and every `interval` seconds): done, running, left, time left."""
+
+    def __init__(self, out_dir: Path, jobs: list[Job], label: str, workers: int, out,
+                 interval: float = 60.0) -> None:
+        from memattn.config import load_config
+
+        self.out_dir, self.jobs, self.label, self.workers, self.out = out_dir, jobs, label, workers, out
+        self.steps = {job.name: load_config(None, list(job.settings)).train.steps for job in jobs}
+        self.interval, self.last = interval, 0.0
+        self.seen: dict[str, tuple[float, int]] = {}  # name -> (time, step) when first seen running
+
+    def step_of(self, job: Job) -> int:
+        log = run_dir_of(self.out_dir, job) / "log.jsonl"
+        if not log.exists():
+            return 0
+        step = 0
+        for line in log.read_text().splitlines():
+            try:
+                step = max(step, int(json.loads(line).get("step", 0)))
+            except (json.JSONDecodeError, AttributeError, ValueError):
+                continue  # a line being written
+        return step
+
+    def report(self, rows: dict, errors: dict, force: bool = False) -> None:
+        now = time.monotonic()
+        if not force and now - self.last < self.interval:
+            return
+        self.last = now
+        running, left, rates = [], 0, []
+        remaining_steps = 0
+        for job in self.jobs:
+            if job.name in rows or job.name in errors:
+                continue
+            step = self.step_of(job)
+            total = self.steps[job.name]
+            remaining_steps += total - step
+            if step == 0 and job.name not in self.seen:
+                left += 1
+                continue
+            t0, s0 = self.seen.setdefault(job.name, (now, step))
+            if step > s0:
+                rates.append((now - t0) / (step - s0))
+            running.append(f"{job.name} {step}/{total}")
+        parts = [f"[{self.label}] done {len(rows)}/{len(self.jobs)}"]
+        if errors:
+            parts.append(f"failed {len(errors)}")
+        if running:
+            parts.append("running " + ", ".join(running))
+        if left:
+            parts.append(f"{left} not started")
+        if rates and remaining_steps:
+            seconds = remaining_steps * (sum(rates) / len(rates)) / min(self.workers, max(1, len(running)))
+            parts.append(f"about {format_duration(seconds)} left")
+        print(" · ".join(parts), file=self.out, flush=True)
+
+
+def format_duration(seconds: float) -> str:
+    minutes = int(seconds // 60)
+    return f"{minutes // 60} h {minutes % 60:02d} min" if minutes >= 60 else f"{max(1, minutes)} min"

@@ -1,0 +1,93 @@
+"""memattn.experiments._runner: experiments continue across sittings (killed, then run again),
+reuse finished models, refuse folders made with other settings; through `memattn experiment`."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from memattn.errors import ConfigError
+from memattn.experiments._runner import Job, finished_row, run_jobs
+
+
+def experiment_command(text_file, root, *extra):
+    data = ["data.corpus=text", f"data.path={text_file}", f"data.cache_dir={root / 'cache'}"]
+    return [sys.executable, "-m", "memattn", "experiment", "abc-lm", "--quick", "--out-dir",
+            str(root / "out"), *data, *extra]
+
+
+def wait_for(condition, timeout=240.0):
+    start = time.monotonic()
+    while not condition():
+        if time.monotonic() - start > timeout:
+            raise AssertionError("timed out")
+        time.sleep(0.05)
+
+
+def logged_steps(run: Path) -> list[int]:
+    return [json.loads(line)["step"] for line in (run / "log.jsonl").read_text().splitlines()]
+
+
+@pytest.mark.slow
+def test_a_killed_experiment_continues_where_it_stopped(text_file, tmp_path):
+    runs = tmp_path / "out" / "runs"
+    # more steps than --quick's 12, a checkpoint every 6: the kill lands inside a model's training
+    command = experiment_command(text_file, tmp_path, "train.steps=30", "train.eval_every=15")
+    first = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                             start_new_session=True, text=True)
+    try:
+        # softmax (the first model) is finished and the second has saved a checkpoint mid-way
+        wait_for(lambda: (runs / "softmax" / "row.json").exists()
+                 and (runs / "abc-mlp-m4" / "checkpoint.safetensors").exists())
+    finally:
+        os.killpg(first.pid, signal.SIGKILL)
+        first.wait()
+    done_before = (runs / "softmax" / "row.json").read_text()
+    stamp = (runs / "softmax" / "row.json").stat().st_mtime_ns
+    steps_before = logged_steps(runs / "abc-mlp-m4")
+    assert not (runs / "abc-mlp-m4" / "row.json").exists() and steps_before[-1] < 30
+    partial = (tmp_path / "out" / "results.md").read_text()  # written as each model finished
+    assert "In progress: 1 of 6 runs finished" in partial and "| softmax | 1 |" in partial
+
+    second = subprocess.run(command, capture_output=True, text=True, timeout=600)
+    assert second.returncode == 0, second.stderr
+    assert "[abc-lm] done 1/6" in second.stdout and "[abc-lm] done 6/6" in second.stdout
+    # the finished model is reused as it was, the interrupted one resumed (each step logged once)
+    assert (runs / "softmax" / "row.json").read_text() == done_before
+    assert (runs / "softmax" / "row.json").stat().st_mtime_ns == stamp
+    steps = logged_steps(runs / "abc-mlp-m4")
+    assert steps == sorted(set(steps)) and steps[-1] == 30 and steps[:len(steps_before)] == steps_before
+    result = json.loads((tmp_path / "out" / "results.json").read_text())
+    assert [m["model"] for m in result["models"]][:2] == ["softmax", "abc-mlp, M=4"]
+    assert result["models"][0]["seeds"] == 2 and result["models"][0]["steps"] == 30
+
+    again = subprocess.run(command, capture_output=True, text=True, timeout=300)
+    assert again.returncode == 0 and "done 6/6" in again.stdout.splitlines()[0]  # nothing to train
+
+
+def test_a_folder_made_with_other_settings_is_refused(tmp_path):
+    run = tmp_path / "runs" / "a"
+    run.mkdir(parents=True)
+    (run / "settings.json").write_text(json.dumps(["train.steps=5"]))
+    with pytest.raises(ConfigError, match="other settings"):
+        finished_row(run, Job("a", ("train.steps=6",)))
+    assert finished_row(run, Job("a", ("train.steps=5",))) is None
+
+
+def test_bad_job_lists_are_refused(tmp_path):
+    with pytest.raises(ConfigError, match="--jobs"):
+        run_jobs(tmp_path, [Job("a", ())], measure=None, workers=0)
+    with pytest.raises(ConfigError, match="share a name"):
+        run_jobs(tmp_path, [Job("a", ()), Job("a", ("train.seed=1",))], measure=None)
+
+
+def test_jobs_is_refused_by_single_process_experiments(tmp_path, capsys):
+    from memattn.cli import main
+
+    assert main(["experiment", "linear-qa", "--quick", "--jobs", "2", "--out-dir", str(tmp_path)]) == 2
+    assert "--jobs" in capsys.readouterr().err
