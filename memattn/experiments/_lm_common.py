@@ -1,69 +1,182 @@
-"""What the LM comparisons (abc-lm, persistent-lm) share: train a row, test it, plot the curves."""
+"""What the LM comparisons (abc-lm, persistent-lm) share: models with seeds turned into
+run-folder jobs (`_runner`), the test measurements of a trained model, the summary of a
+model over its seeds, tables written as models finish, and the validation curves."""
 
 from __future__ import annotations
 
+import functools
 import json
-import math
 import shutil
+import statistics
 import time
 from pathlib import Path
+from typing import Any, Callable
 
 import torch
 
-from memattn.config import load_config
-from memattn.evaluate import evaluate
-from memattn.experiments._common import save_figure
+from memattn.experiments._common import command_of, save_figure, write_results
+from memattn.experiments._runner import Job, run_dir_of, run_jobs
+
+# (row, mechanism, options, seeds); an option whose key has a dot is a setting of the run
+# itself (e.g. "train.segments"), the others are the mechanism's (attention.KEY)
+Model = tuple[str, str, dict[str, Any], int]
+
+SCORED = 32  # tokens of each segment scored at the long context (ABC's Table 3a: 480 + 32 = 512)
+USAGE_WINDOWS = 4  # test windows of seq_len for ABC_MLP's slot statistics
+SEED_FIGURES = ("test_bpc", "test_bpc_context", "val_bpc", "train_tokens_per_s",
+                "decode_tokens_per_s", "train_s")
 
 
-def train_and_test(out_dir: Path, name: str, shared: list[str], mechanism: str, options: dict,
-                   test_ids: torch.Tensor, test_batches: int):
-    """Train the row `name` (shared settings + attention=mechanism with options) under
-    out_dir/runs, copy its log to out_dir/logs and test it.
+def jobs_of(models: list[Model], shared: list[str]) -> list[tuple[str, Job]]:
+    """(model, job) for every seed of every model, every model's seed 0 first (so a partial
+    table has one of each soonest); seed 0 keeps the model's name."""
+    out = []
+    for seed in range(max(seeds for *_, seeds in models)):
+        for name, mechanism, options, seeds in models:
+            if seed < seeds:
+                settings = (*shared, f"attention={mechanism}",
+                            *(f"{k if '.' in k else f'attention.{k}'}={v}" for k, v in options.items()),
+                            f"train.seed={seed}")
+                out.append((name, Job(name if seed == 0 else f"{name}, seed {seed}", settings)))
+    return out
 
-    Returns (model, cfg, row): the trained model, its RunConfig and the row's figures.
+
+def measure(model, cfg, run_dir: Path, *, test_tokens: int, decode_prompt: int,
+            decode_tokens: int) -> dict[str, Any]:
+    """Figures of a trained model on the test split of its corpus.
+
+    test_bpc: segments of seq_len, each read from an empty memory. test_bpc_context: each
+    segment of SCORED tokens read after the seq_len − SCORED before it; for a model trained on
+    segments (train.segments) instead one stream per batch row, each layer's state carried
+    over the whole split (context -1). Both over about test_tokens targets. Decoding: greedy
+    tokens per second after a decode_prompt-token prompt, batch 1. Slot statistics
+    (`memattn.analysis`) of ABC_MLP layers at init and after training.
     """
-    from memattn.train import model_from_checkpoint, train
+    from memattn.analysis import abc_slot_usage, mean_statistics
+    from memattn.evaluate import as_tensor, evaluate
+    from memattn.generate import generate
+    from memattn.models import CausalLM
+    from memattn.train import load_run_corpus
 
-    run_dir = out_dir / "runs" / slug(name)
-    cfg = load_config(None, [*shared, f"attention={mechanism}",
-                             *(f"attention.{k}={v}" for k, v in options.items()),
-                             f"train.out_dir={run_dir}"])
+    test = as_tensor(load_run_corpus(cfg).test)
+    seq_len, batch = cfg.train.seq_len, cfg.train.batch_size
+    short = evaluate(model, test, seq_len=seq_len, batch_size=batch,
+                     max_batches=-(-test_tokens // (seq_len * batch)))
+    if cfg.train.segments:
+        context = -1
+        long = evaluate(model, test, seq_len=seq_len, batch_size=batch, segments=True)
+    else:
+        context = seq_len - min(SCORED, seq_len // 4)
+        scored = seq_len - context
+        long = evaluate(model, test, seq_len=scored, batch_size=batch, context=context,
+                        max_batches=-(-test_tokens // (scored * batch)))
+    prompt = test[:decode_prompt]
     start = time.perf_counter()
-    summary = train(cfg, progress=False)
-    train_s = time.perf_counter() - start
-    model, cfg, _ = model_from_checkpoint(run_dir)
-    if cfg.train.threads > 0:
-        torch.set_num_threads(cfg.train.threads)
-    test = evaluate(model, test_ids, seq_len=cfg.train.seq_len, batch_size=cfg.train.batch_size,
-                    max_batches=test_batches)
-    shutil.copyfile(run_dir / "log.jsonl", out_dir / "logs" / f"{slug(name)}.jsonl")
-    row = {"model": name, "attention": mechanism, "options": options, "params": summary["params"],
-           "test_bpc": test["bpc"], "test_tokens": test["tokens"], "val_bpc": summary["val"]["bpc"],
-           "train_s": train_s, "train_tokens_per_s": summary["tokens_per_s"]}
-    return model, cfg, row
+    produced = sum(1 for _ in generate(model, prompt[None], decode_tokens, temperature=0))
+    decode = produced / (time.perf_counter() - start)
+    windows = test[:USAGE_WINDOWS * seq_len].view(USAGE_WINDOWS, seq_len)
+    torch.manual_seed(cfg.train.seed)  # the model as training began (train seeds the same way)
+    initial = CausalLM(cfg.model).eval()
+    return {"attention": cfg.model.attention.name, "options": cfg.model.attention.options,
+            "seed": cfg.train.seed, "test_bpc": short["bpc"], "test_tokens": short["tokens"],
+            "test_bpc_context": long["bpc"], "context": context, "context_tokens": long["tokens"],
+            "decode_tokens_per_s": decode,
+            "slots_init": mean_statistics(abc_slot_usage(initial, windows)),
+            "slots_trained": mean_statistics(abc_slot_usage(model, windows))}
 
 
-def slug(name: str) -> str:
-    return name.replace(", ", "-").replace("=", "").replace(" ", "-").lower()
+def summarise(names: list[str], rows: list[dict]) -> list[dict]:
+    """One entry per model (in order of first appearance): the mean of its seeds' figures and
+    their spread (max − min)."""
+    by_model: dict[str, list[dict]] = {}
+    for name, row in zip(names, rows):
+        by_model.setdefault(name, []).append(row)
+    models = []
+    for name, runs in by_model.items():
+        entry = {"model": name, "seeds": len(runs)}
+        for key in ("attention", "options", "params", "steps", "context", "test_tokens", "context_tokens"):
+            entry[key] = runs[0][key]
+        for key in SEED_FIGURES:
+            values = [r[key] for r in runs]
+            entry[key] = statistics.fmean(values)
+            entry[f"{key}_spread"] = max(values) - min(values)
+        for when in ("slots_init", "slots_trained"):
+            if runs[0][when]:
+                entry[when] = {k: statistics.fmean(r[when][k] for r in runs) for k in runs[0][when]}
+        models.append(entry)
+    return models
 
 
-def plot_curves(out_dir: Path, rows: list[dict]) -> None:
+def bpc_cell(m: dict, key: str) -> str:
+    """'mean ± half the spread' over seeds, or the one figure."""
+    spread = f" ± {m[f'{key}_spread'] / 2:.3f}" if m["seeds"] > 1 else ""
+    return f"{m[key]:.3f}{spread}"
+
+
+def compare(a: dict, b: dict, key: str = "test_bpc") -> str:
+    """'a is ahead of b by x' in words, 'within the seeds' spread' when the spreads overlap."""
+    gap = b[key] - a[key]
+    spread = (a[f"{key}_spread"] + b[f"{key}_spread"]) / 2
+    if a["seeds"] > 1 and b["seeds"] > 1 and abs(gap) <= spread:
+        return f"{a['model']} and {b['model']} are within the seeds' spread ({-gap:+.3f})"
+    return f"{a['model']} is {'ahead of' if gap > 0 else 'behind'} {b['model']} by {abs(gap):.3f}"
+
+
+def run_lm_experiment(out_dir: Path, name: str, models: list[Model], shared: list[str], *,
+                      quick: bool, overrides: list[str], jobs: int, measure_kw: dict[str, Any],
+                      markdown: Callable[[dict], str], extra: dict[str, Any] | None = None,
+                      plots: Callable[[Path, dict], None] | None = None) -> dict:
+    """Train (or reuse, or resume) every seed of every model, `jobs` at a time, and write
+    results.json, results.md (`markdown(result)`), logs/ and learning_curves.png, anew as each
+    model finishes (a partial table says how many runs it holds)."""
+    out_dir = Path(out_dir)
+    pairs = jobs_of(models, shared)
+
+    def report(rows: dict[str, dict]) -> dict:
+        done = [(model, job) for model, job in pairs if job.name in rows]
+        (out_dir / "logs").mkdir(parents=True, exist_ok=True)
+        for _, job in done:
+            shutil.copyfile(run_dir_of(out_dir, job) / "log.jsonl", out_dir / "logs" / f"{job.slug}.jsonl")
+        result = {"experiment": name, "quick": quick, "command": command_of(out_dir, name, quick, overrides),
+                  "config": shared, "finished": len(done), "runs_planned": len(pairs),
+                  "models": summarise([model for model, _ in done], [rows[job.name] for _, job in done]),
+                  "runs": [rows[job.name] for _, job in done], **(extra or {})}
+        write_results(out_dir, result, markdown(result))
+        plot_curves(out_dir, done)
+        if plots is not None:
+            plots(out_dir, result)
+        return result
+
+    rows = run_jobs(out_dir, [job for _, job in pairs], functools.partial(measure, **measure_kw),
+                    workers=jobs, label=name, on_rows=report)
+    return report({job.name: row for (_, job), row in zip(pairs, rows)})
+
+
+def progress_note(result: dict) -> list[str]:
+    """A line for a table that does not hold every run yet."""
+    if result["finished"] == result["runs_planned"]:
+        return []
+    return [f"**In progress: {result['finished']} of {result['runs_planned']} runs finished; the "
+            "table holds those.**", ""]
+
+
+def plot_curves(out_dir: Path, done: list[tuple[str, Job]]) -> None:
+    """learning_curves.png: validation bits per character against steps, seed 0 of each model."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4.2))
-    for r in rows:
-        log = [json.loads(line) for line in (out_dir / "logs" / f"{slug(r['model'])}.jsonl").read_text().splitlines()]
-        train_pts = [(x["step"], x["loss"] / math.log(2)) for x in log if "loss" in x]
-        val_pts = [(x["step"], x["val_bpc"]) for x in log if "val_bpc" in x]
-        left.plot(*zip(*train_pts), label=r["model"])
-        right.plot(*zip(*val_pts), marker="o", label=r["model"])
-    left.set(title="training loss", xlabel="step", ylabel="bits per character")
-    right.set(title="validation", xlabel="step", ylabel="bits per character")
-    right.legend(fontsize=8)
-    for ax in (left, right):
-        ax.grid(alpha=0.3)
+    fig, ax = plt.subplots(figsize=(7, 4.2))
+    for model, job in done:
+        if job.name != model:
+            continue
+        log = [json.loads(line) for line in (out_dir / "logs" / f"{job.slug}.jsonl").read_text().splitlines()]
+        points = [(x["step"], x["val_bpc"]) for x in log if "val_bpc" in x]
+        if points:
+            ax.plot(*zip(*points), marker=".", label=model)
+    ax.set(title="validation", xlabel="step", ylabel="bits per character")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7)
     fig.tight_layout()
     save_figure(fig, out_dir / "learning_curves.png", dpi=120)

@@ -7,7 +7,8 @@ from conftest import run_quick_lm_experiment
 
 from memattn.evaluate import as_tensor, evaluate
 from memattn.experiments import get_experiment
-from memattn.experiments.abc_lm import jobs_of, summarise
+from memattn.experiments._lm_common import jobs_of, summarise
+from memattn.experiments.abc_lm import FULL, MODELS, findings
 from memattn.train import load_run_corpus, model_from_checkpoint
 
 
@@ -38,7 +39,7 @@ def test_quick_run_writes_the_table_sweep_and_slot_usage(text_file, tmp_path):
 
 
 def test_seeds_share_everything_but_the_seed():
-    pairs = jobs_of(["train.steps=5"], quick=False)
+    pairs = jobs_of(MODELS, FULL)
     names = [job.name for _, job in pairs]
     assert len(names) == len(set(names)) == 20
     first = next(j for _, j in pairs if j.name == "softmax")
@@ -62,3 +63,16 @@ def test_summary_gives_mean_and_spread_over_seeds():
 def test_is_listed_with_a_description():
     module = get_experiment("abc-lm")
     assert "bounded-memory" in module.DESCRIPTION
+
+
+def test_findings_weigh_gaps_against_the_seeds_spread():
+    def model(name, bpc, spread, seeds=2, **kw):
+        return {"model": name, "test_bpc": bpc, "test_bpc_spread": spread, "seeds": seeds,
+                "test_bpc_context": bpc - 0.1, "context": 480, "options": {"num_slots": 32}, **kw}
+
+    lines = "\n".join(findings([model("softmax", 1.9, 0.01), model("abc-mlp, M=32", 2.10, 0.02),
+                                 model("abc-random, M=64", 2.11, 0.04),
+                                 model("abc-linformer, M=64", 2.30, 0.02)]))
+    assert "abc-mlp, M=32 and abc-random, M=64 are within the seeds' spread (-0.010)" in lines
+    assert "abc-mlp, M=32 is ahead of abc-linformer, M=64 by 0.200" in lines
+    assert "abc-mlp, M=32 +0.200 at context 0" in lines

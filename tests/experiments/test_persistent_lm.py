@@ -1,28 +1,40 @@
-"""`memattn experiment persistent-lm --quick`: every row trains, parameters match, files are written."""
+"""`memattn experiment persistent-lm --quick`: every model trains, parameters match, the
+long-context model trains on segments and is tested as a stream, files are written."""
+
+import math
 
 import pytest
 from conftest import run_quick_lm_experiment
 
 from memattn.experiments import get_experiment
+from memattn.train import model_from_checkpoint
 
 
 @pytest.mark.slow
 def test_quick_run_writes_the_table_curves_and_command(text_file, tmp_path):
     out, result = run_quick_lm_experiment("persistent-lm", text_file, tmp_path)
-    rows = {r["model"]: r for r in result["rows"]}
-    assert list(rows) == ["transformer", "all-attn", "attn-split", "head-split", "single-head",
-                          "ff-attn", "all-attn, N=0"]
-    target = rows["transformer"]["params"]
-    for name, row in rows.items():
-        assert 0 < row["test_bpc"] < 8 and row["train_s"] > 0
+    models = {m["model"]: m for m in result["models"]}
+    assert list(models) == ["transformer", "all-attn", "attn-split", "head-split", "single-head",
+                            "ff-attn", "all-attn, N=0", "all-attn, long context"]
+    assert models["transformer"]["seeds"] == 2 and len(result["runs"]) == 9
+    _, cfg, _ = model_from_checkpoint(out / "runs" / "all-attn")
+    uniform = math.log2(cfg.model.vocab_size)
+    target = models["transformer"]["params"]
+    for name, m in models.items():
+        assert m["test_bpc"] < uniform and m["train_s"] > 0, name
         if name != "all-attn, N=0":  # N is sized to the transformer's parameter count
-            assert abs(row["params"] - target) <= row["params"] * 0.01, name
-    assert rows["all-attn, N=0"]["params"] < target and rows["all-attn, N=0"]["options"]["n_persistent"] == 0
+            assert abs(m["params"] - target) <= m["params"] * 0.01, name
+    assert models["all-attn, N=0"]["params"] < target and models["all-attn, N=0"]["options"]["n_persistent"] == 0
+    # the long-context model trained on segments with learned spans, tested as streams
+    _, long_cfg, _ = model_from_checkpoint(out / "runs" / "all-attn-long-context")
+    assert long_cfg.train.segments and long_cfg.model.attention.options["adaptive_span"]
+    assert models["all-attn, long context"]["context"] == -1 and models["all-attn"]["context"] == 24
     assert result["command"].startswith("memattn experiment persistent-lm data.corpus=text")
     table = (out / "results.md").read_text()
-    assert result["command"] in table and "| all-attn, N=0 | 0 |" in table
+    assert result["command"] in table and "| all-attn, N=0 | 1 | 0 |" in table and "(stream)" in table
+    assert "The paper found / we measured" in table
     assert (out / "learning_curves.png").stat().st_size > 1000
-    assert len(list((out / "logs").glob("*.jsonl"))) == 7
+    assert len(list((out / "logs").glob("*.jsonl"))) == 9
 
 
 def test_is_listed_with_a_description():
