@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors import SafetensorError
 from safetensors.torch import save_file
 
 from memattn.errors import CheckpointError
@@ -73,7 +74,12 @@ def save_checkpoint(path: str | os.PathLike, model: torch.nn.Module, *, step: in
                     scalars.setdefault(str(pid), {})[key] = value
         full["optimizer"] = {"param_groups": sd["param_groups"], "scalars": scalars}
     text = json.dumps(full)
-    atomic_write(path, lambda tmp: save_file(tensors, str(tmp), metadata={"memattn": text}))
+    try:
+        atomic_write(path, lambda tmp: save_file(tensors, str(tmp), metadata={"memattn": text}))
+    except (OSError, SafetensorError) as e:
+        why = e.strerror if isinstance(e, OSError) and e.strerror else str(e)
+        raise CheckpointError(f"checkpoint {path}: could not be written ({why}); the previous "
+                              "checkpoint, if any, is kept") from None
 
 
 def load_checkpoint(path: str | os.PathLike) -> Checkpoint:

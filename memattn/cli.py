@@ -29,8 +29,11 @@ def cmd_train(args) -> int:
     from memattn.train import train
 
     cfg = _run_config(args)
-    summary = train(cfg, resume=args.resume, progress=not args.quiet)
-    if summary.get("val"):
+    summary = train(cfg, resume=args.resume, overwrite=args.overwrite, progress=not args.quiet)
+    if summary.get("complete"):
+        print(f"{cfg.train.out_dir}: the run is complete at step {summary['checkpoint_step']} "
+              f"(train.steps={cfg.train.steps}); nothing to train. Give a larger train.steps to go on.")
+    elif summary.get("val"):
         print(f"{summary['attention']}: {summary['params']:,} parameters, {summary['steps']} steps, "
               f"val bpc {summary['val']['bpc']:.3f}, {summary['tokens_per_s']:,.0f} tokens/s, "
               f"checkpoint {summary['checkpoint']}")
@@ -40,11 +43,18 @@ def cmd_train(args) -> int:
 def cmd_eval(args) -> int:
     from memattn.errors import ConfigError
     from memattn.evaluate import as_tensor, check_streamable, evaluate
-    from memattn.train import load_run_corpus, model_from_checkpoint
+    from memattn.train import checkpoint_split, model_from_checkpoint
 
-    model, cfg, _ = model_from_checkpoint(args.checkpoint, args.device)
-    corpus = load_run_corpus(cfg)
-    ids = as_tensor(getattr(corpus, args.split))
+    for name, value, least in (("--seq-len", args.seq_len, 0), ("--batch-size", args.batch_size, 1),
+                               ("--batches", args.batches, 0)):
+        if value < least:
+            raise ConfigError(f"{name}: expected a number >= {least}, got {value}")
+    check_device(args.device)
+    model, cfg, vocab = model_from_checkpoint(args.checkpoint, args.device)
+    ids, note = checkpoint_split(args.checkpoint, cfg, vocab, args.split)
+    if note:
+        print(f"memattn eval: note: {note}", file=sys.stderr)
+    ids = as_tensor(ids)
     seq_len = args.seq_len or cfg.train.seq_len
     stream = args.stream or cfg.train.segments
     if args.context < 0:
@@ -74,8 +84,25 @@ def cmd_generate(args) -> int:
     from memattn.generate import generate
     from memattn.train import model_from_checkpoint
 
+    from memattn.errors import ConfigError
+
+    if args.tokens < 0:
+        raise ConfigError(f"--tokens: expected a number of tokens >= 0, got {args.tokens}")
+    if args.top_k < 0:
+        raise ConfigError(f"--top-k: expected k >= 0 (0: sample from all), got {args.top_k}")
+    if not args.temperature >= 0 or args.temperature == float("inf"):
+        raise ConfigError(f"--temperature: expected a finite number >= 0 (0: greedy), got {args.temperature}")
+    check_device(args.device)
     model, cfg, vocab_json = model_from_checkpoint(args.checkpoint, args.device)
     vocab = Vocab.from_json(vocab_json)
+    if vocab.kind == "char":
+        known = set(vocab.symbols) - ({vocab.symbols[vocab.unk_id]} if vocab.unk_id is not None else set())
+        unknown = sorted(set(args.prompt) - known)
+        if unknown:
+            if vocab.unk_id is None:
+                raise ConfigError(f"--prompt: characters not in the model's vocabulary: {''.join(unknown)!r}")
+            print(f"memattn generate: note: the model does not know {''.join(unknown)!r}; read as its "
+                  "unknown symbol", file=sys.stderr)
     prompt = torch.as_tensor(vocab.encode(args.prompt), dtype=torch.long, device=args.device)
     if prompt.numel() == 0:
         raise MemattnError("--prompt: needs at least one character")
@@ -89,6 +116,20 @@ def cmd_generate(args) -> int:
     sys.stdout.write("\n")
     print(f"[{args.tokens} tokens in {elapsed:.2f}s, {args.tokens / elapsed:,.1f} tokens/s]", file=sys.stderr)
     return 0
+
+
+def check_device(name: str) -> None:
+    """ConfigError for a device torch cannot use here (e.g. cuda without a GPU)."""
+    import torch
+
+    from memattn.errors import ConfigError
+
+    try:
+        device = torch.device(name)
+    except RuntimeError:
+        raise ConfigError(f"--device: {name!r} is not a torch device (e.g. cpu, cuda, cuda:1)") from None
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ConfigError(f"--device: {name!r} asked for, but no CUDA device is available")
 
 
 def state_memory(model, lengths=(64, 128)) -> tuple[int, float]:
@@ -174,13 +215,16 @@ def cmd_compress(args) -> int:
     source = Path(args.input)
     if not source.is_file():
         raise ConfigError(f"input: no such file {source}")
-    text = source.read_text(encoding="utf-8")
+    try:
+        text = source.read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"input: {source} is not UTF-8 text (byte {e.start} cannot be read)") from None
     seq_len = args.seq_len or int(meta["seq_len"])
     memory, lengths = compress_ids(model, vocab.encode(text), seq_len=seq_len, batch_size=args.batch_size)
     if args.half:
         memory = memory.half()
     save_compressed(args.out, memory, lengths, model_fingerprint=fingerprint(model), seq_len=seq_len,
-                    characters=len(text), num_memory=model.num_memory, d_model=model.cfg.d_model)
+                    characters=len(text), tokens=int(lengths.sum()), num_memory=model.num_memory, d_model=model.cfg.d_model)
     stored = memory.numel() * memory.element_size()
     print(f"{len(text):,} characters -> {memory.shape[0]} sequences x {memory.shape[1]} vectors x "
           f"{memory.shape[2]} ({stored:,} bytes of {str(memory.dtype).replace('torch.', '')}) in {args.out}")
@@ -190,13 +234,15 @@ def cmd_compress(args) -> int:
 def cmd_decompress(args) -> int:
     from memattn.data import Vocab
     from memattn.errors import CheckpointError
-    from memattn.models.compressor import decompress_ids, fingerprint, load_compressed, load_compressor
+    from memattn.models.compressor import (check_compressed, decompress_ids, fingerprint, load_compressed,
+                                           load_compressor)
 
     compressed = load_compressed(args.compressed)
     model, meta = load_compressor(args.checkpoint)
     if compressed.meta.get("model") != fingerprint(model):
         raise CheckpointError(f"compressed file {args.compressed} was made by another model than "
                               f"{args.checkpoint} (their fingerprints differ)")
+    check_compressed(compressed, model, args.compressed)
     vocab = Vocab.from_json(meta["vocab"])
     ids = decompress_ids(model, compressed.memory, compressed.lengths, n_symbols=vocab.size,
                          batch_size=args.batch_size)
@@ -253,6 +299,8 @@ def build_parser() -> argparse.ArgumentParser:
     with_config(t)
     t.add_argument("--resume", action="store_true",
                    help="continue from train.out_dir/checkpoint.safetensors (same losses as an uninterrupted run)")
+    t.add_argument("--overwrite", action="store_true",
+                   help="replace the run in train.out_dir (without it, or --resume, an existing run is refused)")
     t.add_argument("--quiet", action="store_true", help="no progress bar")
     t.set_defaults(fn=cmd_train)
 

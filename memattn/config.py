@@ -10,6 +10,7 @@ wrong type raise `ConfigError` naming the key.
 from __future__ import annotations
 
 import dataclasses
+import math
 import types
 import typing
 from dataclasses import dataclass, field
@@ -30,7 +31,7 @@ def _one_of(name: str, value: Any, allowed) -> None:
 
 
 def _positive(name: str, value, *, zero_ok: bool = False) -> None:
-    if value < 0 or (value == 0 and not zero_ok):
+    if not math.isfinite(value) or value < 0 or (value == 0 and not zero_ok):
         raise ConfigError(f"{name}: expected a {'non-negative' if zero_ok else 'positive'} number, got {value!r}")
 
 
@@ -129,6 +130,10 @@ class TrainConfig:
             _positive(f"train.{name}", getattr(self, name), zero_ok=name != "lr")
         if not 0.0 <= self.min_lr_ratio <= 1.0:
             raise ConfigError(f"train.min_lr_ratio: expected a value in [0, 1], got {self.min_lr_ratio}")
+        if not all(0.0 <= b < 1.0 for b in self.betas):
+            raise ConfigError(f"train.betas: expected two values in [0, 1), got {list(self.betas)}")
+        if not self.out_dir.strip():
+            raise ConfigError("train.out_dir: expected a folder for the run, got an empty string")
 
 
 @dataclass
@@ -300,8 +305,15 @@ def load_config(preset: str | None = None, overrides: list[str] = (), base: dict
     """RunConfig from a preset (name or YAML path), then `key=value` overrides."""
     data: dict[str, Any] = dict(base or {})
     if preset:
-        with open(preset_path(preset)) as f:
-            loaded = yaml.safe_load(f) or {}
+        path = preset_path(preset)
+        try:
+            loaded = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
+        except UnicodeDecodeError:
+            raise ConfigError(f"config: {path} is not UTF-8 text") from None
+        except yaml.YAMLError as e:
+            where = getattr(e, "problem_mark", None)
+            at = f" (line {where.line + 1}, column {where.column + 1})" if where is not None else ""
+            raise ConfigError(f"config: {path} is not valid YAML{at}: {getattr(e, 'problem', e)}") from None
         if not isinstance(loaded, dict):
             raise ConfigError(f"config: {preset} does not hold a mapping")
         data = loaded

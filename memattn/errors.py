@@ -21,6 +21,10 @@ class CheckpointError(MemattnError, ValueError):
     """A checkpoint that is missing, corrupt or does not fit the model."""
 
 
+class TrainingError(MemattnError, RuntimeError):
+    """Training that cannot go on (e.g. a loss that is no longer finite)."""
+
+
 def check_tensor(name: str, t: torch.Tensor, shape: str, *sizes: int | None) -> None:
     """Raise ShapeError unless `t` has len(sizes) dims matching `sizes` (None = any).
 

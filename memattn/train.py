@@ -32,8 +32,9 @@ import torch.nn.functional as F
 import yaml
 
 from memattn.checkpoint import load_checkpoint, restore, save_checkpoint
+from memattn.fileio import atomic_write
 from memattn.config import RunConfig, TrainConfig, from_dict, to_dict
-from memattn.errors import CheckpointError, ConfigError
+from memattn.errors import CheckpointError, ConfigError, TrainingError
 from memattn.evaluate import as_tensor, evaluate, segment_window
 from memattn.models import CausalLM, ModelCache
 
@@ -151,11 +152,18 @@ class JsonlLog:
         self.path, self.enabled = path, enabled
 
     def truncate_after(self, step: int) -> None:
+        """Keep the records up to `step`; a torn line (a crash mid-write) is dropped."""
         if not (self.enabled and self.path.exists()):
             return
-        kept = [line for line in self.path.read_text().splitlines()
-                if line.strip() and json.loads(line).get("step", 0) <= step]
-        self.path.write_text("".join(f"{line}\n" for line in kept))
+        kept = []
+        for line in self.path.read_text(errors="replace").splitlines():
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError:
+                continue
+            if isinstance(record, dict) and record.get("step", 0) <= step:
+                kept.append(line)
+        atomic_write(self.path, lambda tmp: tmp.write_text("".join(f"{line}\n" for line in kept)))
 
     def write(self, record: dict[str, Any]) -> None:
         if self.enabled:
@@ -244,16 +252,25 @@ def run_folder_lock(out: Path, enabled: bool = True):
             fcntl.flock(f, fcntl.LOCK_UN)
 
 
-def train(cfg: RunConfig, *, resume: bool = False, progress: bool = True,
+def train(cfg: RunConfig, *, resume: bool = False, overwrite: bool = False, progress: bool = True,
           on_step: Callable[[int, dict[str, Any]], None] | None = None) -> dict[str, Any]:
     """Train `cfg` and return a summary. `on_step(step, record)` runs after each logged step.
 
     resume: continue from the checkpoint in train.out_dir; a run that already reached
-    train.steps is returned as it is (its summary is kept, nothing is rewritten).
+    train.steps is returned as it is (summary "complete": True; nothing is rewritten).
+    overwrite: start anew in a train.out_dir that holds a run; without it (or resume) such a
+    folder is refused, so no run is replaced by accident.
     """
+    if resume and overwrite:
+        raise ConfigError("--resume and --overwrite: choose one (continue the run, or replace it)")
     ddp = Distributed(cfg.train.device)
     try:
-        with run_folder_lock(Path(cfg.train.out_dir), ddp.main):
+        out = Path(cfg.train.out_dir)
+        with run_folder_lock(out, ddp.main):
+            if not (resume or overwrite) and ((out / "checkpoint.safetensors").exists()
+                                               or (out / "log.jsonl").exists()):
+                raise ConfigError(f"train.out_dir: {out} holds a run already; continue it with "
+                                  "--resume, replace it with --overwrite, or choose another train.out_dir")
             summary = _train(cfg, ddp, resume, progress, on_step)
         # Every rank finishes before any tears the process group down: a rank that exits
         # while another is still in gloo's last exchange aborts it ("terminate called
@@ -278,6 +295,11 @@ def _train(cfg: RunConfig, ddp: Distributed, resume: bool, progress: bool, on_st
                           f"vocabulary of {corpus.vocab.size}")
     cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, vocab_size=corpus.vocab.size))
     train_ids, val_ids = as_tensor(corpus.train), as_tensor(corpus.val)
+    for split, ids in (("training", train_ids), ("validation", val_ids)):
+        if len(ids) < tc.seq_len + 2:
+            raise ConfigError(f"train.seq_len: the {split} split of {cfg.data.corpus!r} holds {len(ids):,} "
+                              f"tokens, fewer than one window of seq_len + 1 = {tc.seq_len + 1} (and one "
+                              "to start from); use a larger corpus or a smaller train.seq_len")
 
     out = Path(tc.out_dir)
     ckpt_path = out / "checkpoint.safetensors"
@@ -298,8 +320,8 @@ def _train(cfg: RunConfig, ddp: Distributed, resume: bool, progress: bool, on_st
         check_resumable(ckpt.meta["config"], cfg)
         start = ckpt.step
         seconds_before = float(ckpt.meta.get("train_seconds", 0.0))
-        if start >= tc.steps and (out / "summary.json").exists():
-            return json.loads((out / "summary.json").read_text())  # complete: nothing to add
+        if start >= tc.steps and (out / "summary.json").exists():  # complete: nothing to add
+            return dict(json.loads((out / "summary.json").read_text()), complete=True, checkpoint_step=start)
         restore(ckpt, model, optimizer)
         log.truncate_after(start)
         if tc.segments:
@@ -314,7 +336,8 @@ def _train(cfg: RunConfig, ddp: Distributed, resume: bool, progress: bool, on_st
         wrapped = torch.nn.parallel.DistributedDataParallel(
             model, device_ids=[device.index] if device.type == "cuda" else None)
 
-    meta = {"config": to_dict(cfg), "vocab": corpus.vocab.to_json(), "corpus": corpus.name}
+    meta = {"config": to_dict(cfg), "vocab": corpus.vocab.to_json(), "corpus": corpus.name,
+            "data": {split: fingerprint(corpus.split(split)) for split in ("train", "val", "test")}}
     n_params = model.num_parameters()
     bar = None
     if progress and ddp.main:
@@ -353,6 +376,12 @@ def _train(cfg: RunConfig, ddp: Distributed, resume: bool, progress: bool, on_st
         tokens_since += x.numel() * ddp.world
         done = step + 1
         record: dict[str, Any] = {}
+        saving = done % tc.save_every == 0 or done == tc.steps
+        if (saving or done % tc.log_every == 0) and not math.isfinite(ddp.mean(loss.item())):
+            raise TrainingError(f"step {done}: the training loss is {loss.item()} (not finite), so "
+                                f"training stopped and nothing of it was saved; the checkpoint in {out} "
+                                f"(if any) is the last finite one. Lower train.lr (now {tc.lr:g}) or "
+                                "check the data")
         if done % tc.log_every == 0 or done == tc.steps:
             now = time.perf_counter()
             tok_per_s = tokens_since / max(now - clock, 1e-9)
@@ -373,7 +402,6 @@ def _train(cfg: RunConfig, ddp: Distributed, resume: bool, progress: bool, on_st
                                 **({"val_bpc": f"{last_val['bpc']:.3f}"} if last_val else {}))
             if on_step is not None:
                 on_step(done, record)
-        saving = done % tc.save_every == 0 or done == tc.steps
         extra, segments_meta = carried_memory(carry, ddp) if saving and carry is not None else ({}, None)
         if saving and ddp.main:
             save_checkpoint(ckpt_path, model, step=done, optimizer=optimizer, extra=extra,
@@ -396,9 +424,44 @@ def _train(cfg: RunConfig, ddp: Distributed, resume: bool, progress: bool, on_st
     return summary
 
 
+def checkpoint_split(path: str | os.PathLike, cfg: RunConfig, vocab_json: dict[str, Any], split: str):
+    """(ids, note): split `split` of the checkpoint's corpus encoded with the checkpoint's
+    vocabulary (never the corpus's own, which follows the text as it is now), and a note when
+    that split differs from the one the checkpoint recorded at training (None when equal)."""
+    from memattn.data import Vocab
+
+    corpus = load_run_corpus(cfg)
+    vocab = Vocab.from_json(vocab_json)
+    ids = corpus.split(split)
+    if corpus.vocab != vocab:
+        try:
+            ids = vocab.encode(corpus.vocab.decode(ids))
+        except ValueError as e:
+            raise ConfigError(f"{split} split of {cfg.data.corpus!r}: {e}") from None
+    recorded = load_checkpoint(path).meta.get("data", {}).get(split)
+    if recorded is None or recorded == fingerprint(ids):
+        return ids, None
+    return ids, (f"the {split} split of {cfg.data.corpus!r} is not the one this checkpoint was trained "
+                 "with (its text changed); the figures are of the text as it is now, read with the "
+                 "checkpoint's vocabulary")
+
+
+def fingerprint(ids) -> str:
+    """A short hash of a split's token ids (what a checkpoint was trained and validated on)."""
+    import hashlib
+
+    import numpy as np
+
+    return hashlib.sha256(np.ascontiguousarray(ids, dtype=np.int64).tobytes()).hexdigest()[:16]
+
+
 def model_from_checkpoint(path: str | os.PathLike, device: str = "cpu"):
     """(model in eval mode, RunConfig, vocab dict) from a checkpoint file or run folder."""
     ckpt = load_checkpoint(path)
+    missing = [key for key in ("config", "vocab") if not isinstance(ckpt.meta.get(key), dict)]
+    if missing:
+        raise CheckpointError(f"checkpoint {ckpt.path}: its metadata lacks {' and '.join(missing)}; "
+                              "not a language-model checkpoint written by `memattn train`")
     cfg = from_dict(RunConfig, ckpt.meta["config"])
     model = CausalLM(cfg.model)
     restore(ckpt, model)

@@ -77,7 +77,8 @@ def train_and_measure(run_dir: Path, job: Job, measure: Measure) -> dict[str, An
     cfg = load_config(None, [*job.settings, f"train.out_dir={run_dir}"])
     run_dir.mkdir(parents=True, exist_ok=True)
     atomic_write(run_dir / "settings.json", lambda tmp: tmp.write_text(json.dumps(list(job.settings))))
-    summary = train(cfg, resume=(run_dir / "checkpoint.safetensors").exists(), progress=False)
+    resume = (run_dir / "checkpoint.safetensors").exists()  # else nothing saved yet: start anew
+    summary = train(cfg, resume=resume, overwrite=not resume, progress=False)
     model, cfg, _ = model_from_checkpoint(run_dir)
     if cfg.train.threads > 0:
         torch.set_num_threads(cfg.train.threads)

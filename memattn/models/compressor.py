@@ -220,6 +220,29 @@ def load_compressed(path: str | os.PathLike) -> Compressed:
     return Compressed(memory, lengths, meta)
 
 
+def check_compressed(compressed: Compressed, model: Compressor, path: str | os.PathLike) -> None:
+    """CheckpointError unless every field of a compressed file fits `model`: memory
+    [N, num_memory, d_model] of finite values, lengths in [1, seq_len] with seq_len within the
+    model's max_len, and the stored token count equal to the lengths' sum."""
+    memory, lengths, meta = compressed.memory, compressed.lengths, compressed.meta
+    N, M, d = memory.shape
+    if (M, d) != (model.num_memory, model.cfg.d_model):
+        raise CheckpointError(f"compressed file {path}: memory vectors [N, {M}, {d}] do not fit the model's "
+                              f"[N, {model.num_memory}, {model.cfg.d_model}]")
+    if not memory.is_floating_point() or not bool(torch.isfinite(memory).all()):
+        raise CheckpointError(f"compressed file {path}: the memory vectors are not all finite numbers")
+    seq_len = meta.get("seq_len")
+    if not isinstance(seq_len, int) or not 1 <= seq_len <= model.cfg.max_len:
+        raise CheckpointError(f"compressed file {path}: seq_len {seq_len!r} is not a length the model "
+                              f"reads (1 .. {model.cfg.max_len})")
+    if N == 0 or lengths.dtype != torch.int64 or int(lengths.min()) < 1 or int(lengths.max()) > seq_len:
+        raise CheckpointError(f"compressed file {path}: sequence lengths must lie in 1 .. {seq_len}, got "
+                              + (f"{int(lengths.min())} .. {int(lengths.max())}" if N else "none"))
+    if meta.get("tokens", int(lengths.sum())) != int(lengths.sum()):
+        raise CheckpointError(f"compressed file {path}: it says {meta.get('tokens')!r} tokens, "
+                              f"its lengths sum to {int(lengths.sum())}")
+
+
 @torch.no_grad()
 def compress_ids(model: Compressor, ids: np.ndarray, *, seq_len: int,
                  batch_size: int = 16) -> tuple[torch.Tensor, torch.Tensor]:

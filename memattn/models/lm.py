@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from memattn.config import SPLIT_BASE, ModelConfig
-from memattn.errors import ShapeError
+from memattn.errors import ShapeError, check_tensor
 from memattn.layers.base import (
     AttentionState,
     LayerSpec,
@@ -209,9 +209,17 @@ class Transformer(nn.Module):
 
         memories: with cross attention, the source memory of each block.
         """
-        if idx.dim() != 2:
-            raise ShapeError(f"idx: expected token ids [B, T], got shape {tuple(idx.shape)}")
+        if idx.dim() != 2 or idx.is_floating_point() or idx.is_complex() or idx.dtype == torch.bool:
+            raise ShapeError(f"idx: expected integer token ids [B, T], got shape {tuple(idx.shape)} "
+                             f"of dtype {idx.dtype}")
         B, T = idx.shape
+        if B == 0 or T == 0:
+            raise ShapeError(f"idx: expected at least one sequence of at least one token, got shape {(B, T)}")
+        if idx.device.type == "cpu":  # on a GPU the check would cost a synchronisation every call
+            low, high = int(idx.min()), int(idx.max())
+            if low < 0 or high >= self.cfg.vocab_size:
+                raise ShapeError(f"idx: token ids must lie in [0, {self.cfg.vocab_size}) (model.vocab_size), "
+                                 f"got ids from {low} to {high}")
         offset = cache.position if cache is not None else 0
         x = self.embed(idx)
         if self.pos is not None:
@@ -222,6 +230,8 @@ class Transformer(nn.Module):
         x = self.dropout(x)
         tokens = None
         if self.memory is not None:
+            if attention_mask is not None:
+                check_tensor("attention_mask", attention_mask, "[B, T]", B, T)
             x, attention_mask, tokens = insert_memory(x, self.memory.weight, self.memory_layout, offset,
                                                       attention_mask)
         for i, block in enumerate(self.blocks):

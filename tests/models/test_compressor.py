@@ -193,3 +193,33 @@ def test_compressed_file_metadata_is_json_with_the_format(saved, tmp_path):
     with safe_open(str(file), framework="pt") as f:
         meta = json.loads(f.metadata()["memattn"])
     assert meta["format"] == "memattn-compressed/1" and meta["model"] == fingerprint(model)
+
+
+@pytest.mark.parametrize("tamper,message", [
+    (lambda memory, lengths: (memory, lengths.index_fill(0, torch.tensor([0]), 2 ** 40)), "lengths must lie in 1 .. 24"),
+    (lambda memory, lengths: (memory, lengths.index_fill(0, torch.tensor([1]), -3)), "lengths must lie in 1 .. 24"),
+    (lambda memory, lengths: (memory.fill_(float("nan")), lengths), "not all finite"),
+    (lambda memory, lengths: (memory[:, :3], lengths), "do not fit the model's"),
+    (lambda memory, lengths: (memory, lengths.index_fill(0, torch.tensor([0]), 23)), "its lengths sum to"),
+])
+def test_decompress_checks_every_field_before_decoding(saved, tmp_path, capsys, tamper, message):
+    path, model, vocab = saved
+    source, packed = tmp_path / "play.txt", tmp_path / "play.safetensors"
+    source.write_text(TEXT)
+    assert main(["compress", str(path), str(source), "-o", str(packed)]) == 0
+    good = load_compressed(packed)
+    memory, lengths = tamper(good.memory.clone(), good.lengths.clone())
+    meta = {k: v for k, v in good.meta.items() if k not in ("format", "model")}
+    save_compressed(packed, memory, lengths, model_fingerprint=good.meta["model"], **meta)
+    capsys.readouterr()
+    assert main(["decompress", str(packed), "--checkpoint", str(path)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and message in err[0]
+
+
+def test_compress_refuses_a_binary_file(saved, tmp_path, capsys):
+    path, _, _ = saved
+    binary = tmp_path / "blob.bin"
+    binary.write_bytes(bytes(range(256)) * 4)
+    assert main(["compress", str(path), str(binary), "-o", str(tmp_path / "x.safetensors")]) == 2
+    assert "is not UTF-8 text" in capsys.readouterr().err

@@ -101,7 +101,7 @@ def test_learned_positions_reject_sequences_past_max_len():
 
 
 def test_bad_token_ids_shape_is_a_clear_error():
-    with pytest.raises(ShapeError, match=r"idx: expected token ids \[B, T\]"):
+    with pytest.raises(ShapeError, match=r"idx: expected integer token ids \[B, T\]"):
         small()(torch.zeros(5, dtype=torch.long))
 
 

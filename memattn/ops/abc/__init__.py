@@ -31,7 +31,7 @@ import torch
 
 from memattn.kernels import BACKENDS, use_kernels
 from memattn.ops.abc.chunked import abc_chunked, bounded_memory_chunked
-from memattn.ops.abc.common import ABCState, BoundedMemoryState, check_inputs
+from memattn.ops.abc.common import ABCState, BoundedMemoryState, check_inputs, check_state_type
 from memattn.ops.abc.recurrent import (
     abc_attention_step,
     abc_recurrent,
@@ -93,6 +93,7 @@ def abc_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, s: torch.Te
         if mode not in ("auto", "chunked"):
             raise ValueError(f"cu_seqlens: packed sequences take the chunked form, "
                              f"mode 'auto' or 'chunked', got mode={mode!r}")
+    check_state_type(initial_state, ABCState)
     form = "chunked" if cu_seqlens is not None else _pick(mode, causal, T, initial_state)
     if backend == "triton" and (form not in ("chunked", "step") or not causal):
         raise ValueError(f"backend: 'triton' runs the causal chunked form, got "
@@ -136,6 +137,7 @@ def bounded_memory_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     last token if output_final_state else None). mode as in `abc_attention`.
     """
     T = k.shape[1] if isinstance(k, torch.Tensor) and k.dim() == 4 else 0
+    check_state_type(initial_state, BoundedMemoryState)
     form = _pick(mode, causal, T, initial_state)
     if form == "step":
         check_inputs(q, k, v, phi, "phi", causal, initial_state, BoundedMemoryState,

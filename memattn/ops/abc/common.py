@@ -85,6 +85,8 @@ def check_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, w: torch.Ten
     if M == 0:
         raise ShapeError(f"{w_name}: expected at least one memory slot (M >= 1) in [B, T, H, M], "
                          f"got shape {tuple(w.shape)}")
+    if K == 0:
+        raise ShapeError(f"q: expected a key dimension K >= 1 in [B, Tq, H, K], got shape {tuple(q.shape)}")
     if T == 0:
         raise ShapeError(f"k: expected at least one token (T >= 1) in [B, T, H, K], "
                          f"got shape {tuple(k.shape)}")
@@ -121,15 +123,21 @@ def check_step_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, w: torc
     return B, H, K, V, M
 
 
+def check_state_type(state, state_type: type, name: str = "initial_state") -> None:
+    """ShapeError unless `state` is None or a `state_type` tuple of its fields' length."""
+    fields = state_type._fields
+    if state is not None and (not isinstance(state, tuple) or len(state) != len(fields)):
+        raise ShapeError(f"{name}: expected a {state_type.__name__} "
+                         f"({', '.join(fields)}), got {type(state).__name__}"
+                         + (f" of length {len(state)}" if isinstance(state, tuple) else ""))
+
+
 def check_state(state, state_type: type, B: int, H: int, M: int, K: int, V: int, *,
                 name: str = "initial_state") -> None:
     if state is None:
         return
+    check_state_type(state, state_type, name)
     fields = state_type._fields
-    if not isinstance(state, tuple) or len(state) != len(fields):
-        raise ShapeError(f"{name}: expected a {state_type.__name__} "
-                         f"({', '.join(fields)}), got {type(state).__name__} of length "
-                         f"{len(state) if isinstance(state, tuple) else 'n/a'}")
     layouts = {"log_z": ("[B, H, M]", (B, H, M)), "k": ("[B, H, M, K]", (B, H, M, K)),
                "v": ("[B, H, M, V]", (B, H, M, V))}
     for field, t in zip(fields, state):
