@@ -104,3 +104,50 @@ def test_two_process_data_parallel_matches_one_process(text_file, tmp_path):
     for r1, r2 in zip(one, two):
         assert r1["step"] == r2["step"]
         assert r2["loss"] == pytest.approx(r1["loss"], rel=1e-4)
+
+
+@pytest.mark.slow
+def test_killed_at_random_points_the_run_ends_as_an_uninterrupted_one(text_file, tmp_path):
+    """SIGKILL at random moments (mid-step, mid-log-write, mid-checkpoint), resume each time:
+    the log's losses and the final weights equal those of a run never stopped."""
+    import os
+    import random
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    extra = ("train.steps=60", "train.log_every=1", "train.save_every=4", "train.eval_every=10",
+             "model.dropout=0.1")
+    whole = load_config("tiny", tiny_overrides(text_file, tmp_path / "whole", *extra))
+    train(whole, progress=False)
+    command = [sys.executable, "-m", "memattn", "train", "--config", "tiny", "--quiet",
+               *tiny_overrides(text_file, tmp_path / "cut", *extra)]
+    log = tmp_path / "cut" / "run" / "log.jsonl"
+    rng, kills = random.Random(7), 0
+    while kills < 4:
+        started = (tmp_path / "cut" / "run" / "checkpoint.safetensors").exists()
+        proc = subprocess.Popen([*command, *(["--resume"] if started else ["--overwrite"])],
+                                start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        steps_before = len(log.read_text().splitlines()) if log.exists() else 0
+        deadline = time.monotonic() + 120
+        # wait until this sitting has trained a few steps, then kill it at a random moment
+        while proc.poll() is None and time.monotonic() < deadline:
+            if log.exists() and len(log.read_text().splitlines()) >= steps_before + 3:
+                break
+            time.sleep(0.01)
+        time.sleep(rng.uniform(0.0, 0.3))
+        if proc.poll() is not None:
+            break  # finished before the kill
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+        kills += 1
+    finish = subprocess.run([*command, "--resume"], capture_output=True, text=True, timeout=300)
+    assert finish.returncode == 0, finish.stderr
+    assert kills >= 2
+    a, b = read_log(tmp_path / "whole" / "run"), read_log(tmp_path / "cut" / "run")
+    assert losses(a) == losses(b) and [r["step"] for r in b if "loss" in r] == list(range(1, 61))
+    ma, _, _ = model_from_checkpoint(tmp_path / "whole" / "run")
+    mb, _, _ = model_from_checkpoint(tmp_path / "cut" / "run")
+    for (name, p), q in zip(ma.state_dict().items(), mb.state_dict().values()):
+        assert torch.equal(p, q), name
