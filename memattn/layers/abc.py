@@ -99,6 +99,9 @@ class ABCMemoryState(AttentionState):
     def tensors(self) -> list[torch.Tensor]:
         return list(self.inner)
 
+    def map_tensors(self, fn) -> None:
+        self.inner = type(self.inner)(*(fn(t, True) for t in self.inner))
+
 
 class _ABCBase(nn.Module):
     """q, k, v and output projections, rotary positions and dropout shared by the ABC layers."""
@@ -322,6 +325,10 @@ class RingBufferState(AttentionState):
     def tensors(self) -> list[torch.Tensor]:
         return [self.k, self.v, self.real, self.pos]
 
+    def map_tensors(self, fn) -> None:
+        self.k, self.v, self.real = fn(self.k, True), fn(self.v, True), fn(self.real, True)
+        self.pos = fn(self.pos, False)  # [n]: the same slots for every row
+
 
 class QueueState(AttentionState):
     """Decoding state of `abc-window` / `abc-dilated`: one or two RingBufferStates."""
@@ -334,6 +341,10 @@ class QueueState(AttentionState):
 
     def tensors(self) -> list[torch.Tensor]:
         return [t for q in self.queues for t in q.tensors()]
+
+    def map_tensors(self, fn) -> None:
+        for queue in self.queues:
+            queue.map_tensors(fn)
 
 
 def counted_softmax(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, count: torch.Tensor,

@@ -60,6 +60,27 @@ class AttentionState:
     def tensors(self) -> list[torch.Tensor]:
         raise NotImplementedError
 
+    def map_tensors(self, fn: Callable[[torch.Tensor, bool], torch.Tensor]) -> None:
+        """Replace each tensor t of the state by fn(t, batched), in place; batched says whether
+        dim 0 of t is the batch (row b of t belongs to sequence b). Every state implements it:
+        reordering, selecting and moving caches build on it."""
+        raise NotImplementedError(f"{type(self).__name__} does not implement map_tensors")
+
+    @property
+    def can_crop(self) -> bool:
+        """Whether `crop` can forget the last tokens: only a state that keeps every token apart
+        (a bounded memory has mixed them into its summary)."""
+        return False
+
+    def crop(self, length: int) -> None:
+        """Forget every token after the first `length` (0 <= length <= seen)."""
+        if not self.can_crop:
+            raise ConfigError(f"crop: {type(self).__name__} holds a summary of its tokens and cannot "
+                              "forget the last ones")
+        if not 0 <= length <= self.seen:
+            raise ConfigError(f"crop: expected a length in 0 .. {self.seen} (the tokens held), got {length}")
+        self.seen = length
+
     def nbytes(self) -> int:
         """Bytes held by the state now (for a growing cache: its used part)."""
         return sum(t.numel() * t.element_size() for t in self.tensors())
@@ -108,6 +129,12 @@ class KVCache(AttentionState):
         if self._k is None:
             return []
         return [self._k[:, : self.seen], self._v[:, : self.seen]]
+
+    def map_tensors(self, fn) -> None:
+        if self._k is not None:
+            self._k, self._v = fn(self._k, True), fn(self._v, True)
+
+    can_crop = True
 
 
 def _grow(t: torch.Tensor, capacity: int, used: int) -> torch.Tensor:

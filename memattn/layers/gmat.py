@@ -88,6 +88,9 @@ class GmatCache(AttentionState):
     def tensors(self) -> list[torch.Tensor]:
         return list(self._buffers.values())
 
+    def map_tensors(self, fn) -> None:
+        self._buffers = {name: fn(t, True) for name, t in self._buffers.items()}
+
 
 @register("gmat", options=GmatOptions)
 class GmatAttention(nn.Module):

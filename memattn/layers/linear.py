@@ -101,6 +101,10 @@ class LinearState(AttentionState):
     def tensors(self) -> list[torch.Tensor]:
         return [self.memory] + ([] if self.normalizer is None else [self.normalizer])
 
+    def map_tensors(self, fn) -> None:
+        self.memory = fn(self.memory, True)
+        self.normalizer = None if self.normalizer is None else fn(self.normalizer, True)
+
 
 def feature(x: torch.Tensor, kind: str) -> torch.Tensor:
     """The feature map φ applied to queries and keys, elementwise."""

@@ -210,6 +210,18 @@ class PersistentCache(AttentionState):
         past = self.past()
         return [] if past is None else list(past)
 
+    def map_tensors(self, fn) -> None:
+        if self._k is not None:
+            self._k, self._v = fn(self._k, True), fn(self._v, True)
+
+    @property
+    def can_crop(self) -> bool:  # type: ignore[override]
+        return self._len == self.seen  # a window that dropped tokens would need them again
+
+    def crop(self, length: int) -> None:
+        super().crop(length)
+        self._len = length
+
     def state_dict(self) -> dict[str, torch.Tensor]:
         past = self.past()
         return {} if past is None else {"k": past[0], "v": past[1]}

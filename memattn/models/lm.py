@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from memattn.config import SPLIT_BASE, ModelConfig
-from memattn.errors import ShapeError, check_tensor
+from memattn.errors import ConfigError, ShapeError, check_tensor
 from memattn.layers.base import (
     AttentionState,
     LayerSpec,
@@ -144,11 +144,15 @@ def insert_memory(x: torch.Tensor, memory: torch.Tensor, layout: MemoryLayout, o
 
 @dataclass
 class ModelCache:
-    """Decoding state of a whole model: one state per layer and the position reached."""
+    """Decoding state of a whole model: one state per layer and the position reached.
+
+    What decoding builds on: `reorder` (beam search: rows picked, repeated or dropped),
+    `batch_select`, `to` (device, dtype), `crop` (forget the last tokens, where every layer
+    keeps its tokens apart), `nbytes` and `fixed_size` (whether it stays the same size).
+    """
 
     states: list[AttentionState]
     position: int = 0
-    extra: dict = field(default_factory=dict)
 
     def nbytes(self) -> int:
         return sum(s.nbytes() for s in self.states)
@@ -156,6 +160,43 @@ class ModelCache:
     @property
     def fixed_size(self) -> bool:
         return all(s.fixed_size for s in self.states)
+
+    def reorder(self, indices: torch.Tensor) -> ModelCache:
+        """Row b of every state becomes row indices[b] of before (indices [B'] int64, values may
+        repeat, B' may differ from B): beams follow their parents. In place; returns self."""
+        indices = torch.as_tensor(indices, dtype=torch.long)
+        if indices.dim() != 1:
+            raise ShapeError(f"indices: expected row numbers [B'], got shape {tuple(indices.shape)}")
+        for state in self.states:
+            state.map_tensors(lambda t, batched: t.index_select(0, indices.to(t.device)) if batched else t)
+        return self
+
+    def batch_select(self, rows: torch.Tensor) -> ModelCache:
+        """Keep only `rows` (e.g. the sequences still being decoded); in place, returns self."""
+        return self.reorder(rows)
+
+    def to(self, device=None, dtype: torch.dtype | None = None) -> ModelCache:
+        """Move every state's tensors to `device` and its floating-point ones to `dtype`."""
+        def move(t: torch.Tensor, batched: bool) -> torch.Tensor:
+            return t.to(device=device, dtype=dtype if dtype is not None and t.is_floating_point() else None)
+
+        for state in self.states:
+            state.map_tensors(move)
+        return self
+
+    def crop(self, length: int) -> ModelCache:
+        """Forget every token after the first `length`; a state that cannot (a bounded memory)
+        raises ConfigError before any state is changed."""
+        if not 0 <= length <= self.position:
+            raise ConfigError(f"crop: expected a length in 0 .. {self.position}, got {length}")
+        refusing = [type(s).__name__ for s in self.states if not s.can_crop]
+        if refusing:
+            raise ConfigError(f"crop: the states {sorted(set(refusing))} hold summaries of their tokens "
+                              "and cannot forget the last ones")
+        for state in self.states:
+            state.crop(length)
+        self.position = length
+        return self
 
 
 class Transformer(nn.Module):

@@ -1,0 +1,83 @@
+"""memattn.models.ModelCache over every registered causal mechanism: reorder (beam search),
+batch_select, to, crop, nbytes and fixed_size, each checked against full forward passes."""
+
+import pytest
+import torch
+
+from memattn.config import AttentionConfig, ModelConfig
+from memattn.errors import ConfigError
+from memattn.layers import mechanisms
+from memattn.models import CausalLM
+
+CAUSAL = [name for name, m in mechanisms().items() if m.causal]
+
+
+def small(name):
+    torch.manual_seed(0)
+    cfg = ModelConfig(vocab_size=31, d_model=32, n_layers=2, n_heads=4, ff_mult=2, max_len=64,
+                      attention=AttentionConfig(name))
+    return CausalLM(cfg).double().eval()
+
+
+@pytest.mark.parametrize("name", CAUSAL)
+def test_reordered_rows_decode_as_their_parents(name):
+    model = small(name)
+    idx = torch.randint(0, 31, (3, 14))
+    cache = model.init_cache(3)
+    model(idx[:, :10], cache=cache)
+    order = torch.tensor([2, 0, 0, 1])  # beams: a row repeated, rows swapped, one more row
+    cache.reorder(order)
+    steps = torch.cat([model(idx[order, t:t + 1], cache=cache) for t in range(10, 14)], 1)
+    torch.testing.assert_close(steps, model(idx[order])[:, 10:], rtol=1e-9, atol=1e-9)
+
+
+@pytest.mark.parametrize("name", CAUSAL)
+def test_batch_select_keeps_the_chosen_rows(name):
+    model = small(name)
+    idx = torch.randint(0, 31, (3, 12))
+    cache = model.init_cache(3)
+    model(idx[:, :8], cache=cache)
+    cache.batch_select(torch.tensor([1]))
+    steps = torch.cat([model(idx[1:2, t:t + 1], cache=cache) for t in range(8, 12)], 1)
+    torch.testing.assert_close(steps, model(idx[1:2])[:, 8:], rtol=1e-9, atol=1e-9)
+
+
+@pytest.mark.parametrize("name", CAUSAL)
+def test_to_moves_floating_tensors_only(name):
+    model = small(name)
+    cache = model.init_cache(2)
+    model(torch.randint(0, 31, (2, 9)), cache=cache)
+    kinds = [t.dtype for s in cache.states for t in s.tensors()]
+    cache.to("cpu", torch.float32)
+    after = [t.dtype for s in cache.states for t in s.tensors()]
+    assert after == [torch.float32 if k.is_floating_point else k for k in kinds]
+
+
+@pytest.mark.parametrize("name", CAUSAL)
+def test_crop_undoes_the_last_tokens_or_refuses_untouched(name):
+    model = small(name)
+    idx = torch.randint(0, 31, (2, 12))
+    cache = model.init_cache(2)
+    model(idx, cache=cache)
+    if all(s.can_crop for s in cache.states):
+        cache.crop(7)
+        steps = torch.cat([model(idx[:, t:t + 1], cache=cache) for t in range(7, 12)], 1)
+        torch.testing.assert_close(steps, model(idx)[:, 7:], rtol=1e-9, atol=1e-9)
+    else:
+        before = [t.clone() for s in cache.states for t in s.tensors()]
+        with pytest.raises(ConfigError, match="cannot forget the last ones"):
+            cache.crop(7)
+        assert cache.position == 12
+        for a, b in zip(before, [t for s in cache.states for t in s.tensors()]):
+            assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("name", CAUSAL)
+def test_a_fixed_size_state_keeps_its_bytes(name):
+    model = small(name)
+    cache = model.init_cache(1)
+    model(torch.randint(0, 31, (1, 10)), cache=cache)
+    early = cache.nbytes()
+    for _ in range(30):
+        model(torch.randint(0, 31, (1, 1)), cache=cache)
+    assert (cache.nbytes() == early) == cache.fixed_size
