@@ -45,7 +45,7 @@ def test_failed_write_keeps_the_previous_checkpoint(tmp_path, monkeypatch):
         raise OSError("disk full")
 
     monkeypatch.setattr(ckpt_mod, "save_file", crash)
-    with pytest.raises(CheckpointError, match="could not be written \(disk full\); the previous checkpoint"):
+    with pytest.raises(CheckpointError, match=r"could not be written \(disk full\); the previous checkpoint"):
         save_checkpoint(path, model(), step=2, meta={})
     assert load_checkpoint(path).step == 1
     assert [p.name for p in tmp_path.iterdir()] == ["c.safetensors"]  # no temporary left

@@ -42,7 +42,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from memattn.errors import ConfigError, ShapeError, check_tensor
-from memattn.layers.base import AttentionState, LayerSpec, register
+from memattn.layers.base import AttentionState, LayerSpec, check_mask, register
 from memattn.layers.positions import Rotary
 from memattn.ops.abc import (
     ABCState,
@@ -69,14 +69,6 @@ def _state_dtype(dtype: torch.dtype | None, weight: torch.Tensor) -> torch.dtype
 def _check_slots(name: str, value: int) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise ConfigError(f"attention.{name}: expected a positive integer, got {value!r}")
-
-
-def _check_mask(mask: torch.Tensor | None, B: int, T: int) -> None:
-    if mask is None:
-        return
-    check_tensor("attention_mask", mask, "[B, T]", B, T)
-    if mask.dtype != torch.bool:
-        raise ShapeError(f"attention_mask: expected dtype torch.bool, got {mask.dtype}")
 
 
 class ABCMemoryState(AttentionState):
@@ -118,20 +110,21 @@ class _ABCBase(nn.Module):
         self.dropout = nn.Dropout(spec.dropout)
 
     def project(self, x: torch.Tensor, memory_state: AttentionState | None = None,
-                attention_mask: torch.Tensor | None = None
+                attention_mask: torch.Tensor | None = None, positions: torch.Tensor | None = None
                 ) -> tuple[int, torch.Tensor, torch.Tensor, torch.Tensor]:
         """Check x [B, T, d] and attention_mask [B, T]; return (offset, q, k, v [B, T, H, D]).
 
-        offset: the tokens `memory_state` has seen; q and k are rotated at positions offset,
-        offset + 1, ...
+        offset: the tokens `memory_state` has seen; q and k are rotated at `positions` [B, T]
+        when given, else at offset, offset + 1, ...
         """
         check_tensor("x", x, "[B, T, d]", None, None, self.spec.d_model)
         B, T, _ = x.shape
-        _check_mask(attention_mask, B, T)
+        check_mask(attention_mask, B, T)
         offset = memory_state.seen if memory_state is not None else 0
         q, k, v = self.qkv(x).view(B, T, 3, self.spec.n_heads, self.spec.head_dim).unbind(2)
         if self.rotary is not None:
-            q, k = self.rotary(q, offset), self.rotary(k, offset)
+            at = positions if positions is not None else offset
+            q, k = self.rotary(q, at), self.rotary(k, at)
         return offset, q, k, v
 
     def empty_abc_state(self, batch_size: int, slots: int, device=None,
@@ -248,9 +241,10 @@ class ABCMLPAttention(_ABCBase):
         return activation_logits(z, self.options.activation)
 
     def forward(self, x: torch.Tensor, *, memory_state: ABCMemoryState | None = None,
-                attention_mask: torch.Tensor | None = None):
-        """x [B, T, d], attention_mask [B, T] bool (True = real) -> (y [B, T, d], state)."""
-        _, q, k, v = self.project(x, memory_state, attention_mask)
+                attention_mask: torch.Tensor | None = None, positions: torch.Tensor | None = None):
+        """x [B, T, d], attention_mask [B, T] bool (True = real), positions [B, T] ->
+        (y [B, T, d], state)."""
+        _, q, k, v = self.project(x, memory_state, attention_mask, positions)
         y = self.attend_logits(q, k, v, self.slot_logits(x), memory_state, attention_mask)
         return y, memory_state
 
@@ -263,7 +257,7 @@ class ABCWindowOptions:
     """Options of `abc-window`.
 
     window: n, the memory size: causal, token t reads tokens t-n+1 .. t; bidirectional,
-        tokens within n // 2 on either side (|t - i| ≤ n // 2).
+        the n tokens t - n // 2 .. t + (n - 1) // 2 (centred; one more before for even n).
     bias: biases on the q/k/v and output projections.
     """
 
@@ -367,10 +361,10 @@ def counted_softmax(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, count: to
 
 
 def in_window(qpos: torch.Tensor, kpos: torch.Tensor, window: int, causal: bool) -> torch.Tensor:
-    """Key position kpos is in the window of query qpos (broadcast): causal the last n
-    positions up to qpos, bidirectional those within n // 2 of it."""
+    """Key position kpos is in the window of n positions of query qpos (broadcast): causal
+    the last n up to qpos, bidirectional qpos - n // 2 .. qpos + (n - 1) // 2."""
     rel = qpos - kpos
-    return (rel >= 0) & (rel < window) if causal else rel.abs() <= window // 2
+    return (rel >= 0) & (rel < window) if causal else (rel <= window // 2) & (-rel <= (window - 1) // 2)
 
 
 def in_strided_queue(qpos: torch.Tensor, kpos: torch.Tensor, window: int,
@@ -386,7 +380,7 @@ def local_window_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, re
     """Softmax attention over a sliding window, in blocks: O(T · n) time and memory.
 
     q, k [B, T, H, D], v [B, T, H, V], real [B, T] bool (False: padding, never read).
-    Causal: query t reads keys t-n+1 .. t; bidirectional: keys within n // 2 of it. The
+    Causal: query t reads keys t-n+1 .. t; bidirectional: keys t - n // 2 .. t + (n - 1) // 2. The
     sequence is cut into blocks of c tokens (c = n causal, n // 2 + 1 bidirectional) and a
     block reads itself and its neighbours (the one before; bidirectional also the one
     after), which hold every key of its window. dilation d > 0 (causal): query t also reads
@@ -441,7 +435,7 @@ class ABCWindowAttention(_ABCBase):
     softmax attention over those tokens; a sequence read from an empty state is computed in
     blocks (`local_window_attention`, O(T · n)), decoding with a ring buffer of n keys and
     values (slot p mod n).
-    Bidirectional, every token reads the tokens within n // 2 of it on either side.
+    Bidirectional, every token reads the n tokens centred on it (n // 2 before, (n - 1) // 2 after).
     """
 
     dilated = False
@@ -468,13 +462,25 @@ class ABCWindowAttention(_ABCBase):
                                 self.options.dilation)
 
     def forward(self, x: torch.Tensor, *, memory_state: QueueState | None = None,
-                attention_mask: torch.Tensor | None = None):
-        """x [B, T, d], attention_mask [B, T] bool (True = real) -> (y [B, T, d], state)."""
-        offset, q, k, v = self.project(x, memory_state, attention_mask)
+                attention_mask: torch.Tensor | None = None, positions: torch.Tensor | None = None):
+        """x [B, T, d], attention_mask [B, T] bool (True = real), positions [B, T] ->
+        (y [B, T, d], state).
+
+        The queues are kept by index in the batch: with left padding (padding writes nothing)
+        the local queue of a token holds the same real tokens as in its row alone; the dilated
+        queue needs each row's padding to be a multiple of the dilation, else ConfigError.
+        """
+        offset, q, k, v = self.project(x, memory_state, attention_mask, positions)
         B, T, _ = x.shape
         real = (attention_mask if attention_mask is not None
                 else torch.ones(B, T, dtype=torch.bool, device=x.device))
         qpos = torch.arange(offset, offset + T, device=x.device)
+        if self.dilated and positions is not None:
+            shift = (qpos[None] - positions).masked_select(real)
+            if bool((shift % self.options.dilation != 0).any()):
+                raise ConfigError(f"abc-dilated: its dilated queue holds positions 0, d, 2d, ... of the "
+                                  f"batch; left-pad each row by a multiple of attention.dilation = "
+                                  f"{self.options.dilation} tokens")
         if offset == 0 and T > self.options.window:  # from an empty state: in blocks
             o = local_window_attention(q, k, v, real, self.options.window, self.spec.causal,
                                        self.options.dilation if self.dilated else 0)
@@ -535,16 +541,22 @@ class _GivenPhi(_ABCBase):
             batch_size, self.spec.n_heads, self.num_slots, D, D,
             device=device if device is not None else w.device, dtype=_state_dtype(dtype, w)))
 
-    def write_weights(self, offset: int, T: int, x: torch.Tensor) -> torch.Tensor:
-        """φ [1 or B, T, H, M] for the tokens at positions offset .. offset+T-1."""
+    def write_weights(self, pos: torch.Tensor, last: int, x: torch.Tensor) -> torch.Tensor:
+        """φ [1 or B, T, 1 or H, M] for tokens at positions pos [1 or B, T] (int64), the
+        largest of which is `last`."""
         raise NotImplementedError
 
     def forward(self, x: torch.Tensor, *, memory_state: ABCMemoryState | None = None,
-                attention_mask: torch.Tensor | None = None):
-        """x [B, T, d], attention_mask [B, T] bool (True = real) -> (y [B, T, d], state)."""
-        offset, q, k, v = self.project(x, memory_state, attention_mask)
+                attention_mask: torch.Tensor | None = None, positions: torch.Tensor | None = None):
+        """x [B, T, d], attention_mask [B, T] bool (True = real), positions [B, T] ->
+        (y [B, T, d], state)."""
+        offset, q, k, v = self.project(x, memory_state, attention_mask, positions)
         B, T, _ = x.shape
-        phi = self.write_weights(offset, T, x).to(q.dtype).expand(B, T, self.spec.n_heads, -1)
+        if positions is None:
+            pos, last = torch.arange(offset, offset + T, device=x.device)[None], offset + T - 1
+        else:
+            pos, last = positions, int(positions.max())
+        phi = self.write_weights(pos, last, x).to(q.dtype).expand(B, T, self.spec.n_heads, -1)
         if attention_mask is not None:
             phi = phi * attention_mask[:, :, None, None].to(phi.dtype)  # padding writes nothing
         initial = memory_state.inner if memory_state is not None else None
@@ -588,12 +600,12 @@ class ABCLinformerAttention(_GivenPhi):
         self.max_len = spec.max_len
         self.columns = nn.Parameter(torch.randn(spec.max_len, options.num_slots))
 
-    def write_weights(self, offset: int, T: int, x: torch.Tensor) -> torch.Tensor:
-        if offset + T > self.max_len:
+    def write_weights(self, pos: torch.Tensor, last: int, x: torch.Tensor) -> torch.Tensor:
+        if last >= self.max_len:
             raise ShapeError(f"x: a Linformer model given a longer sequence than it was built "
-                             f"for: positions up to {offset + T} exceed model.max_len="
+                             f"for: positions up to {last + 1} exceed model.max_len="
                              f"{self.max_len}")
-        return F.softplus(self.columns[offset:offset + T])[None, :, None, :]  # [1, T, 1, M]
+        return F.softplus(self.columns[pos])[:, :, None, :]  # [1 or B, T, 1, M]
 
 
 @dataclass
@@ -614,10 +626,10 @@ class ABCRandomOptions:
 
 
 def random_slots(positions: torch.Tensor, heads: int, slots: int, seed: int) -> torch.Tensor:
-    """positions [T] int64 -> slot ids [T, H] in [0, slots): a fixed hash of (seed, position, head),
-    so that a full forward pass and token-by-token decoding pick the same slots."""
+    """positions [...] int64 -> slot ids [..., H] in [0, slots): a fixed hash of (seed, position,
+    head), so that a full forward pass and token-by-token decoding pick the same slots."""
     h = torch.arange(heads, device=positions.device, dtype=torch.int64)
-    z = positions[:, None] * 1000003 + h[None, :] * 7919 + seed * 104729 + 12345
+    z = positions[..., None] * 1000003 + h * 7919 + seed * 104729 + 12345
     mask = (1 << 31) - 1
     for _ in range(3):  # a few rounds of multiply-xorshift on 31 bits
         z = (z * 1103515245 + 12345) & mask
@@ -639,10 +651,9 @@ class ABCRandomAttention(_GivenPhi):
         self.options = options
         self.num_slots = options.num_slots
 
-    def write_weights(self, offset: int, T: int, x: torch.Tensor) -> torch.Tensor:
-        pos = torch.arange(offset, offset + T, device=x.device)
+    def write_weights(self, pos: torch.Tensor, last: int, x: torch.Tensor) -> torch.Tensor:
         ids = random_slots(pos, self.spec.n_heads, self.num_slots, self.options.seed)
-        return F.one_hot(ids, self.num_slots).to(x.dtype)[None]  # [1, T, H, M]
+        return F.one_hot(ids, self.num_slots).to(x.dtype)  # [1 or B, T, H, M]
 
 
 @dataclass
@@ -677,14 +688,13 @@ class ABCMeanPoolAttention(_GivenPhi):
         self.options = options
         self.num_slots = options.num_slots
 
-    def write_weights(self, offset: int, T: int, x: torch.Tensor) -> torch.Tensor:
+    def write_weights(self, pos: torch.Tensor, last: int, x: torch.Tensor) -> torch.Tensor:
         c, M = self.options.pool, self.num_slots
-        if offset + T > c * M:
-            raise ShapeError(f"x: positions up to {offset + T} exceed what abc-meanpool can hold, "
+        if last >= c * M:
+            raise ShapeError(f"x: positions up to {last + 1} exceed what abc-meanpool can hold, "
                              f"attention.num_slots * attention.pool = {M} * {c} = {M * c}")
-        ids = torch.arange(offset, offset + T, device=x.device) // c
-        phi = F.one_hot(ids, M).to(x.dtype) / c  # [T, M]
-        return phi[None, :, None, :]
+        phi = F.one_hot(pos // c, M).to(x.dtype) / c  # [1 or B, T, M]
+        return phi[:, :, None, :]
 
 
 @dataclass
@@ -726,14 +736,13 @@ class ABCL2GAttention(_GivenPhi):
         self.options = options
         self.num_slots = options.num_slots
 
-    def write_weights(self, offset: int, T: int, x: torch.Tensor) -> torch.Tensor:
+    def write_weights(self, pos: torch.Tensor, last: int, x: torch.Tensor) -> torch.Tensor:
         c, M = self.options.every, self.num_slots
-        if offset + T > c * M:
-            raise ShapeError(f"x: positions up to {offset + T} exceed what abc-l2g can hold, "
+        if last >= c * M:
+            raise ShapeError(f"x: positions up to {last + 1} exceed what abc-l2g can hold, "
                              f"attention.num_slots * attention.every = {M} * {c} = {M * c}")
-        pos = torch.arange(offset, offset + T, device=x.device)
-        phi = F.one_hot(pos // c, M).to(x.dtype) * (pos % c == 0)[:, None].to(x.dtype)
-        return phi[None, :, None, :]  # [1, T, 1, M]
+        phi = F.one_hot(pos // c, M).to(x.dtype) * (pos % c == 0)[..., None].to(x.dtype)
+        return phi[:, :, None, :]  # [1 or B, T, 1, M]
 
 
 # ------------------------------------------------------------- abc-workspace (bidirectional)
@@ -793,9 +802,10 @@ class ABCWorkspaceAttention(_ABCBase):
                           "decoding state")
 
     def forward(self, x: torch.Tensor, *, memory_state=None,
-                attention_mask: torch.Tensor | None = None):
-        """x [B, T, d], attention_mask [B, T] bool (True = real) -> (y [B, T, d], None)."""
-        _, q, k, v = self.project(x, attention_mask=attention_mask)
+                attention_mask: torch.Tensor | None = None, positions: torch.Tensor | None = None):
+        """x [B, T, d], attention_mask [B, T] bool (True = real), positions [B, T] ->
+        (y [B, T, d], None)."""
+        _, q, k, v = self.project(x, attention_mask=attention_mask, positions=positions)
         B, T, _ = x.shape
         ws = self.workspace
         prev = ws.current if self.spec.layer_idx > 0 else None
@@ -893,8 +903,9 @@ class ABCClusterAttention(_ABCBase):
     a buffer moved towards the unit keys assigned to it by every training forward (see
     `decay`). Token i goes to the centre of largest cosine, c(i), and slot j at position t
     holds the mean of the keys / values of positions ≤ t in cluster j: ABC_MLP with slot
-    logits 0 for c(i) and PAD_LOGIT elsewhere, so decoding keeps the same fixed-size state.
-    A slot with no member yet holds the mean of the prefix. Padding writes nothing.
+    logits 0 for c(i) and PAD_LOGIT / 2 elsewhere, so decoding keeps the same fixed-size
+    state. A slot with no member yet holds the mean of the real tokens of the prefix; padding
+    (PAD_LOGIT, far below a non-member) writes nothing, even there.
     """
 
     def __init__(self, spec: LayerSpec, options: ABCClusterOptions) -> None:
@@ -926,16 +937,17 @@ class ABCClusterAttention(_ABCBase):
         self.centres.copy_(torch.where(count > 0, moved, self.centres))
 
     def forward(self, x: torch.Tensor, *, memory_state: ABCMemoryState | None = None,
-                attention_mask: torch.Tensor | None = None):
-        """x [B, T, d], attention_mask [B, T] bool (True = real) -> (y [B, T, d], state)."""
-        _, q, k, v = self.project(x, memory_state, attention_mask)
+                attention_mask: torch.Tensor | None = None, positions: torch.Tensor | None = None):
+        """x [B, T, d], attention_mask [B, T] bool (True = real), positions [B, T] ->
+        (y [B, T, d], state)."""
+        _, q, k, v = self.project(x, memory_state, attention_mask, positions)
         n = self.num_slots
         if self.spec.causal:
             unit = F.normalize(k.detach().to(compute_dtype(k)), dim=-1)  # fp32 at least
             cluster = nearest_centre(unit, self.centres)
             if self.training:
                 self.move_centres(unit, cluster, attention_mask)
-            s = torch.where(F.one_hot(cluster, n).bool(), 0.0, PAD_LOGIT).to(q.dtype)
+            s = torch.where(F.one_hot(cluster, n).bool(), 0.0, PAD_LOGIT / 2).to(q.dtype)
             return self.attend_logits(q, k, v, s, memory_state, attention_mask), memory_state
         member = F.one_hot(cluster_keys(k, n, self.options.iters, attention_mask), n).to(q.dtype)
         if attention_mask is not None:

@@ -13,6 +13,14 @@ Layer interface (all mechanisms)::
 With `memory_state` given, the layer continues after the tokens the state has seen and
 returns the updated state; token-by-token decoding must equal one full forward pass.
 
+Padding (one convention for every layer): `attention_mask` is bool [B, T] over the tokens
+of x only, True for real tokens, at prefill and at every decoding step alike (a state keeps
+what it needs of earlier masks). Padding writes nothing into any memory, and its own outputs
+are defined (finite) but meaningless. `positions` [B, T] int64 (optional) gives each token's
+position counted over its row's real tokens, as a model derives it from the mask; without
+it tokens sit at seen, seen + 1, ... of the state. Left-padded rows then give exactly the
+result of each row alone.
+
 Memory tokens (optional): a layer class whose mechanism reads learned tokens placed in the
 sequence (GMAT's global memory) defines a static `memory_layout(options, causal)` returning
 a `MemoryLayout`. The model then inserts those tokens into the sequence every layer sees
@@ -28,7 +36,7 @@ from typing import Any, Callable, ClassVar
 import torch
 from torch import nn
 
-from memattn.errors import ConfigError
+from memattn.errors import ConfigError, ShapeError, check_tensor
 
 
 @dataclass
@@ -49,6 +57,15 @@ class LayerSpec:
     @property
     def head_dim(self) -> int:
         return self.d_model // self.n_heads
+
+
+def check_mask(mask: torch.Tensor | None, B: int, T: int) -> None:
+    """ShapeError unless `mask` is None or bool [B, T]."""
+    if mask is None:
+        return
+    check_tensor("attention_mask", mask, "[B, T]", B, T)
+    if mask.dtype != torch.bool:
+        raise ShapeError(f"attention_mask: expected dtype torch.bool, got {mask.dtype}")
 
 
 class AttentionState:
@@ -109,9 +126,13 @@ class KVCache(AttentionState):
         self.seen = 0
         self._k: torch.Tensor | None = None
         self._v: torch.Tensor | None = None
+        self._real: torch.Tensor | None = None  # [B, capacity] bool once any token was padding
 
-    def update(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Append k [B, T, H, K], v [B, T, H, V]; return all keys and values so far."""
+    def update(self, k: torch.Tensor, v: torch.Tensor, real: torch.Tensor | None = None
+               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """Append k [B, T, H, K], v [B, T, H, V] and which of them are real tokens (real [B, T]
+        bool, None: all); return all keys, values and the mask of real keys [B, Tk] (None while
+        every key is real)."""
         t = k.shape[1]
         if self._k is None:
             self._k, self._v = k.new_empty(k.shape), v.new_empty(v.shape)
@@ -120,10 +141,17 @@ class KVCache(AttentionState):
             cap = max(need, 2 * self._k.shape[1])
             self._k = _grow(self._k, cap, self.seen)
             self._v = _grow(self._v, cap, self.seen)
+            if self._real is not None:
+                self._real = _grow(self._real, cap, self.seen)
+        if real is not None and self._real is None:
+            self._real = torch.ones(self._k.shape[:2], dtype=torch.bool, device=k.device)
         self._k[:, self.seen:need] = k
         self._v[:, self.seen:need] = v
+        if self._real is not None:
+            self._real[:, self.seen:need] = True if real is None else real
         self.seen = need
-        return self._k[:, :need], self._v[:, :need]
+        mask = None if self._real is None else self._real[:, :need]
+        return self._k[:, :need], self._v[:, :need], mask
 
     def tensors(self) -> list[torch.Tensor]:
         if self._k is None:
@@ -133,6 +161,8 @@ class KVCache(AttentionState):
     def map_tensors(self, fn) -> None:
         if self._k is not None:
             self._k, self._v = fn(self._k, True), fn(self._v, True)
+        if self._real is not None:
+            self._real = fn(self._real, True)
 
     can_crop = True
 

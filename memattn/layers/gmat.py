@@ -148,10 +148,12 @@ class GmatAttention(nn.Module):
         return q, k, v, mq, mk, mv
 
     def forward(self, x: torch.Tensor, *, memory_state: GmatCache | None = None,
-                attention_mask: torch.Tensor | None = None):
+                attention_mask: torch.Tensor | None = None, positions: torch.Tensor | None = None):
         """x [B, T, d] with the memory rows in place -> (y [B, T, d], memory_state).
 
         attention_mask: bool [B, T], True for rows that may be attended (memory rows included).
+        positions: not read; the rows' positions follow from the memory layout, which a causal
+        model shares between the rows of a batch (so it refuses left padding, see CausalLM).
         """
         if x.dim() != 3:
             raise ShapeError(f"x: expected [B, T, d], got shape {tuple(x.shape)}")

@@ -28,8 +28,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from memattn.errors import ConfigError, ShapeError, check_tensor
-from memattn.layers.base import AttentionState, LayerSpec, register
+from memattn.errors import ConfigError, check_tensor
+from memattn.layers.base import AttentionState, LayerSpec, check_mask, register
 from memattn.layers.positions import Rotary
 from memattn.ops.linear import linear_attention
 from memattn.ops.linear.common import accumulation_dtype
@@ -155,8 +155,9 @@ class LinearAttention(nn.Module):
         return None, None
 
     def forward(self, x: torch.Tensor, *, memory_state: LinearState | None = None,
-                attention_mask: torch.Tensor | None = None):
-        """x [B, T, d], attention_mask [B, T] bool (True = real token) -> (y [B, T, d], state)."""
+                attention_mask: torch.Tensor | None = None, positions: torch.Tensor | None = None):
+        """x [B, T, d], attention_mask [B, T] bool (True = real token), positions [B, T] (rotary;
+        default: after the tokens the state has seen) -> (y [B, T, d], state)."""
         check_tensor("x", x, "[B, T, d]", None, None, self.spec.d_model)
         B, T, _ = x.shape
         H, D = self.spec.n_heads, self.spec.head_dim
@@ -165,11 +166,8 @@ class LinearAttention(nn.Module):
         gate, alpha = self.write_gates(x)
         if gate is not None:
             k, v = gate * k, gate * v
+        check_mask(attention_mask, B, T)
         if attention_mask is not None:
-            check_tensor("attention_mask", attention_mask, "[B, T]", B, T)
-            if attention_mask.dtype != torch.bool:
-                raise ShapeError(f"attention_mask: expected dtype torch.bool, "
-                                 f"got {attention_mask.dtype}")
             k = k * attention_mask[:, :, None, None].to(k.dtype)  # padding writes nothing
             if alpha is not None:
                 alpha = torch.where(attention_mask[:, :, None], alpha, torch.ones_like(alpha))
@@ -189,8 +187,8 @@ class LinearAttention(nn.Module):
             o, den = o[..., :D], o[..., D:]
             memory, normalizer = state[..., :D], state[..., D:]
         else:
-            qr, kr = (q, k) if self.rotary is None else (self.rotary(q, offset),
-                                                          self.rotary(k, offset))
+            at = positions if positions is not None else offset
+            qr, kr = (q, k) if self.rotary is None else (self.rotary(q, at), self.rotary(k, at))
             o, memory = linear_attention(qr, kr, v, causal=causal, alpha=alpha,
                                          initial_state=memory, output_final_state=True)
             if self.options.normalize:

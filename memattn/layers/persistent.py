@@ -48,7 +48,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from memattn.errors import ConfigError
-from memattn.layers.base import AttentionState, LayerSpec, _grow, register
+from memattn.layers.base import AttentionState, LayerSpec, _grow, check_mask, register
 from memattn.layers.positions import Rotary
 from memattn.ops.persistent import persistent_attention
 
@@ -157,9 +157,10 @@ class PersistentCache(AttentionState):
     def __init__(self, limit: int | None = None) -> None:
         self.limit = limit
         self.seen = 0
-        self._k: torch.Tensor | None = None
-        self._v: torch.Tensor | None = None
+        # keys, values and which keys are real tokens ([B, T] bool), kept alike
+        self._t: dict[str, torch.Tensor] = {}
         self._len = 0
+        self.masked = False  # whether any token came with a mask (then keys may be padding)
 
     @property
     def fixed_size(self) -> bool:  # type: ignore[override]
@@ -167,26 +168,33 @@ class PersistentCache(AttentionState):
 
     def past(self) -> tuple[torch.Tensor, torch.Tensor] | None:
         """The kept keys and values, ([B, T0, Hc, K], [B, T0, Hc, V]), or None when empty."""
-        if self._k is None:
+        if not self._t:
             return None
-        return self._k[:, :self._len], self._v[:, :self._len]
+        return self._t["k"][:, :self._len], self._t["v"][:, :self._len]
 
-    def append(self, k: torch.Tensor, v: torch.Tensor, keep: int | None = None) -> None:
-        """Add the newest k [B, T, Hc, K], v [B, T, Hc, V]; keep the last min(keep, limit)."""
-        k, v = k.detach(), v.detach()
+    def real(self) -> torch.Tensor | None:
+        """[B, T0] bool: which kept keys are real tokens (not padding); None when empty."""
+        return self._t["real"][:, :self._len] if self._t else None
+
+    def append(self, k: torch.Tensor, v: torch.Tensor, keep: int | None = None,
+               real: torch.Tensor | None = None) -> None:
+        """Add the newest k [B, T, Hc, K], v [B, T, Hc, V] (real [B, T] bool, None: all
+        real); keep the last min(keep, limit)."""
+        self.masked = self.masked or real is not None
+        new = {"k": k.detach(), "v": v.detach(),
+               "real": real if real is not None else torch.ones(k.shape[:2], dtype=torch.bool, device=k.device)}
         self.seen += k.shape[1]
         if self.limit is not None:
             keep = self.limit if keep is None else min(keep, self.limit)
         if keep is None and not torch.is_grad_enabled():
-            self._write_in_place(k, v)
+            self._write_in_place(new)
             return
-        past = self.past()
-        if past is not None:
-            k, v = torch.cat([past[0], k], 1), torch.cat([past[1], v], 1)
+        if self._t:
+            new = {name: torch.cat([self._t[name][:, :self._len], t], 1) for name, t in new.items()}
         if keep is not None:
-            start = max(0, k.shape[1] - keep)
-            k, v = k[:, start:].contiguous(), v[:, start:].contiguous()
-        self._k, self._v, self._len = k, v, k.shape[1]
+            start = max(0, new["k"].shape[1] - keep)
+            new = {name: t[:, start:].contiguous() for name, t in new.items()}
+        self._t, self._len = new, new["k"].shape[1]
 
     def grows_in_place(self, keep: int | None) -> bool:
         """Whether `append(.., keep)` writes into the storage without copying it (unbounded
@@ -194,16 +202,16 @@ class PersistentCache(AttentionState):
         keep = self.limit if keep is None else keep
         return keep is None and not torch.is_grad_enabled()
 
-    def _write_in_place(self, k: torch.Tensor, v: torch.Tensor) -> None:
+    def _write_in_place(self, new: dict[str, torch.Tensor]) -> None:
         """Unbounded decoding: amortised O(1) per token (doubling storage, as `KVCache`)."""
-        need = self._len + k.shape[1]
-        if self._k is None:
-            self._k, self._v = k.new_empty(k.shape), v.new_empty(v.shape)
-        elif need > self._k.shape[1]:
-            cap = max(need, 2 * self._k.shape[1])
-            self._k, self._v = _grow(self._k, cap, self._len), _grow(self._v, cap, self._len)
-        self._k[:, self._len:need] = k
-        self._v[:, self._len:need] = v
+        need = self._len + new["k"].shape[1]
+        if not self._t:
+            self._t = {name: t.new_empty(t.shape) for name, t in new.items()}
+        elif need > self._t["k"].shape[1]:
+            cap = max(need, 2 * self._t["k"].shape[1])
+            self._t = {name: _grow(t, cap, self._len) for name, t in self._t.items()}
+        for name, t in new.items():
+            self._t[name][:, self._len:need] = t
         self._len = need
 
     def tensors(self) -> list[torch.Tensor]:
@@ -211,8 +219,7 @@ class PersistentCache(AttentionState):
         return [] if past is None else list(past)
 
     def map_tensors(self, fn) -> None:
-        if self._k is not None:
-            self._k, self._v = fn(self._k, True), fn(self._v, True)
+        self._t = {name: fn(t, True) for name, t in self._t.items()}
 
     @property
     def can_crop(self) -> bool:  # type: ignore[override]
@@ -223,13 +230,15 @@ class PersistentCache(AttentionState):
         self._len = length
 
     def state_dict(self) -> dict[str, torch.Tensor]:
-        past = self.past()
-        return {} if past is None else {"k": past[0], "v": past[1]}
+        return {name: t[:, :self._len] for name, t in self._t.items()}
 
     def load_state_dict(self, tensors: dict[str, torch.Tensor], seen: int) -> None:
-        self._k, self._v = tensors.get("k"), tensors.get("v")
-        self._len = 0 if self._k is None else self._k.shape[1]
+        self._t = dict(tensors)
+        if self._t and "real" not in self._t:  # saved before padding was kept
+            self._t["real"] = torch.ones(self._t["k"].shape[:2], dtype=torch.bool, device=self._t["k"].device)
+        self._len = 0 if not self._t else self._t["k"].shape[1]
         self.seen = seen
+        self.masked = True
 
 
 @register("persistent", options=PersistentOptions, causal=True, bidirectional=True,
@@ -302,13 +311,16 @@ class PersistentAttention(nn.Module):
         return PersistentCache(None if self.limit is None else self.limit - 1)
 
     def forward(self, x: torch.Tensor, *, memory_state: PersistentCache | None = None,
-                attention_mask: torch.Tensor | None = None):
+                attention_mask: torch.Tensor | None = None, positions: torch.Tensor | None = None):
         """x [B, T, d] -> (y [B, T, d], memory_state).
 
-        attention_mask: bool [B, T], False for padding tokens of x (keys in the cache count
-        as real). With memory_state, continue after the tokens it holds and append to it.
+        attention_mask: bool [B, T], False for padding tokens of x (the cache remembers which
+        of its keys were padding). positions [B, T]: rotary positions (default: after the
+        tokens the state holds). With memory_state, continue after the tokens it holds and
+        append to it.
         """
         B, T, d = x.shape
+        check_mask(attention_mask, B, T)
         H, Hc, D = self.spec.n_heads, self.n_context_heads, self.spec.head_dim
         if self.span is not None and self.training:
             with torch.no_grad():  # the paper's projection of z onto [0, S] after each update
@@ -323,16 +335,19 @@ class PersistentAttention(nn.Module):
         if self.rotary is not None:
             if pq is None and pk.shape[1] > 0:
                 pq = q[:, :, H - pk.shape[0]:]  # persistent scores: unrotated query
-            q, k = self.rotary(q, offset), self.rotary(k, offset)
+            at = positions if positions is not None else offset
+            q, k = self.rotary(q, at), self.rotary(k, at)
         past = memory_state.past() if memory_state is not None else None
-        if attention_mask is not None and past is not None:
-            attention_mask = torch.cat([attention_mask.new_ones(B, past[0].shape[1]), attention_mask], 1)
+        new_mask = attention_mask
+        if past is not None and (attention_mask is not None or memory_state.masked):
+            mine = attention_mask if attention_mask is not None else torch.ones(B, T, dtype=torch.bool, device=x.device)
+            attention_mask = torch.cat([memory_state.real(), mine], 1)
         keep = self.cache_tokens()
         written = memory_state is not None and memory_state.grows_in_place(keep)
         if written:
             # unbounded decoding: write first, then read every key where the cache holds it
             # (query i sits at position Tk - Tq + i either way), instead of copying the cache
-            memory_state.append(k, v, keep=keep)
+            memory_state.append(k, v, keep=keep, real=new_mask)
             (k, v), past = memory_state.past(), None
         span = self.span.clamp(0, 1) * self.options.span_max if self.span is not None else None
         o, _ = persistent_attention(q, k, v, pk, pv, causal=self.spec.causal, mode=self.mode, pq=pq,
@@ -340,7 +355,7 @@ class PersistentAttention(nn.Module):
                                     ramp=float(self.options.span_ramp), window=self.limit,
                                     attention_mask=attention_mask, initial_state=past)
         if memory_state is not None and not written:
-            memory_state.append(k, v, keep=keep)
+            memory_state.append(k, v, keep=keep, real=new_mask)
         return self.dropout(self.out(o.reshape(B, T, d))), memory_state
 
     def _persistent(self) -> tuple[torch.Tensor, torch.Tensor]:

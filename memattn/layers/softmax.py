@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from memattn.layers.base import KVCache, LayerSpec, register
+from memattn.layers.base import KVCache, LayerSpec, check_mask, register
 from memattn.layers.positions import Rotary
 from memattn.ops.softmax import softmax_attention
 
@@ -35,14 +35,16 @@ class SoftmaxAttention(nn.Module):
         return KVCache()
 
     def forward(self, x: torch.Tensor, *, memory_state: KVCache | None = None,
-                attention_mask: torch.Tensor | None = None):
-        """x [B, T, d] -> (y [B, T, d], memory_state)."""
+                attention_mask: torch.Tensor | None = None, positions: torch.Tensor | None = None):
+        """x [B, T, d], attention_mask [B, T] (True = real token), positions [B, T] ->
+        (y [B, T, d], memory_state). The cache remembers which of its keys were padding."""
         B, T, _ = x.shape
+        check_mask(attention_mask, B, T)
         q, k, v = self.qkv(x).view(B, T, 3, self.spec.n_heads, self.spec.head_dim).unbind(2)
-        offset = memory_state.seen if memory_state is not None else 0
         if self.rotary is not None:
-            q, k = self.rotary(q, offset), self.rotary(k, offset)
+            at = positions if positions is not None else (memory_state.seen if memory_state is not None else 0)
+            q, k = self.rotary(q, at), self.rotary(k, at)
         if memory_state is not None:
-            k, v = memory_state.update(k, v)
+            k, v, attention_mask = memory_state.update(k, v, attention_mask)
         o = softmax_attention(q, k, v, causal=self.spec.causal, attention_mask=attention_mask)
         return self.dropout(self.out(o.reshape(B, T, -1))), memory_state

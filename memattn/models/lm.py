@@ -26,6 +26,7 @@ from memattn.layers.base import (
     MemoryLayout,
     build_attention,
     build_feedforward,
+    check_mask,
     get_mechanism,
     memory_layout,
 )
@@ -71,8 +72,9 @@ class Block(nn.Module):
         self.norm_ff = make_norm(cfg.norm, cfg.d_model) if ff is not None else None
         self.ff = ff
 
-    def forward(self, x, state=None, attention_mask=None, memory=None):
-        h, state = self.attn(self.norm_attn(x), memory_state=state, attention_mask=attention_mask)
+    def forward(self, x, state=None, attention_mask=None, memory=None, positions=None):
+        kwargs = {} if positions is None else {"positions": positions}
+        h, state = self.attn(self.norm_attn(x), memory_state=state, attention_mask=attention_mask, **kwargs)
         x = x + h
         if self.cross is not None:
             x = x + self.cross(self.norm_cross(x), memory)
@@ -153,6 +155,7 @@ class ModelCache:
 
     states: list[AttentionState]
     position: int = 0
+    real: torch.Tensor | None = None  # [B] real tokens read per row, once a mask was given
 
     def nbytes(self) -> int:
         return sum(s.nbytes() for s in self.states)
@@ -167,6 +170,8 @@ class ModelCache:
         indices = torch.as_tensor(indices, dtype=torch.long)
         if indices.dim() != 1:
             raise ShapeError(f"indices: expected row numbers [B'], got shape {tuple(indices.shape)}")
+        if self.real is not None:
+            self.real = self.real.index_select(0, indices.to(self.real.device))
         for state in self.states:
             state.map_tensors(lambda t, batched: t.index_select(0, indices.to(t.device)) if batched else t)
         return self
@@ -182,6 +187,8 @@ class ModelCache:
 
         for state in self.states:
             state.map_tensors(move)
+        if self.real is not None:
+            self.real = self.real.to(device)
         return self
 
     def crop(self, length: int) -> ModelCache:
@@ -193,6 +200,9 @@ class ModelCache:
         if refusing:
             raise ConfigError(f"crop: the states {sorted(set(refusing))} hold summaries of their tokens "
                               "and cannot forget the last ones")
+        if self.real is not None:
+            raise ConfigError("crop: the cache holds padded rows, whose real lengths differ; crop "
+                              "works on unpadded caches")
         for state in self.states:
             state.crop(length)
         self.position = length
@@ -243,6 +253,29 @@ class Transformer(nn.Module):
         losses = [loss for loss in losses if loss is not None]
         return torch.stack(losses).sum() if losses else None
 
+    def positions(self, B: int, T: int, offset: int, cache: ModelCache | None,
+                  attention_mask: torch.Tensor | None) -> torch.Tensor | None:
+        """Each token's position [B, T] counted over its row's real tokens (a padded row is
+        placed as if alone), and the cache's count of real tokens moved on; None when no row was
+        ever padded (every token then sits at offset, offset + 1, ...)."""
+        before = cache.real if cache is not None else None
+        if attention_mask is None and before is None:
+            return None
+        if self.memory is not None and self.memory_layout.every and attention_mask is not None \
+                and not bool(attention_mask.all()):
+            raise ConfigError("attention_mask: a causal gmat model places its memory blocks at the same "
+                              "positions in every row of a batch, so it cannot read left-padded rows; "
+                              "give it rows of one length (or one row at a time)")
+        if before is None:
+            before = torch.full((B,), offset, dtype=torch.long, device=self.embed.weight.device)
+        if attention_mask is None:
+            counted = torch.arange(1, T + 1, device=before.device).expand(B, T)
+        else:
+            counted = attention_mask.long().cumsum(1)  # [B, T] real tokens up to each token
+        if cache is not None:
+            cache.real = before + counted[:, -1]
+        return (before[:, None] + counted - 1).clamp_min(0)  # padding before the first real token: 0
+
     def hidden(self, idx: torch.Tensor, *, cache: ModelCache | None = None,
                attention_mask: torch.Tensor | None = None,
                memories: list | None = None) -> torch.Tensor:
@@ -254,6 +287,7 @@ class Transformer(nn.Module):
             raise ShapeError(f"idx: expected integer token ids [B, T], got shape {tuple(idx.shape)} "
                              f"of dtype {idx.dtype}")
         B, T = idx.shape
+        check_mask(attention_mask, B, T)
         if B == 0 or T == 0:
             raise ShapeError(f"idx: expected at least one sequence of at least one token, got shape {(B, T)}")
         if idx.device.type == "cpu":  # on a GPU the check would cost a synchronisation every call
@@ -262,23 +296,24 @@ class Transformer(nn.Module):
                 raise ShapeError(f"idx: token ids must lie in [0, {self.cfg.vocab_size}) (model.vocab_size), "
                                  f"got ids from {low} to {high}")
         offset = cache.position if cache is not None else 0
+        positions = self.positions(B, T, offset, cache, attention_mask)
         x = self.embed(idx)
         if self.pos is not None:
-            if offset + T > self.cfg.max_len:
-                raise ShapeError(f"idx: positions up to {offset + T} exceed model.max_len={self.cfg.max_len}"
+            last = offset + T - 1 if positions is None else int(positions.max())
+            if last >= self.cfg.max_len:
+                raise ShapeError(f"idx: positions up to {last + 1} exceed model.max_len={self.cfg.max_len}"
                                  " of the learned position table")
-            x = x + self.pos(torch.arange(offset, offset + T, device=idx.device))
+            x = x + self.pos(torch.arange(offset, offset + T, device=idx.device) if positions is None
+                             else positions)
         x = self.dropout(x)
         tokens = None
         if self.memory is not None:
-            if attention_mask is not None:
-                check_tensor("attention_mask", attention_mask, "[B, T]", B, T)
             x, attention_mask, tokens = insert_memory(x, self.memory.weight, self.memory_layout, offset,
                                                       attention_mask)
         for i, block in enumerate(self.blocks):
             state = cache.states[i] if cache is not None else None
             x, state = block(x, state, attention_mask,
-                             memories[i] if memories is not None else None)
+                             memories[i] if memories is not None else None, positions)
             if cache is not None:
                 cache.states[i] = state
         if cache is not None:

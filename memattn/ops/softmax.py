@@ -16,7 +16,9 @@ def softmax_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, caus
     q [B, Tq, H, K], k [B, Tk, H, K], v [B, Tk, H, V] -> o [B, Tq, H, V].
     causal: query i sits at position Tk - Tq + i and sees keys up to it (so a query
     block that continues a cache lines up with the end of the keys).
-    attention_mask: optional bool [B, Tk], True for keys that may be attended.
+    attention_mask: optional bool [B, Tk], True for keys that may be attended. A query whose
+        keys are all masked (padding itself, at the start of a left-padded row) reads its own
+        key (Tq <= Tk), so its output is defined and never NaN.
     """
     B, Tq, H, K = q.shape if q.dim() == 4 else (None,) * 4
     check_tensor("q", q, "[B, Tq, H, K]", None, None, None, None)
@@ -36,6 +38,9 @@ def softmax_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, caus
         rows = torch.arange(Tq, device=q.device)[:, None] + (Tk - Tq)
         allowed = torch.arange(Tk, device=q.device)[None, :] <= rows  # [Tq, Tk]
         mask = allowed if mask is None else mask & allowed
+    if attention_mask is not None and Tq <= Tk:  # a query with no key left reads its own
+        own = torch.arange(Tk, device=q.device)[None, :] == torch.arange(Tq, device=q.device)[:, None] + (Tk - Tq)
+        mask = mask | (own & ~mask.any(-1, keepdim=True))  # [B, 1, Tq, Tk]
     o = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
                                        attn_mask=mask, is_causal=is_causal, scale=scale)
     return o.transpose(1, 2)

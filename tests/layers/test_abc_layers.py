@@ -142,12 +142,13 @@ def test_cross_slots_defaults_to_num_slots():
 
 
 def window_reference(q, k, v, n, causal):
-    """Explicit softmax over the window: causal t-n+1..t, bidirectional |t-i| ≤ n // 2."""
+    """Explicit softmax over the window of n tokens: causal t-n+1..t, bidirectional
+    t - n // 2 .. t + (n - 1) // 2."""
     T = q.shape[1]
     o = torch.empty_like(v)
     for t in range(T):
         lo, hi = (max(0, t - n + 1), t + 1) if causal else (max(0, t - n // 2),
-                                                             min(T, t + n // 2 + 1))
+                                                             min(T, t + (n - 1) // 2 + 1))
         o[:, t] = read(q[:, t], k[:, lo:hi].transpose(1, 2), v[:, lo:hi].transpose(1, 2))
     return o
 

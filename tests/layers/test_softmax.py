@@ -55,7 +55,16 @@ def test_kv_cache_appends_and_keeps_content():
     cache = KVCache()
     ks = [torch.randn(1, n, 2, 3) for n in (2, 1, 5, 1)]
     for k in ks:
-        out_k, out_v = cache.update(k, -k)
+        out_k, out_v, mask = cache.update(k, -k)
+        assert mask is None  # no padding given, none kept
     torch.testing.assert_close(out_k, torch.cat(ks, 1))
     torch.testing.assert_close(out_v, -torch.cat(ks, 1))
     assert cache.seen == 9 and cache.nbytes() == 2 * 9 * 2 * 3 * 4
+
+
+def test_kv_cache_keeps_which_keys_were_padding():
+    cache = KVCache()
+    k = torch.randn(2, 3, 1, 2)
+    _, _, mask = cache.update(k, k, torch.tensor([[False, True, True], [True, True, True]]))
+    _, _, mask = cache.update(k[:, :1], k[:, :1])  # a step without a mask: its tokens are real
+    assert mask.tolist() == [[False, True, True, True], [True, True, True, True]]

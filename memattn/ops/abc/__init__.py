@@ -128,7 +128,8 @@ def bounded_memory_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                              ) -> tuple[torch.Tensor, BoundedMemoryState | None]:
     """General ABC attention with given write weights.
 
-    q [B, Tq, H, K], k [B, T, H, K], v [B, T, H, V], φ [B, T, H, M] non-negative.
+    q [B, Tq, H, K], k [B, T, H, K], v [B, T, H, V], φ [B, T, H, M] non-negative (a negative
+    weight is an error on the CPU; on a GPU it is not checked, which would synchronise).
     Causal (Tq = T): K̃_t = Σ_{i≤t} φ_i ⊗ k_i, Ṽ_t likewise, no normalisation; a slot
     nothing was written to has K̃ = 0 and scores 0. Not causal: sums over the whole sequence.
 
