@@ -65,6 +65,9 @@ class ModelConfig:
     # GPT-2's, for small widths ~1/√d_model lets symmetric units (memory tokens) part sooner
     init_std: float = 0.02
     attention: AttentionConfig = field(default_factory=AttentionConfig)
+    # cross attention of an encoder-decoder's decoder (None: `attention` itself), a mechanism
+    # that can serve as cross attention (memattn.layers.cross), with its own options
+    cross_attention: AttentionConfig | None = None
 
     def __post_init__(self) -> None:
         _positive("model.vocab_size", self.vocab_size, zero_ok=True)

@@ -8,6 +8,7 @@ from memattn.layers import gmat  # noqa: F401  (registers "gmat")
 from memattn.layers import linear  # noqa: F401  (registers "linear" and "gated-linear")
 from memattn.layers import persistent  # noqa: F401  (registers "persistent")
 from memattn.layers import softmax  # noqa: F401  (registers "softmax")
+from memattn.layers import cross  # noqa: F401  (registers the cross attention of softmax and abc-mlp)
 from memattn.layers.base import (AttentionState, KVCache, LayerSpec, Mechanism,
                                  build_attention, get_mechanism, mechanisms, register)
 

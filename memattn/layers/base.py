@@ -211,6 +211,9 @@ class Mechanism:
     # (spec, options) -> a module of the mechanism's own for the block's feed-forward slot
     # (pre-norm and residual kept), or None; it takes precedence over the model's MLP.
     feedforward: Callable[[LayerSpec, Any], nn.Module | None] | None = None
+    # The class of its cross attention (queries of one sequence reading a memory written by
+    # another, `memattn.layers.cross`), or None: the mechanism cannot serve as cross attention.
+    cross: Callable[..., nn.Module] | None = None
 
 
 _REGISTRY: dict[str, Mechanism] = {}
@@ -230,6 +233,15 @@ def register(name: str, *, options: type = NoOptions, causal: bool = True,
         return cls
 
     return wrap
+
+
+def register_cross(name: str, layer: Callable[..., nn.Module]) -> None:
+    """Say that mechanism `name` serves as cross attention with the class `layer`, built as
+    layer(spec, options) with `name`'s typed options."""
+    mech = get_mechanism(name)
+    if mech.cross is not None:
+        raise ValueError(f"cross attention of {name!r} is registered twice")
+    mech.cross = layer
 
 
 def mechanisms() -> dict[str, Mechanism]:

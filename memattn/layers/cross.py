@@ -12,8 +12,10 @@ it at every step:
               ([B, H, M, D] twice), whatever S. A model's causal self attention keeps
               `num_slots`, so self and cross attention have separate memory sizes.
 
-`build_cross_attention(name, options, spec)` gives the cross layer of mechanism `name`
-with its options; a mechanism without one gets softmax cross attention (`cross_mechanism`).
+A mechanism says in the registry whether it can serve as cross attention and with which
+layer (`register_cross` below); `build_cross_attention(name, options, spec)` builds it, and
+a mechanism that cannot is refused with a ConfigError naming those that can: never a silent
+softmax. A model picks its cross mechanism with `model.cross_attention` (default: its own).
 No positions: the memory is a set, read the same by every target position.
 """
 
@@ -24,9 +26,9 @@ from typing import Any, NamedTuple
 import torch
 from torch import nn
 
-from memattn.errors import ShapeError, check_tensor
+from memattn.errors import ConfigError, ShapeError, check_tensor
 from memattn.layers.abc import PAD_LOGIT, ABCMLPOptions, activation_logits
-from memattn.layers.base import LayerSpec, parse_options
+from memattn.layers.base import LayerSpec, get_mechanism, mechanisms, parse_options, register_cross
 from memattn.ops.abc import ABCState
 from memattn.ops.abc.chunked import abc_memory, read_memory
 from memattn.ops.abc.common import compute_dtype
@@ -124,15 +126,20 @@ class ABCCrossAttention(_Cross):
         return self.finish(o.to(x.dtype))
 
 
-_CROSS = {"softmax": SoftmaxCrossAttention, "abc-mlp": ABCCrossAttention}
+register_cross("softmax", SoftmaxCrossAttention)
+register_cross("abc-mlp", ABCCrossAttention)
 
 
-def cross_mechanism(name: str) -> str:
-    """The cross attention a model with self attention `name` uses: its own, or softmax."""
-    return name if name in _CROSS else "softmax"
+def cross_mechanisms() -> list[str]:
+    """The registered mechanisms that can serve as cross attention."""
+    return [name for name, m in mechanisms().items() if m.cross is not None]
 
 
 def build_cross_attention(name: str, options: dict[str, Any] | Any, spec: LayerSpec) -> nn.Module:
-    """The cross layer of mechanism `name` (options parsed as its self attention's)."""
-    cross = cross_mechanism(name)
-    return _CROSS[cross](spec, parse_options(cross, options if cross == name else {}))
+    """The cross layer of mechanism `name` with its options; ConfigError if it has none."""
+    mech = get_mechanism(name)
+    if mech.cross is None:
+        raise ConfigError(f"attention: {name!r} cannot serve as cross attention (it has no memory "
+                          f"written by another sequence); mechanisms that can: "
+                          f"{', '.join(cross_mechanisms())} (set model.cross_attention)")
+    return mech.cross(spec, parse_options(name, options))

@@ -63,8 +63,8 @@ class Block(nn.Module):
         self.norm_attn = make_norm(cfg.norm, cfg.d_model)
         self.attn = build_attention(cfg.attention.name, cfg.attention.options, spec)
         self.norm_cross = make_norm(cfg.norm, cfg.d_model) if cross else None
-        self.cross = (build_cross_attention(cfg.attention.name, cfg.attention.options, spec)
-                      if cross else None)
+        mech = cfg.cross_attention or cfg.attention
+        self.cross = build_cross_attention(mech.name, mech.options, spec) if cross else None
         hidden = int(cfg.ff_mult * cfg.d_model)
         ff = build_feedforward(cfg.attention.name, cfg.attention.options, spec)  # the mechanism's own, if any
         if ff is None and hidden > 0 and not get_mechanism(cfg.attention.name).replaces_feedforward:

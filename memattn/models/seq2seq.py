@@ -1,9 +1,10 @@
 """An encoder-decoder: a bidirectional encoder writes a source memory that a causal decoder reads.
 
 The encoder and the decoder are `Transformer` stacks with the configured mechanism; every
-decoder block adds cross attention (`memattn.layers.cross`): ABC_MLP cross attention with
-`attention.cross_slots` slots when the mechanism is `abc-mlp` (its self attention keeps
-`attention.num_slots`), softmax cross attention otherwise. The source is encoded once:
+decoder block adds cross attention (`memattn.layers.cross`) of `model.cross_attention`
+(default: the model's own mechanism, which must be able to serve as cross attention):
+ABC_MLP cross attention has `attention.cross_slots` slots (its self attention keeps
+`attention.num_slots`); softmax cross attention reads every source token. The source is encoded once:
 `encode` returns one memory per decoder block, read by every decoding step, so with
 `abc-mlp` the whole decoding state (self and cross) has a fixed size whatever the lengths.
 """

@@ -5,10 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from memattn.errors import ShapeError
-from memattn.layers import LayerSpec
+from memattn.errors import ConfigError, ShapeError
+from memattn.layers import LayerSpec, mechanisms
 from memattn.layers.cross import (ABCCrossAttention, SoftmaxCrossAttention,
-                                  build_cross_attention, cross_mechanism)
+                                  build_cross_attention, cross_mechanisms)
 
 F64 = torch.float64
 D_MODEL, HEADS = 16, 2
@@ -68,12 +68,28 @@ def test_abc_cross_memory_has_cross_slots_and_a_fixed_size():
     assert soft.memory(torch.randn(2, 400, D_MODEL, dtype=F64)).k.shape[1] == 400
 
 
-def test_mechanisms_without_their_own_cross_attention_use_softmax():
-    assert cross_mechanism("abc-mlp") == "abc-mlp"
-    for name in ("softmax", "linear", "gmat", "abc-window"):
-        assert cross_mechanism(name) == "softmax"
-    m = build_cross_attention("abc-window", {"window": 4}, LayerSpec(D_MODEL, HEADS))
-    assert isinstance(m, SoftmaxCrossAttention)
+def test_cross_attention_comes_from_the_registry_and_is_refused_where_there_is_none():
+    assert cross_mechanisms() == ["abc-mlp", "softmax"]
+    assert isinstance(build_cross_attention("softmax", {}, LayerSpec(D_MODEL, HEADS)), SoftmaxCrossAttention)
+    for name in [n for n in mechanisms() if n not in cross_mechanisms()]:
+        with pytest.raises(ConfigError, match="cannot serve as cross attention.*abc-mlp, softmax"):
+            build_cross_attention(name, {}, LayerSpec(D_MODEL, HEADS))
+
+
+def test_an_encoder_decoder_picks_its_cross_attention_apart():
+    from memattn.config import AttentionConfig, ModelConfig, load_config
+    from memattn.models import EncoderDecoder
+
+    cfg = ModelConfig(vocab_size=20, d_model=D_MODEL, n_layers=1, n_heads=HEADS,
+                      attention=AttentionConfig("abc-window", {"window": 4}))
+    with pytest.raises(ConfigError, match="'abc-window' cannot serve as cross attention"):
+        EncoderDecoder(cfg)
+    cfg.cross_attention = AttentionConfig("abc-mlp", {"cross_slots": 3})
+    model = EncoderDecoder(cfg)
+    assert isinstance(model.decoder.blocks[0].cross, ABCCrossAttention)
+    assert model.encode(torch.randint(0, 20, (2, 9)))[0].k.shape == (2, HEADS, 3, HEAD)
+    run = load_config(None, ["model.cross_attention.name=abc-mlp", "model.cross_attention.cross_slots=5"])
+    assert run.model.cross_attention.options == {"cross_slots": 5}
 
 
 def test_bad_inputs_name_the_argument():

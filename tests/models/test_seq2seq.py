@@ -12,16 +12,19 @@ from memattn.models import EncoderDecoder
 from memattn.models.seq2seq import memory_nbytes
 
 
-def model(name="abc-mlp", positions="rotary", **options):
+def model(name="abc-mlp", positions="rotary", cross=None, **options):
     cfg = ModelConfig(vocab_size=12, d_model=32, n_layers=2, n_heads=4, max_len=64,
-                      positions=positions, attention=AttentionConfig(name, options))
+                      positions=positions, attention=AttentionConfig(name, options),
+                      cross_attention=cross)
     return EncoderDecoder(cfg)
 
 
-@pytest.mark.parametrize("name,options", [("abc-mlp", {"num_slots": 5, "cross_slots": 3}),
-                                          ("softmax", {}), ("linear", {})])
-def test_decoding_step_by_step_equals_the_full_forward(name, options):
-    m = model(name, **options).double().eval()
+@pytest.mark.parametrize("name,options,cross", [
+    ("abc-mlp", {"num_slots": 5, "cross_slots": 3}, None), ("softmax", {}, None),
+    ("linear", {}, AttentionConfig("softmax")),
+    ("abc-window", {"window": 3}, AttentionConfig("abc-mlp", {"cross_slots": 4}))])
+def test_decoding_step_by_step_equals_the_full_forward(name, options, cross):
+    m = model(name, cross=cross, **options).double().eval()
     src, tgt = torch.randint(0, 12, (2, 9)), torch.randint(0, 12, (2, 7))
     mask = torch.ones(2, 9, dtype=torch.bool)
     mask[0, 7:] = False
