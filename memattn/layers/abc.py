@@ -484,6 +484,16 @@ class ABCWindowAttention(_ABCBase):
         if offset == 0 and T > self.options.window:  # from an empty state: in blocks
             o = local_window_attention(q, k, v, real, self.options.window, self.spec.causal,
                                        self.options.dilation if self.dilated else 0)
+        elif not self.dilated and memory_state is not None and T > self.options.window:
+            # a long continuation: the held queue, in position order, then the new tokens, in
+            # blocks as from an empty state (its slots hold positions offset - n .. offset - 1)
+            queue = memory_state.queues[0]
+            order = torch.argsort(queue.pos)  # empty slots (-1) first
+            held = queue.real[:, order] & (queue.pos[order] >= 0)[None]
+            o = local_window_attention(torch.cat([torch.zeros_like(q[:, :len(order)]), q], 1),
+                                       torch.cat([queue.k[:, order].to(k.dtype), k], 1),
+                                       torch.cat([queue.v[:, order].to(v.dtype), v], 1),
+                                       torch.cat([held, real], 1), self.options.window, True)[:, len(order):]
         else:  # the new tokens can sit in both queues; a buffered key only in its own queue
             count = self._local(qpos, qpos).long()
             if self.dilated:

@@ -571,3 +571,18 @@ def test_phi_init_std_sets_w_phi_alone_and_survives_the_model_init():
         assert b.attn.qkv.weight.std().item() == pytest.approx(0.02, rel=0.05)  # the rest as before
     with pytest.raises(ConfigError, match="phi_init_std"):
         AttentionConfig("abc-mlp", {"phi_init_std": -1.0})
+
+
+@pytest.mark.parametrize("first", [2, 4, 9])
+def test_abc_window_continues_a_long_chunk_in_blocks(first):
+    """A chunk longer than the window after a prefix (a held queue partly or wholly full)
+    equals the full pass, through the blocked path rather than a [T, T + n] count."""
+    m = layer("abc-window", positions="rotary", window=4)
+    x = torch.randn(2, first + 23, D_MODEL, dtype=F64)
+    state = m.init_state(2, dtype=F64)
+    a, state = m(x[:, :first], memory_state=state)
+    b, state = m(x[:, first:], memory_state=state)
+    torch.testing.assert_close(torch.cat([a, b], 1), m(x)[0], rtol=1e-9, atol=1e-9)
+    c, _ = m(x[:, :3], memory_state=state)  # and goes on decoding from the queue it left
+    full = m(torch.cat([x, x[:, :3]], 1))[0]
+    torch.testing.assert_close(c, full[:, -3:], rtol=1e-9, atol=1e-9)
