@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from memattn.errors import ShapeError
-from memattn.layers import KVCache
+from memattn.layers import KVCache, LayerSpec, build_attention
+from memattn.layers.positions import Rotary
 from memattn.ops import softmax_attention
 
 
@@ -68,3 +69,27 @@ def test_kv_cache_keeps_which_keys_were_padding():
     _, _, mask = cache.update(k, k, torch.tensor([[False, True, True], [True, True, True]]))
     _, _, mask = cache.update(k[:, :1], k[:, :1])  # a step without a mask: its tokens are real
     assert mask.tolist() == [[False, True, True, True], [True, True, True, True]]
+
+
+@pytest.mark.parametrize("positions", ["none", "rotary"])
+def test_layer_is_projections_around_the_reference(positions):
+    """The `softmax` layer: q, k, v projections (rotated at their positions), the reference
+    read per head, the output projection; and the same with a cache, step by step."""
+    layer = build_attention("softmax", {}, LayerSpec(12, 3, positions=positions)).double().eval()
+    x = torch.randn(2, 7, 12, dtype=torch.float64)
+    q, k, v = layer.qkv(x).view(2, 7, 3, 3, 4).unbind(2)
+    if positions == "rotary":
+        q, k = Rotary(4)(q), Rotary(4)(k)
+    want = layer.out(reference(q, k, v, causal=True).reshape(2, 7, 12))
+    torch.testing.assert_close(layer(x)[0], want)
+    state = layer.init_state(2)
+    steps = torch.cat([layer(x[:, t:t + 1], memory_state=state)[0] for t in range(7)], 1)
+    torch.testing.assert_close(steps, want)
+
+
+def test_a_query_with_every_key_masked_reads_its_own():
+    q, k, v = (torch.randn(1, 4, 1, 2, dtype=torch.float64) for _ in range(3))
+    mask = torch.tensor([[False, False, True, True]])  # left padding of two
+    o = softmax_attention(q, k, v, causal=True, attention_mask=mask)
+    torch.testing.assert_close(o[:, :2], v[:, :2])  # the padding: its own value, not NaN
+    torch.testing.assert_close(o[:, 2:], reference(q, k, v, True, mask)[:, 2:])
