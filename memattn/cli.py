@@ -118,6 +118,31 @@ def cmd_generate(args) -> int:
     return 0
 
 
+def mechanism_table() -> str:
+    """Every registered mechanism: where it works, its summary, and each option with its type
+    and default, as `attention.OPTION=VALUE` sets it."""
+    import dataclasses
+    import typing
+
+    from memattn.layers import mechanisms
+
+    lines = []
+    for name, mech in mechanisms().items():
+        uses = [use for use, ok in (("causal", mech.causal), ("encoder", mech.bidirectional),
+                                    ("cross", mech.cross is not None)) if ok]
+        lines.append(f"{name} ({', '.join(uses)}): {mech.summary}")
+        hints = typing.get_type_hints(mech.options)
+        for f in dataclasses.fields(mech.options):
+            default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
+            hint = hints[f.name]
+            if typing.get_origin(hint) is typing.Literal:
+                kind = " | ".join(map(str, typing.get_args(hint)))
+            else:
+                kind = getattr(hint, "__name__", None) or str(hint).replace("typing.", "")
+            lines.append(f"    attention.{f.name}: {kind} = {default!r}")
+    return "\n".join(lines)
+
+
 def check_device(name: str) -> None:
     """ConfigError for a device torch cannot use here (e.g. cuda without a GPU)."""
     import torch
@@ -182,8 +207,10 @@ def cmd_info(args) -> int:
           f" (batch 1, fp32{'; constant in context length' if per_token == 0 else ''})")
     for n, (i, zs) in enumerate(info.get("spans", {}).items()):
         print(f"{'learned spans' if n == 0 else '':<15}layer {i}: {', '.join(f'{z:g}' for z in zs)} tokens")
-    if args.mechanisms or not args.checkpoint:
-        print("mechanisms     " + ", ".join(mechanisms()))
+    if args.mechanisms:
+        print(mechanism_table())
+    elif not args.checkpoint:
+        print("mechanisms     " + ", ".join(mechanisms()) + " (--mechanisms: their options)")
     return 0
 
 

@@ -77,3 +77,18 @@ def test_train_eval_generate_info_end_to_end(text_file, tmp_path):
     # softmax: a KV cache of 2 x d_model floats per layer per token, nothing fixed
     assert info["state_bytes_per_token"] == 2 * 2 * 32 * 4 and info["state_fixed_bytes"] == 0
     assert info["parameters"] > 0
+
+
+def test_info_lists_every_mechanism_with_its_options(capsys):
+    import dataclasses
+
+    from memattn.layers import mechanisms
+
+    assert main(["info", "--mechanisms", "--config", "tiny"]) == 0
+    out = capsys.readouterr().out
+    for name, mech in mechanisms().items():
+        assert f"\n{name} (" in out
+        for f in dataclasses.fields(mech.options):
+            assert f"attention.{f.name}: " in out
+    assert "attention.activation: exp | relu | sigmoid = 'exp'" in out
+    assert "softmax (causal, encoder, cross)" in out and "abc-workspace (encoder)" in out
