@@ -28,7 +28,7 @@ def run_demo(preset: str, overrides: list[str], mechanisms: list[str], out_dir: 
             print(f"corpus {corpus.name}: {len(corpus.train):,} / {len(corpus.val):,} / "
                   f"{len(corpus.test):,} characters (train / val / test), vocabulary {corpus.vocab.size}, "
                   f"prepared in {time.perf_counter() - start:.1f}s")
-        summary = train(cfg)
+        summary = train(cfg, overwrite=True)  # the demo always trains anew
         model, cfg, vocab_json = model_from_checkpoint(summary["checkpoint"])
         test = evaluate(model, as_tensor(corpus.test), seq_len=cfg.train.seq_len,
                         batch_size=cfg.train.batch_size)

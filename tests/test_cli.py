@@ -92,3 +92,12 @@ def test_info_lists_every_mechanism_with_its_options(capsys):
             assert f"attention.{f.name}: " in out
     assert "attention.activation: exp | relu | sigmoid = 'exp'" in out
     assert "softmax (causal, encoder, cross)" in out and "abc-workspace (encoder)" in out
+
+
+def test_demo_runs_twice_into_the_same_folder(text_file, tmp_path, capsys):
+    """`make demo` run again trains anew (the demo's folder is its own to replace)."""
+    over = [o for o in tiny_overrides(text_file, tmp_path) if not o.startswith("train.out_dir")]
+    argv = ["demo", "--config", "tiny", *over, "train.steps=3", "train.eval_every=3", "train.save_every=3",
+            "--out-dir", str(tmp_path / "demo"), "--attention", "softmax"]
+    assert main(argv) == 0 and main(argv) == 0
+    assert json.loads((tmp_path / "demo" / "summary.json").read_text())[0]["attention"] == "softmax"
