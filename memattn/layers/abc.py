@@ -776,15 +776,13 @@ class ABCWorkspaceOptions:
 class Workspace(nn.Module):
     """The workspace the abc-workspace layers of one model share (through spec.shared).
 
-    initial [H, M, D]: the learned workspace the first layer reads (N(0, 1) init).
-    current [B, H, M, D] or None: the key memory K̃ the last layer wrote, which the next
-    layer reads; set during a forward pass, cleared by the model's last layer.
+    initial [H, M, D]: the learned workspace the first layer reads (N(0, 1) init). What a
+    layer passes to the next travels in the forward pass's `layer_outputs`, not here.
     """
 
     def __init__(self, heads: int, slots: int, head_dim: int) -> None:
         super().__init__()
         self.initial = nn.Parameter(torch.randn(heads, slots, head_dim))
-        self.current: torch.Tensor | None = None
 
 
 @register("abc-workspace", options=ABCWorkspaceOptions, causal=False)
@@ -811,25 +809,33 @@ class ABCWorkspaceAttention(_ABCBase):
         raise ConfigError("attention: 'abc-workspace' is bidirectional only and has no "
                           "decoding state")
 
+    reads_layer_outputs = True  # a model passes this forward pass's `layer_outputs`
+
     def forward(self, x: torch.Tensor, *, memory_state=None,
-                attention_mask: torch.Tensor | None = None, positions: torch.Tensor | None = None):
+                attention_mask: torch.Tensor | None = None, positions: torch.Tensor | None = None,
+                layer_outputs: dict[int, torch.Tensor] | None = None):
         """x [B, T, d], attention_mask [B, T] bool (True = real), positions [B, T] ->
-        (y [B, T, d], None)."""
+        (y [B, T, d], None).
+
+        layer_outputs: {layer_idx: key memory K̃ [B, H, M, D]} of one forward pass; this layer
+        reads entry layer_idx - 1 (absent: the learned initial workspace) and writes its own.
+        Keyed by layer, so a layer recomputed later (activation checkpointing) reads the same
+        value as the first time.
+        """
         _, q, k, v = self.project(x, attention_mask=attention_mask, positions=positions)
         B, T, _ = x.shape
-        ws = self.workspace
-        prev = ws.current if self.spec.layer_idx > 0 else None
+        prev = (layer_outputs or {}).get(self.spec.layer_idx - 1)
         if prev is None:  # the first layer (or a layer used on its own)
-            prev = ws.initial.expand(B, -1, -1, -1)
+            prev = self.workspace.initial.expand(B, -1, -1, -1)
         elif prev.shape[0] != B:
             raise ShapeError(f"x: batch of {B} after a workspace written for a batch of "
-                             f"{prev.shape[0]}; the layers of one model run in order")
+                             f"{prev.shape[0]}; the layers of one forward pass share its batch")
         s = torch.einsum("bthd,bhmd->bthm", k, prev.to(k.dtype)) * self.spec.head_dim ** -0.5
         if attention_mask is not None:
             s = s.masked_fill(~attention_mask[:, :, None, None], PAD_LOGIT)
         o, state = abc_attention(q, k, v, s, causal=False, output_final_state=True)
-        last = self.spec.layer_idx == self.spec.n_layers - 1
-        ws.current = None if last else state.k.to(k.dtype)
+        if layer_outputs is not None:
+            layer_outputs[self.spec.layer_idx] = state.k.to(k.dtype)
         return self.finish(o), None
 
 

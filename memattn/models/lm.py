@@ -72,8 +72,10 @@ class Block(nn.Module):
         self.norm_ff = make_norm(cfg.norm, cfg.d_model) if ff is not None else None
         self.ff = ff
 
-    def forward(self, x, state=None, attention_mask=None, memory=None, positions=None):
+    def forward(self, x, state=None, attention_mask=None, memory=None, positions=None, layer_outputs=None):
         kwargs = {} if positions is None else {"positions": positions}
+        if getattr(self.attn, "reads_layer_outputs", False):  # e.g. abc-workspace
+            kwargs["layer_outputs"] = layer_outputs
         h, state = self.attn(self.norm_attn(x), memory_state=state, attention_mask=attention_mask, **kwargs)
         x = x + h
         if self.cross is not None:
@@ -310,10 +312,11 @@ class Transformer(nn.Module):
         if self.memory is not None:
             x, attention_mask, tokens = insert_memory(x, self.memory.weight, self.memory_layout, offset,
                                                       attention_mask)
+        layer_outputs: dict = {}  # what a layer passes to later ones, in this pass only
         for i, block in enumerate(self.blocks):
             state = cache.states[i] if cache is not None else None
             x, state = block(x, state, attention_mask,
-                             memories[i] if memories is not None else None, positions)
+                             memories[i] if memories is not None else None, positions, layer_outputs)
             if cache is not None:
                 cache.states[i] = state
         if cache is not None:

@@ -327,9 +327,12 @@ def test_abc_workspace_reads_the_previous_layers_memory():
         layers.append(build_attention("abc-workspace", {"num_slots": M}, spec).double())
     assert layers[0].workspace is layers[1].workspace
     x0, x1 = torch.randn(2, 2, 9, D_MODEL, dtype=F64)
-    y0, _ = layers[0](x0)
-    y1, _ = layers[1](x1)
-    assert layers[1].workspace.current is None  # the last layer lets go of it
+    passed = {}  # one forward pass's layer outputs, given explicitly
+    y0, _ = layers[0](x0, layer_outputs=passed)
+    y1, _ = layers[1](x1, layer_outputs=passed)
+    assert sorted(passed) == [0, 1]
+    again, _ = layers[1](x1, layer_outputs=passed)  # recomputed: the same input, the same output
+    torch.testing.assert_close(again, y1, rtol=0, atol=0)
     # by hand: logits k_i · P_m / √D, memory normalised over the sequence per slot
     q, k, v = projections(layers[0], x0)
     P0 = layers[0].workspace.initial
