@@ -421,3 +421,22 @@ def test_step_checks_its_state():
         linear_attention_step(x["q"][:, 0], x["k"][:, 0], x["v"][:, 0], torch.zeros(2, 2, 4, 5))
     with pytest.raises(ShapeError, match="^alpha_t:"):
         linear_attention_step(x["q"][:, 0], x["k"][:, 0], x["v"][:, 0], None, torch.ones(2, 3))
+
+
+def test_a_gate_that_is_not_a_number_is_not_read_as_a_reset():
+    """A NaN α gives NaN from its step on in the chunked form, as in the reference, and the
+    outputs before it are the reference's; α = 0 (a true reset) stays finite."""
+    from memattn.ops.linear.chunked import linear_attention_chunked
+    from memattn.ops.linear.reference import linear_attention_reference
+
+    g = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(1, 40, 2, 4, generator=g, dtype=torch.float64) for _ in range(3))
+    alpha = torch.rand(1, 40, 2, generator=g, dtype=torch.float64)
+    alpha[0, 20, 0] = float("nan")
+    got, _ = linear_attention_chunked(q, k, v, alpha=alpha)
+    want, _ = linear_attention_reference(q, k, v, alpha=alpha)
+    assert torch.isnan(got[0, 20:, 0]).all() and torch.isnan(want[0, 20:, 0]).all()
+    torch.testing.assert_close(got[:, :20], want[:, :20])
+    torch.testing.assert_close(got[:, :, 1], want[:, :, 1])
+    alpha[0, 20, 0] = 0.0
+    assert torch.isfinite(linear_attention_chunked(q, k, v, alpha=alpha)[0]).all()

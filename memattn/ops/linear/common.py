@@ -68,10 +68,12 @@ def heads_first(t: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | No
 
 
 def log_alpha(alpha: torch.Tensor) -> torch.Tensor:
-    """log α elementwise with -inf where α = 0. Autograd gives 0 (not NaN) at α = 0."""
+    """log α elementwise with -inf where α = 0 and NaN where α is NaN (a gate that is not a
+    number is never read as a reset). Autograd gives 0 (not NaN) at α = 0."""
     positive = alpha > 0
     safe = torch.where(positive, alpha, torch.ones_like(alpha))  # keeps log's gradient finite
-    return torch.where(positive, safe.log(), torch.full_like(alpha, float("-inf")))
+    zero = torch.where(alpha == 0, float("-inf"), float("nan")).to(alpha.dtype)
+    return torch.where(positive, safe.log(), zero)
 
 
 def to_chunks(t: torch.Tensor, chunk: int) -> torch.Tensor:
