@@ -483,3 +483,17 @@ def test_step_bad_input_and_options():
         abc_attention(q, k, v, s, mode="fast")
     with pytest.raises(ValueError, match=r"^mode: 'recurrent' is a causal form"):
         abc_attention(q, k, v, s, causal=False, mode="recurrent")
+
+
+@pytest.mark.parametrize("where", ["k", "v", "s"])
+def test_a_non_finite_input_spoils_nothing_before_it(where):
+    """The chunked forms mix a chunk's steps in one product; with a NaN or an infinity at step
+    t the op takes the step-by-step form, so every output before t is the reference's."""
+    q, k, v, s = inputs(T=150, M=4)
+    bad = {"k": k, "v": v, "s": s}[where]
+    bad[0, 131, 1, 0] = float("nan") if where != "s" else float("inf")
+    for op, ref, w in ((abc_attention, abc_reference, s), (bounded_memory_attention, bounded_memory_reference, s.exp())):
+        got, _ = op(q, k, v, w)
+        want, _ = ref(q, k, v, w)
+        torch.testing.assert_close(got[:, :131], want[:, :131], **F64)
+        assert torch.isfinite(got[:, :131]).all()

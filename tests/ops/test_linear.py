@@ -440,3 +440,16 @@ def test_a_gate_that_is_not_a_number_is_not_read_as_a_reset():
     torch.testing.assert_close(got[:, :, 1], want[:, :, 1])
     alpha[0, 20, 0] = 0.0
     assert torch.isfinite(linear_attention_chunked(q, k, v, alpha=alpha)[0]).all()
+
+
+def test_a_non_finite_key_spoils_nothing_before_it():
+    from memattn.ops import linear_attention
+    from memattn.ops.linear.reference import linear_attention_reference
+
+    g = torch.Generator().manual_seed(4)
+    q, k, v = (torch.randn(1, 150, 2, 4, generator=g, dtype=torch.float64) for _ in range(3))
+    k[0, 131, 0, 2] = float("nan")
+    got, _ = linear_attention(q, k, v)
+    want, _ = linear_attention_reference(q, k, v)
+    torch.testing.assert_close(got[:, :131], want[:, :131])
+    assert torch.isfinite(got[:, :131]).all() and torch.isnan(got[0, 131:, 0]).all()

@@ -31,7 +31,8 @@ import torch
 
 from memattn.kernels import BACKENDS, use_kernels
 from memattn.ops.abc.chunked import abc_chunked, bounded_memory_chunked
-from memattn.ops.abc.common import ABCState, BoundedMemoryState, check_inputs, check_state_type
+from memattn.ops.abc.common import (ABCState, BoundedMemoryState, check_inputs, check_state_type,
+                                    finite_or_off_cpu)
 from memattn.ops.abc.recurrent import (
     abc_attention_step,
     abc_recurrent,
@@ -113,7 +114,7 @@ def abc_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, s: torch.Te
     if cu_seqlens is not None:
         from memattn.ops.abc.varlen import abc_varlen
         return abc_varlen(q, k, v, s, cu_seqlens, **kwargs)
-    if form == "recurrent":
+    if form == "recurrent" or (mode == "auto" and causal and not finite_or_off_cpu(q, k, v, s, initial_state)):
         return abc_recurrent(q, k, v, s, **kwargs)
     if form == "reference":
         return abc_reference(q, k, v, s, causal=causal, **kwargs)
@@ -148,7 +149,7 @@ def bounded_memory_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         return o[:, None], (state if output_final_state else None)
     kwargs = {"scale": scale, "initial_state": initial_state,
               "output_final_state": output_final_state}
-    if form == "recurrent":
+    if form == "recurrent" or (mode == "auto" and causal and not finite_or_off_cpu(q, k, v, phi, initial_state)):
         return bounded_memory_recurrent(q, k, v, phi, **kwargs)
     if form == "reference":
         return bounded_memory_reference(q, k, v, phi, causal=causal, **kwargs)

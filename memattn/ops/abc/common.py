@@ -119,6 +119,19 @@ def check_step_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, w: torc
     return B, H, K, V, M
 
 
+def finite_or_off_cpu(*tensors) -> bool:
+    """False when a CPU tensor among `tensors` (None and tuples allowed) holds a NaN or an
+    infinity. The chunked forms mix every step of a chunk in one product, so a non-finite
+    input there would spoil the outputs before it; the ops then take the step-by-step form,
+    whose outputs before it are exact. Checked through one sum per tensor (NaN and infinity
+    reach it; about 1 % of the op on the CPU; a sum that overflows only costs the faster form).
+    Not checked on a GPU, where it would synchronise."""
+    flat = [t for x in tensors for t in (x if isinstance(x, tuple) else (x,)) if t is not None]
+    return all(t.device.type != "cpu" or not t.is_floating_point()
+               or bool(torch.isfinite(t.sum(dtype=torch.float32 if t.element_size() < 4 else None)))
+               for t in flat)
+
+
 def check_nonnegative(w: torch.Tensor, name: str, wanted: bool) -> None:
     """ShapeError for negative write weights, checked where it is free: on the CPU. On a GPU
     the check would synchronise with the host at every call and decoding step, so it is left

@@ -23,6 +23,7 @@ from memattn.kernels import use_kernels
 from memattn.ops.linear.backward import (ALPHA_MIN, MAX_AMPLIFICATION, choose_state_mode,
                                          linear_attention_autograd)
 from memattn.ops.linear.chunked import DEFAULT_CHUNK_SIZE, linear_attention_chunked
+from memattn.ops.abc.common import finite_or_off_cpu
 from memattn.ops.linear.common import check_alpha_values, check_inputs
 from memattn.ops.linear.recurrent import (linear_attention_read, linear_attention_recurrent,
                                           linear_attention_step)
@@ -70,6 +71,11 @@ def linear_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causa
             q[:, 0], k[:, 0], v[:, 0], initial_state,
             *(None if t is None else t[:, 0] for t in (alpha, beta)), scale=scale)
         return o[:, None], (state if output_final_state else None)
+    if causal and not finite_or_off_cpu(q, k, v, alpha, beta, initial_state):
+        # a non-finite input: step by step, so the outputs before it stay the reference's
+        return linear_attention_recurrent(q, k, v, alpha=alpha, beta=beta, scale=scale,
+                                          initial_state=initial_state,
+                                          output_final_state=output_final_state)
     if needs_grad:
         o, state = linear_attention_autograd(q, k, v, causal=causal, alpha=alpha, beta=beta,
                                              scale=scale, initial_state=initial_state)
