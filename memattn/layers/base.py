@@ -54,6 +54,11 @@ class LayerSpec:
     # Parameters shared between the layers of one model (e.g. a tied φ-MLP), keyed by name.
     shared: dict[str, nn.Module] = field(default_factory=dict, repr=False)
 
+    def __post_init__(self) -> None:
+        if self.n_heads < 1 or self.d_model < 1 or self.d_model % self.n_heads:
+            raise ConfigError(f"model.d_model: {self.d_model} is not divisible by model.n_heads={self.n_heads} "
+                              "(every head gets d_model / n_heads channels)")
+
     @property
     def head_dim(self) -> int:
         return self.d_model // self.n_heads

@@ -105,8 +105,6 @@ class GmatAttention(nn.Module):
 
     def __init__(self, spec: LayerSpec, options: GmatOptions) -> None:
         super().__init__()
-        if spec.d_model % spec.n_heads:
-            raise ConfigError(f"d_model={spec.d_model} is not divisible by n_heads={spec.n_heads}")
         if spec.causal and options.pattern not in CAUSAL_PATTERNS:
             raise ConfigError(f"attention.pattern: a causal model supports gmat patterns "
                               f"{', '.join(CAUSAL_PATTERNS)}, got {options.pattern!r} (lsh buckets mix "

@@ -129,9 +129,6 @@ class LinearAttention(nn.Module):
 
     def __init__(self, spec: LayerSpec, options: LinearOptions) -> None:
         super().__init__()
-        if spec.d_model % spec.n_heads:
-            raise ConfigError(f"model.d_model={spec.d_model} is not divisible by "
-                              f"model.n_heads={spec.n_heads}")
         self.spec, self.options = spec, options
         self.qkv = nn.Linear(spec.d_model, 3 * spec.d_model, bias=options.bias)
         self.out = nn.Linear(spec.d_model, spec.d_model, bias=options.bias)

@@ -249,8 +249,6 @@ class PersistentAttention(nn.Module):
     def __init__(self, spec: LayerSpec, options: PersistentOptions) -> None:
         super().__init__()
         H, d = spec.n_heads, spec.d_model
-        if d % H:
-            raise ConfigError(f"model.d_model: {d} is not divisible by model.n_heads={H}")
         if options.variant == "head-split" and H % 2:
             raise ConfigError(f"attention.variant: head-split gives half the heads to the context and "
                               f"half to the persistent vectors, so it needs an even model.n_heads, got {H}")

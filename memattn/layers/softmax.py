@@ -23,8 +23,6 @@ class SoftmaxAttention(nn.Module):
 
     def __init__(self, spec: LayerSpec, options: SoftmaxOptions) -> None:
         super().__init__()
-        if spec.d_model % spec.n_heads:
-            raise ValueError(f"d_model={spec.d_model} is not divisible by n_heads={spec.n_heads}")
         self.spec = spec
         self.qkv = nn.Linear(spec.d_model, 3 * spec.d_model, bias=options.bias)
         self.out = nn.Linear(spec.d_model, spec.d_model, bias=options.bias)

@@ -589,3 +589,9 @@ def test_abc_window_continues_a_long_chunk_in_blocks(first):
     c, _ = m(x[:, :3], memory_state=state)  # and goes on decoding from the queue it left
     full = m(torch.cat([x, x[:, :3]], 1))[0]
     torch.testing.assert_close(c, full[:, -3:], rtol=1e-9, atol=1e-9)
+
+
+@pytest.mark.parametrize("name", sorted(mechanisms()))
+def test_every_layer_refuses_heads_that_do_not_divide_the_width(name):
+    with pytest.raises(ConfigError, match=r"model.d_model: 10 is not divisible by model.n_heads=3"):
+        build_attention(name, {}, LayerSpec(10, 3))
