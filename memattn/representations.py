@@ -105,6 +105,11 @@ class Representations:
         return Representations(self.memory[index], self.lengths[index], dict(self.meta))
 
 
+def gated_write(h: torch.Tensor, gate: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+    """The paper's gated vector f = σ(gate(h)) ⊙ h, written as C = Σ f fᵀ."""
+    return torch.sigmoid(gate(h)) * h
+
+
 def encode(keys: torch.Tensor, values: torch.Tensor | None = None, *,
            gate: Callable[[torch.Tensor], torch.Tensor] | None = None,
            mask: torch.Tensor | None = None, meta: dict[str, Any] | None = None
@@ -129,7 +134,7 @@ def encode(keys: torch.Tensor, values: torch.Tensor | None = None, *,
         if values is not None:
             raise ShapeError("values: the gated form writes f fᵀ with f = σ(gate(h)) ⊙ h, so "
                              "it takes keys only; got values as well")
-        keys = torch.sigmoid(gate(keys)) * keys
+        keys = gated_write(keys, gate)
     if values is None:
         values = keys
     else:

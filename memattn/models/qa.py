@@ -28,7 +28,7 @@ from torch import nn
 from memattn.errors import ConfigError, ShapeError, check_tensor
 from memattn.ops.linear import linear_attention
 from memattn.ops.softmax import softmax_attention
-from memattn.representations import Representations, encode, lookup
+from memattn.representations import Representations, encode, gated_write, lookup
 
 ATTENTIONS = ("none", "softmax", "linear", "gated-linear")
 
@@ -134,7 +134,7 @@ class ReadingQA(nn.Module):
 
     def written(self, h: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         """What the linear forms write: f [N, T, k] (h, or σ(W h + b) ⊙ h), zero on padding."""
-        f = h if self.gate is None else torch.sigmoid(self.gate(h)) * h
+        f = h if self.gate is None else gated_write(h, self.gate)
         return f * mask[..., None].to(f.dtype)
 
     def read(self, h: torch.Tensor, mask: torch.Tensor, final: torch.Tensor,
