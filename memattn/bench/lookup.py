@@ -43,7 +43,7 @@ def costs(s: BenchSettings, n: int) -> tuple[dict[str, float], dict[str, float]]
     states = h[:, :, None]  # [N, n, 1, k]: what softmax attention must keep
 
     def softmax_read():
-        return softmax_attention(q[:, :, None], states, states, causal=False)
+        return softmax_attention(q[:, :, None], states, states, causal=False)[0]
 
     def linear_read():
         return lookup(reps, q_lin)

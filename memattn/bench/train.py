@@ -119,7 +119,7 @@ def op_step(op, s: BenchSettings, T: int) -> dict[str, float]:
 def _ops(s: BenchSettings) -> list[tuple[str, object, str]]:
     """[(label, op(q, k, v, s) -> o, why skipped or "")]: softmax, memattn's ABC, its peer."""
     fla, why = fla_chunk_abc(s.device)
-    return [(BASELINE, lambda q, k, v, _: softmax_attention(q, k, v, causal=True), ""),
+    return [(BASELINE, lambda q, k, v, _: softmax_attention(q, k, v, causal=True)[0], ""),
             (MEMATTN_ABC, lambda q, k, v, logits: abc_attention(q, k, v, logits, causal=True)[0], ""),
             (FLA_ABC, fla, why)]
 

@@ -234,7 +234,7 @@ def lookup_costs(s: Settings) -> list[dict]:
         states = h[:, :, None]  # [1, n, 1, k]: what softmax attention must keep
 
         def softmax_read(q=q, states=states):
-            return softmax_attention(q[:, :, None], states, states, causal=False)
+            return softmax_attention(q[:, :, None], states, states, causal=False)[0]
 
         def linear_read(q=q, reps=reps):
             return lookup(reps, q)

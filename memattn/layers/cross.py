@@ -93,7 +93,7 @@ class SoftmaxCrossAttention(_Cross):
 
     def forward(self, x: torch.Tensor, memory: SourceKV) -> torch.Tensor:
         q = self.query(x, memory.k.shape[0])
-        o = softmax_attention(q, memory.k, memory.v, causal=False,
+        o, _ = softmax_attention(q, memory.k, memory.v, causal=False,
                               attention_mask=memory.mask)
         return self.finish(o)
 

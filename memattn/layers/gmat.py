@@ -178,7 +178,7 @@ class GmatAttention(nn.Module):
         if mq is not None:
             q = torch.cat((mq[:, :M], q[:, M:]), dim=1)
         return gmat_attention(q, k, v, causal=False, attention_mask=attention_mask, memory_k=mk,
-                              memory_v=mv, **self._kwargs())
+                              memory_v=mv, **self._kwargs())[0]
 
     def _causal(self, x, state, attention_mask):
         M, C = self.options.num_memory, self.options.chunk_size
@@ -202,8 +202,8 @@ class GmatAttention(nn.Module):
                             else torch.ones(B, n, dtype=torch.bool, device=x.device))
         if state is not None:
             rows = state.window(rows)
-        o = gmat_attention(q, rows["k"], rows["v"], causal=True, attention_mask=rows.get("mask"),
-                           memory_k=rows.get("mk"), memory_v=rows.get("mv"), **self._kwargs())
+        o, _ = gmat_attention(q, rows["k"], rows["v"], causal=True, attention_mask=rows.get("mask"),
+                              memory_k=rows.get("mk"), memory_v=rows.get("mv"), **self._kwargs())
         if state is not None:
             state.keep(rows)
         return o

@@ -44,5 +44,5 @@ class SoftmaxAttention(nn.Module):
             q, k = self.rotary(q, at), self.rotary(k, at)
         if memory_state is not None:
             k, v, attention_mask = memory_state.update(k, v, attention_mask)
-        o = softmax_attention(q, k, v, causal=self.spec.causal, attention_mask=attention_mask)
+        o, _ = softmax_attention(q, k, v, causal=self.spec.causal, attention_mask=attention_mask)
         return self.dropout(self.out(o.reshape(B, T, -1))), memory_state

@@ -144,7 +144,7 @@ class ReadingQA(nn.Module):
         if kind == "none":
             return final[:, None, :].expand(-1, q.shape[1], -1)
         if kind == "softmax":
-            o = softmax_attention(q[:, :, None], h[:, :, None], h[:, :, None], causal=False,
+            o, _ = softmax_attention(q[:, :, None], h[:, :, None], h[:, :, None], causal=False,
                                   scale=1.0, attention_mask=mask)
             return o[:, :, 0]
         f = self.written(h, mask)[:, :, None]  # [N, T, 1, k]: one head

@@ -9,17 +9,37 @@ from memattn.errors import ShapeError, check_tensor
 
 
 def softmax_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = True,
-                      scale: float | None = None,
-                      attention_mask: torch.Tensor | None = None) -> torch.Tensor:
-    """o = softmax(scale · q kᵀ) v through `scaled_dot_product_attention`.
+                      scale: float | None = None, attention_mask: torch.Tensor | None = None,
+                      initial_state: tuple[torch.Tensor, torch.Tensor] | None = None,
+                      output_final_state: bool = False
+                      ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor] | None]:
+    """o = softmax(scale · q kᵀ) v through `scaled_dot_product_attention`: (o, state).
 
     q [B, Tq, H, K], k [B, Tk, H, K], v [B, Tk, H, V] -> o [B, Tq, H, V].
     causal: query i sits at position Tk - Tq + i and sees keys up to it (so a query
     block that continues a cache lines up with the end of the keys).
-    attention_mask: optional bool [B, Tk], True for keys that may be attended. A query whose
-        keys are all masked (padding itself, at the start of a left-padded row) reads its own
-        key (Tq <= Tk), so its output is defined and never NaN.
+    scale defaults to K^-0.5.
+    initial_state: (k, v) of earlier tokens, [B, Tp, H, K] and [B, Tp, H, V], read before k
+        and v (the unbounded memory: every key so far). The state returned with
+        output_final_state is the (k, v) of all Tp + Tk tokens, else None.
+    attention_mask: optional bool [B, Tk] (Tp + Tk with an initial state), True for keys that
+        may be attended. A query whose keys are all masked (padding itself, at the start of a
+        left-padded row) reads its own key (Tq <= Tk), so its output is defined and never NaN.
     """
+    if initial_state is not None:
+        if not isinstance(initial_state, tuple) or len(initial_state) != 2:
+            raise ShapeError(f"initial_state: expected the (k, v) of earlier tokens, got {type(initial_state).__name__}")
+        check_tensor("k", k, "[B, Tk, H, K]", None, None, None, None)
+        check_tensor("v", v, "[B, Tk, H, V]", k.shape[0], k.shape[1], k.shape[2], None)
+        check_tensor("initial_state.k", initial_state[0], "[B, Tp, H, K]", *k.shape[:1], None, *k.shape[2:])
+        check_tensor("initial_state.v", initial_state[1], "[B, Tp, H, V]", *v.shape[:1],
+                     initial_state[0].shape[1], *v.shape[2:])
+        k, v = torch.cat([initial_state[0], k], 1), torch.cat([initial_state[1], v], 1)
+    o = _softmax(q, k, v, causal, scale, attention_mask)
+    return o, ((k, v) if output_final_state else None)
+
+
+def _softmax(q, k, v, causal, scale, attention_mask) -> torch.Tensor:
     B, Tq, H, K = q.shape if q.dim() == 4 else (None,) * 4
     check_tensor("q", q, "[B, Tq, H, K]", None, None, None, None)
     check_tensor("k", k, "[B, Tk, H, K]", B, None, H, K)

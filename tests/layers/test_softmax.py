@@ -29,7 +29,7 @@ def reference(q, k, v, causal, mask=None):
 def test_matches_reference(tq, tk, causal):
     q, k = torch.randn(2, tq, 3, 8, dtype=torch.float64), torch.randn(2, tk, 3, 8, dtype=torch.float64)
     v = torch.randn(2, tk, 3, 5, dtype=torch.float64)
-    torch.testing.assert_close(softmax_attention(q, k, v, causal=causal), reference(q, k, v, causal))
+    torch.testing.assert_close(softmax_attention(q, k, v, causal=causal)[0], reference(q, k, v, causal))
 
 
 def test_key_padding_mask():
@@ -37,7 +37,7 @@ def test_key_padding_mask():
     mask = torch.ones(2, 6, dtype=torch.bool)
     mask[1, 4:] = False
     for causal in (True, False):
-        torch.testing.assert_close(softmax_attention(q, k, v, causal=causal, attention_mask=mask),
+        torch.testing.assert_close(softmax_attention(q, k, v, causal=causal, attention_mask=mask)[0],
                                    reference(q, k, v, causal, mask))
 
 
@@ -90,6 +90,17 @@ def test_layer_is_projections_around_the_reference(positions):
 def test_a_query_with_every_key_masked_reads_its_own():
     q, k, v = (torch.randn(1, 4, 1, 2, dtype=torch.float64) for _ in range(3))
     mask = torch.tensor([[False, False, True, True]])  # left padding of two
-    o = softmax_attention(q, k, v, causal=True, attention_mask=mask)
+    o, _ = softmax_attention(q, k, v, causal=True, attention_mask=mask)
     torch.testing.assert_close(o[:, :2], v[:, :2])  # the padding: its own value, not NaN
     torch.testing.assert_close(o[:, 2:], reference(q, k, v, True, mask)[:, 2:])
+
+
+def test_initial_state_is_the_earlier_keys_and_values():
+    q, k, v = (torch.randn(2, 9, 2, 4, dtype=torch.float64) for _ in range(3))
+    whole, _ = softmax_attention(q, k, v)
+    head, state = softmax_attention(q[:, :5], k[:, :5], v[:, :5], output_final_state=True)
+    tail, final = softmax_attention(q[:, 5:], k[:, 5:], v[:, 5:], initial_state=state, output_final_state=True)
+    torch.testing.assert_close(torch.cat([head, tail], 1), whole)
+    torch.testing.assert_close(final[0], k)
+    torch.testing.assert_close(final[1], v)
+    assert softmax_attention(q, k, v)[1] is None

@@ -39,6 +39,7 @@ def with_grads(fn, inputs, **kw):
     leaves = {n: (t.detach().clone().requires_grad_() if t.is_floating_point() else t)
               for n, t in inputs.items()}
     o = fn(**leaves, **kw)
+    o = o[0] if isinstance(o, tuple) else o  # the op gives (o, None), the reference o
     do = torch.randn(o.shape, generator=torch.Generator().manual_seed(7), dtype=o.dtype)
     floats = [n for n, t in leaves.items() if t.is_floating_point()]
     grads = torch.autograd.grad((o * do).sum(), [leaves[n] for n in floats], allow_unused=True,
@@ -96,13 +97,13 @@ def test_the_reference_masks_follow_the_definitions():
 def test_memory_rows_are_dense_softmax_over_everything():
     M, L = 3, 40
     inputs, _ = make(T=M + L)
-    o = gmat_attention(**inputs, num_memory=M, pattern="chunked", chunk_size=4)
+    o, _ = gmat_attention(**inputs, num_memory=M, pattern="chunked", chunk_size=4)
     q, k, v = inputs["q"], inputs["k"], inputs["v"]
-    dense = softmax_attention(q[:, :M], k, v, causal=False)
+    dense, _ = softmax_attention(q[:, :M], k, v, causal=False)
     torch.testing.assert_close(o[:, :M], dense, rtol=1e-12, atol=1e-12)
     changed = v.clone()
     changed[:, -1] += 1  # the last main token is far from every chunk but its own
-    o2 = gmat_attention(q, k, changed, num_memory=M, pattern="chunked", chunk_size=4)
+    o2, _ = gmat_attention(q, k, changed, num_memory=M, pattern="chunked", chunk_size=4)
     assert (o2[:, :M] - o[:, :M]).abs().amin() > 0  # every memory row moved
     torch.testing.assert_close(o2[:, M:M + 36], o[:, M:M + 36], rtol=0, atol=0)  # other chunks did not
 
@@ -112,8 +113,8 @@ def test_memory_rows_are_dense_softmax_over_everything():
 def test_patterns_covering_everything_are_softmax_attention(pattern, kw):
     M, L = 3, 29
     inputs, _ = make(T=M + L, mask=True)
-    o = gmat_attention(**inputs, num_memory=M, pattern=pattern, **kw)
-    dense = softmax_attention(inputs["q"], inputs["k"], inputs["v"], causal=False,
+    o, _ = gmat_attention(**inputs, num_memory=M, pattern=pattern, **kw)
+    dense, _ = softmax_attention(inputs["q"], inputs["k"], inputs["v"], causal=False,
                               attention_mask=inputs["attention_mask"])
     torch.testing.assert_close(o, dense, rtol=1e-12, atol=1e-12)
 
@@ -139,21 +140,21 @@ def test_lsh_buckets_group_keys_by_direction():
 def test_lsh_reads_tokens_of_its_bucket_only():
     M, L = 2, 30
     inputs, rot = make(T=M + L, H=1, n_buckets=4)
-    o = gmat_attention(**inputs, num_memory=M, pattern="lsh", chunk_size=64, lsh_rotations=rot)
+    o, _ = gmat_attention(**inputs, num_memory=M, pattern="lsh", chunk_size=64, lsh_rotations=rot)
     buckets = lsh_buckets(inputs["k"][:, M:], rot)[:, 0]  # [B, L]; one chunk holds all
     for b in range(2):
         for i in (0, 17):
             same = torch.cat((torch.ones(M, dtype=torch.bool), buckets[b] == buckets[b, i]))
             keys = inputs["k"][b:b + 1, same]
             values = inputs["v"][b:b + 1, same]
-            expect = softmax_attention(inputs["q"][b:b + 1, M + i:M + i + 1], keys, values, causal=False)
+            expect, _ = softmax_attention(inputs["q"][b:b + 1, M + i:M + i + 1], keys, values, causal=False)
             torch.testing.assert_close(o[b:b + 1, M + i:M + i + 1], expect, rtol=1e-12, atol=1e-12)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_low_precision_inputs_compute_in_fp32_and_keep_their_dtype(dtype):
     inputs, _ = make(T=20, dtype=dtype)
-    o = gmat_attention(**inputs, num_memory=2, pattern="window", window=2)
+    o, _ = gmat_attention(**inputs, num_memory=2, pattern="window", window=2)
     assert o.dtype == dtype
     ref = gmat_attention_reference(**{n: t.double() for n, t in inputs.items()}, num_memory=2,
                                    pattern="window", window=2)
@@ -171,7 +172,7 @@ def test_property_any_sizes_match_the_reference(M, L, C, w, pattern, causal, see
         w = min(w, C)
     inputs, rot = make(B=1, T=M + L, mask=True, seed=seed)
     kw = dict(num_memory=M, pattern=pattern, chunk_size=C, window=w, lsh_rotations=rot, causal=causal)
-    torch.testing.assert_close(gmat_attention(**inputs, **kw), gmat_attention_reference(**inputs, **kw),
+    torch.testing.assert_close(gmat_attention(**inputs, **kw)[0], gmat_attention_reference(**inputs, **kw),
                                rtol=1e-10, atol=1e-10)
 
 

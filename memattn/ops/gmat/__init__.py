@@ -32,8 +32,14 @@ def gmat_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, num_mem
                    lsh_rotations: torch.Tensor | None = None, causal: bool = False,
                    scale: float | None = None, attention_mask: torch.Tensor | None = None,
                    memory_k: torch.Tensor | None = None,
-                   memory_v: torch.Tensor | None = None) -> torch.Tensor:
-    """Attention of M global memory tokens and a sparsely attending sequence.
+                   memory_v: torch.Tensor | None = None, initial_state: None = None,
+                   output_final_state: bool = False) -> tuple[torch.Tensor, None]:
+    """Attention of M global memory tokens and a sparsely attending sequence: (o, None).
+
+    The op signature of memattn, with two deliberate differences: causal defaults to False
+    (GMAT's setting is the encoder), and the op keeps no state — a causal decoder passes the
+    rows of the last blocks as k and v (the `gmat` layer's GmatCache does), so initial_state
+    must be None and output_final_state False.
 
     Bidirectional (causal=False): q, k [B, M+L, H, K], v [B, M+L, H, V], the M memory
     rows first. Memory rows attend to all M + L keys; main rows to all memory keys and to
@@ -54,6 +60,9 @@ def gmat_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, num_mem
     Returns o [B, Tq, H, V] in the dtype of q (fp16 / bf16 compute in fp32).
     Memory and work: O(M·(M+L) + L·(M+C)) scores (C, 2C or 3·window local keys a row).
     """
+    if initial_state is not None or output_final_state:
+        raise ShapeError("initial_state / output_final_state: gmat_attention keeps no state; pass the "
+                         "rows of the last blocks as k and v (see the gmat layer's GmatCache)")
     B, Tq, T, H, K, V = check_qkv(q, k, v, memory_k, memory_v, attention_mask)
     check_pattern(pattern, causal=causal, num_memory=num_memory, chunk_size=chunk_size,
                   window=window, lsh_rotations=lsh_rotations, head_dim=K, heads=H)
@@ -75,7 +84,7 @@ def gmat_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, num_mem
         o = gmat_bidirectional(q, k, v, num_memory=num_memory, pattern=pattern, chunk_size=chunk_size,
                                window=window, lsh_rotations=lsh_rotations, scale=scale,
                                valid=attention_mask, memory_k=memory_k, memory_v=memory_v, dtype=dt)
-    return o.to(q.dtype)
+    return o.to(q.dtype), None
 
 
 __all__ = [
