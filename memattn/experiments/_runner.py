@@ -124,7 +124,7 @@ def run_jobs(out_dir: Path, jobs: list[Job], measure: Measure, *, workers: int =
         if row is not None:
             rows[job.name] = row
     todo = [job for job in jobs if job.name not in rows]
-    progress = Progress(out_dir, jobs, label, workers, out)
+    progress = Progress(out_dir, jobs, label, workers, out, interval)
     progress.report(rows, {}, force=True)
     errors: dict[str, str] = {}
     if todo:

@@ -64,13 +64,13 @@ class LayerSpec:
         return self.d_model // self.n_heads
 
 
-def check_mask(mask: torch.Tensor | None, B: int, T: int) -> None:
-    """ShapeError unless `mask` is None or bool [B, T]."""
+def check_mask(mask: torch.Tensor | None, B: int, T: int, name: str = "attention_mask") -> None:
+    """ShapeError unless `mask` (called `name` in the message) is None or bool [B, T]."""
     if mask is None:
         return
-    check_tensor("attention_mask", mask, "[B, T]", B, T)
+    check_tensor(name, mask, "[B, T]", B, T)
     if mask.dtype != torch.bool:
-        raise ShapeError(f"attention_mask: expected dtype torch.bool, got {mask.dtype}")
+        raise ShapeError(f"{name}: expected dtype torch.bool, got {mask.dtype}")
 
 
 class AttentionState:

@@ -28,7 +28,7 @@ from torch import nn
 
 from memattn.errors import ConfigError, ShapeError, check_tensor
 from memattn.layers.abc import PAD_LOGIT, ABCMLPOptions, activation_logits
-from memattn.layers.base import LayerSpec, get_mechanism, mechanisms, parse_options, register_cross
+from memattn.layers.base import LayerSpec, check_mask, get_mechanism, mechanisms, parse_options, register_cross
 from memattn.ops.abc import ABCState
 from memattn.ops.abc.chunked import abc_memory, read_memory
 from memattn.ops.abc.common import compute_dtype
@@ -45,10 +45,7 @@ class SourceKV(NamedTuple):
 
 def _check_source(src: torch.Tensor, src_mask: torch.Tensor | None, d_model: int) -> None:
     check_tensor("src", src, "[B, S, d]", None, None, d_model)
-    if src_mask is not None:
-        check_tensor("src_mask", src_mask, "[B, S]", *src.shape[:2])
-        if src_mask.dtype != torch.bool:
-            raise ShapeError(f"src_mask: expected dtype torch.bool, got {src_mask.dtype}")
+    check_mask(src_mask, *src.shape[:2], name="src_mask")
 
 
 class _Cross(nn.Module):
