@@ -41,9 +41,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from memattn.errors import ConfigError, ShapeError, check_tensor
-from memattn.layers.base import AttentionState, LayerSpec, check_mask, register
-from memattn.layers.positions import Rotary
+from memattn.errors import ConfigError, ShapeError
+from memattn.layers.base import AttentionLayer, AttentionState, LayerSpec, register
 from memattn.ops.abc import (
     ABCState,
     BoundedMemoryState,
@@ -95,34 +94,11 @@ class ABCMemoryState(AttentionState):
         self.inner = type(self.inner)(*(fn(t, True) for t in self.inner))
 
 
-class _ABCBase(nn.Module):
-    """q, k, v and output projections, rotary positions and dropout shared by the ABC layers."""
+class _ABCBase(AttentionLayer):
+    """The ABC layers: the shared projections plus the slot-logit memory and its read."""
 
     def __init__(self, spec: LayerSpec, bias: bool) -> None:
-        super().__init__()
-        self.spec = spec
-        self.qkv = nn.Linear(spec.d_model, 3 * spec.d_model, bias=bias)
-        self.out = nn.Linear(spec.d_model, spec.d_model, bias=bias)
-        self.rotary = Rotary(spec.head_dim) if spec.positions == "rotary" else None
-        self.dropout = nn.Dropout(spec.dropout)
-
-    def project(self, x: torch.Tensor, memory_state: AttentionState | None = None,
-                attention_mask: torch.Tensor | None = None, positions: torch.Tensor | None = None
-                ) -> tuple[int, torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Check x [B, T, d] and attention_mask [B, T]; return (offset, q, k, v [B, T, H, D]).
-
-        offset: the tokens `memory_state` has seen; q and k are rotated at `positions` [B, T]
-        when given, else at offset, offset + 1, ...
-        """
-        check_tensor("x", x, "[B, T, d]", None, None, self.spec.d_model)
-        B, T, _ = x.shape
-        check_mask(attention_mask, B, T)
-        offset = memory_state.seen if memory_state is not None else 0
-        q, k, v = self.qkv(x).view(B, T, 3, self.spec.n_heads, self.spec.head_dim).unbind(2)
-        if self.rotary is not None:
-            at = positions if positions is not None else offset
-            q, k = self.rotary(q, at), self.rotary(k, at)
-        return offset, q, k, v
+        super().__init__(spec, bias=bias)
 
     def empty_abc_state(self, batch_size: int, slots: int, device=None,
                         dtype=None) -> ABCMemoryState:
@@ -145,11 +121,6 @@ class _ABCBase(nn.Module):
         if memory_state is not None:
             memory_state.update(state, q.shape[1])
         return self.finish(o)
-
-    def finish(self, o: torch.Tensor) -> torch.Tensor:
-        """o [B, T, H, D] -> y [B, T, d]."""
-        B, T = o.shape[:2]
-        return self.dropout(self.out(o.reshape(B, T, -1)))
 
 
 # --------------------------------------------------------------------------- abc-mlp

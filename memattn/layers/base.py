@@ -37,6 +37,7 @@ import torch
 from torch import nn
 
 from memattn.errors import ConfigError, ShapeError, check_tensor
+from memattn.layers.positions import Rotary
 
 
 @dataclass
@@ -49,7 +50,7 @@ class LayerSpec:
     layer_idx: int = 0
     n_layers: int = 1
     max_len: int = 1024
-    positions: str = "rotary"  # "rotary" rotates q/k inside the layer; others are the model's
+    positions: str = "none"  # "rotary" rotates q/k inside the layer; others are the model's
     dropout: float = 0.0
     # Parameters shared between the layers of one model (e.g. a tied φ-MLP), keyed by name.
     shared: dict[str, nn.Module] = field(default_factory=dict, repr=False)
@@ -71,6 +72,59 @@ def check_mask(mask: torch.Tensor | None, B: int, T: int, name: str = "attention
     check_tensor(name, mask, "[B, T]", B, T)
     if mask.dtype != torch.bool:
         raise ShapeError(f"{name}: expected dtype torch.bool, got {mask.dtype}")
+
+
+class AttentionLayer(nn.Module):
+    """What every self-attention layer builds the same way: one q/k/v projection (`qkv`, q
+    rows first, then k, then v), the output projection (`out`), rotary positions when
+    spec.positions == "rotary", output dropout, and the checks of its inputs.
+
+    kv_heads (default n_heads): heads of keys and values, each head_dim wide (fewer than
+    n_heads when some heads read something else, e.g. persistent memory's head-split).
+    """
+
+    def __init__(self, spec: LayerSpec, *, bias: bool = False, kv_heads: int | None = None) -> None:
+        super().__init__()
+        self.spec = spec
+        self.kv_heads = spec.n_heads if kv_heads is None else kv_heads
+        D = spec.head_dim
+        self.qkv = nn.Linear(spec.d_model, spec.d_model + 2 * self.kv_heads * D, bias=bias)
+        self.out = nn.Linear(spec.d_model, spec.d_model, bias=bias)
+        self.rotary = Rotary(D) if spec.positions == "rotary" else None
+        self.dropout = nn.Dropout(spec.dropout)
+
+    def project(self, x: torch.Tensor, memory_state: AttentionState | None = None,
+                attention_mask: torch.Tensor | None = None, positions: torch.Tensor | None = None,
+                *, rotate: bool = True) -> tuple[int, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Check x [B, T, d] and attention_mask [B, T]; return (offset, q [B, T, H, D],
+        k, v [B, T, kv_heads, D]).
+
+        offset: the tokens `memory_state` has seen. With `rotate`, q and k are rotated at
+        `positions` [B, T] when given, else at offset, offset + 1, ... (see `rotate`).
+        """
+        check_tensor("x", x, "[B, T, d]", None, None, self.spec.d_model)
+        B, T, _ = x.shape
+        check_mask(attention_mask, B, T)
+        offset = memory_state.seen if memory_state is not None else 0
+        H, Hk, D = self.spec.n_heads, self.kv_heads, self.spec.head_dim
+        q, k, v = self.qkv(x).split([H * D, Hk * D, Hk * D], dim=-1)
+        q, k, v = q.view(B, T, H, D), k.view(B, T, Hk, D), v.view(B, T, Hk, D)
+        if rotate:
+            q, k = self.rotate(q, k, positions if positions is not None else offset)
+        return offset, q, k, v
+
+    def rotate(self, q: torch.Tensor, k: torch.Tensor, at: torch.Tensor | int
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+        """q and k rotated at positions `at` ([B, T], or the first token's position); as they
+        are without rotary positions."""
+        if self.rotary is None:
+            return q, k
+        return self.rotary(q, at), self.rotary(k, at)
+
+    def finish(self, o: torch.Tensor) -> torch.Tensor:
+        """o [B, T, H, D] -> y [B, T, d]: output projection and dropout."""
+        B, T = o.shape[:2]
+        return self.dropout(self.out(o.reshape(B, T, -1)))
 
 
 class AttentionState:

@@ -20,9 +20,8 @@ from typing import Literal
 import torch
 from torch import nn
 
-from memattn.errors import ConfigError, ShapeError
-from memattn.layers.base import AttentionState, LayerSpec, MemoryLayout, register
-from memattn.layers.positions import Rotary
+from memattn.errors import ConfigError, ShapeError, check_tensor
+from memattn.layers.base import AttentionLayer, AttentionState, LayerSpec, MemoryLayout, check_mask, register
 from memattn.ops.gmat import CAUSAL_PATTERNS, PATTERNS, gmat_attention
 
 LSH_SEED = 20_200_605  # rotations are drawn from this seed and the layer index: reproducible
@@ -93,7 +92,7 @@ class GmatCache(AttentionState):
 
 
 @register("gmat", options=GmatOptions)
-class GmatAttention(nn.Module):
+class GmatAttention(AttentionLayer):
     """Global memory tokens over sparse (chunked, window, lsh or full) attention; GMAT."""
 
     @staticmethod
@@ -104,7 +103,6 @@ class GmatAttention(nn.Module):
         return MemoryLayout(options.num_memory, options.chunk_size if causal else 0)
 
     def __init__(self, spec: LayerSpec, options: GmatOptions) -> None:
-        super().__init__()
         if spec.causal and options.pattern not in CAUSAL_PATTERNS:
             raise ConfigError(f"attention.pattern: a causal model supports gmat patterns "
                               f"{', '.join(CAUSAL_PATTERNS)}, got {options.pattern!r} (lsh buckets mix "
@@ -112,13 +110,10 @@ class GmatAttention(nn.Module):
         if spec.causal and options.pattern == "window" and options.window > options.chunk_size:
             raise ConfigError(f"attention.window: a causal window must fit in one chunk "
                               f"(<= chunk_size = {options.chunk_size}), got {options.window}")
-        self.spec, self.options = spec, options
+        super().__init__(spec, bias=options.bias)
+        self.options = options
         d, H = spec.d_model, spec.n_heads
-        self.qkv = nn.Linear(d, 3 * d, bias=options.bias)
         self.memory_qkv = nn.Linear(d, 3 * d, bias=options.bias) if options.untied_memory_projections else None
-        self.out = nn.Linear(d, d, bias=options.bias)
-        self.rotary = Rotary(spec.head_dim) if spec.positions == "rotary" else None
-        self.dropout = nn.Dropout(spec.dropout)
         if options.pattern == "lsh":
             g = torch.Generator().manual_seed(LSH_SEED + spec.layer_idx)
             self.register_buffer("lsh_rotations", torch.randn(H, spec.head_dim, options.n_buckets // 2,
@@ -132,12 +127,10 @@ class GmatAttention(nn.Module):
     def _project(self, x: torch.Tensor, main: torch.Tensor, first_position: int):
         """x [B, T, d] -> q, k, v and (untied) memory q, k, v, each [B, T, H, D] or None, with the
         main rows (indices `main`, consecutive positions from `first_position`) rotated."""
-        B, T, _ = x.shape
-        shape = (B, T, 3, self.spec.n_heads, self.spec.head_dim)
-        q, k, v = self.qkv(x).view(shape).unbind(2)
+        _, q, k, v = self.project(x, rotate=False)
         mq = mk = mv = None
         if self.memory_qkv is not None:
-            mq, mk, mv = self.memory_qkv(x).view(shape).unbind(2)
+            mq, mk, mv = self.memory_qkv(x).view(*q.shape[:2], 3, *q.shape[2:]).unbind(2)
         if self.rotary is not None and len(main):
             def rotate(t):
                 return t.index_copy(1, main, self.rotary(t.index_select(1, main), first_position))
@@ -153,12 +146,11 @@ class GmatAttention(nn.Module):
         positions: not read; the rows' positions follow from the memory layout, which a causal
         model shares between the rows of a batch (so it refuses left padding, see CausalLM).
         """
-        if x.dim() != 3:
-            raise ShapeError(f"x: expected [B, T, d], got shape {tuple(x.shape)}")
-        B, T, _ = x.shape
+        check_tensor("x", x, "[B, T, d]", None, None, self.spec.d_model)
+        check_mask(attention_mask, *x.shape[:2])
         o = self._causal(x, memory_state, attention_mask) if self.spec.causal else \
             self._bidirectional(x, memory_state, attention_mask)
-        return self.dropout(self.out(o.reshape(B, T, -1))), memory_state
+        return self.finish(o), memory_state
 
     def _kwargs(self) -> dict:
         opt = self.options

@@ -28,9 +28,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from memattn.errors import ConfigError, check_tensor
-from memattn.layers.base import AttentionState, LayerSpec, check_mask, register
-from memattn.layers.positions import Rotary
+from memattn.errors import ConfigError
+from memattn.layers.base import AttentionLayer, AttentionState, LayerSpec, register
 from memattn.ops.linear import linear_attention
 from memattn.ops.linear.common import accumulation_dtype
 
@@ -112,7 +111,7 @@ def feature(x: torch.Tensor, kind: str) -> torch.Tensor:
 
 
 @register("linear", options=LinearOptions)
-class LinearAttention(nn.Module):
+class LinearAttention(AttentionLayer):
     """Linear attention: one K×V memory per head, C = Σ v φ(k)ᵀ, read as C φ(q); fixed-size state.
 
     x [B, T, d] -> y [B, T, d]. Causal: token t reads C_t (its own and earlier tokens);
@@ -128,12 +127,8 @@ class LinearAttention(nn.Module):
     gated = False
 
     def __init__(self, spec: LayerSpec, options: LinearOptions) -> None:
-        super().__init__()
-        self.spec, self.options = spec, options
-        self.qkv = nn.Linear(spec.d_model, 3 * spec.d_model, bias=options.bias)
-        self.out = nn.Linear(spec.d_model, spec.d_model, bias=options.bias)
-        self.rotary = Rotary(spec.head_dim) if spec.positions == "rotary" else None
-        self.dropout = nn.Dropout(spec.dropout)
+        super().__init__(spec, bias=options.bias)
+        self.options = options
 
     def init_state(self, batch_size: int, device=None, dtype=None) -> LinearState:
         """An empty memory: zeros [B, H, K, V] (and [B, H, K, 1] for the normaliser)."""
@@ -155,21 +150,17 @@ class LinearAttention(nn.Module):
                 attention_mask: torch.Tensor | None = None, positions: torch.Tensor | None = None):
         """x [B, T, d], attention_mask [B, T] bool (True = real token), positions [B, T] (rotary;
         default: after the tokens the state has seen) -> (y [B, T, d], state)."""
-        check_tensor("x", x, "[B, T, d]", None, None, self.spec.d_model)
-        B, T, _ = x.shape
-        H, D = self.spec.n_heads, self.spec.head_dim
-        q, k, v = self.qkv(x).view(B, T, 3, H, D).unbind(2)  # [B, T, H, D] each
+        offset, q, k, v = self.project(x, memory_state, attention_mask, rotate=False)
+        B, T, H, D = q.shape
         q, k = feature(q, self.options.feature_map), feature(k, self.options.feature_map)
         gate, alpha = self.write_gates(x)
         if gate is not None:
             k, v = gate * k, gate * v
-        check_mask(attention_mask, B, T)
         if attention_mask is not None:
             k = k * attention_mask[:, :, None, None].to(k.dtype)  # padding writes nothing
             if alpha is not None:
                 alpha = torch.where(attention_mask[:, :, None], alpha, torch.ones_like(alpha))
 
-        offset = memory_state.seen if memory_state is not None else 0
         memory = normalizer = None
         if memory_state is not None:
             memory, normalizer = memory_state.memory, memory_state.normalizer
@@ -185,7 +176,7 @@ class LinearAttention(nn.Module):
             memory, normalizer = state[..., :D], state[..., D:]
         else:
             at = positions if positions is not None else offset
-            qr, kr = (q, k) if self.rotary is None else (self.rotary(q, at), self.rotary(k, at))
+            qr, kr = self.rotate(q, k, at)
             o, memory = linear_attention(qr, kr, v, causal=causal, alpha=alpha,
                                          initial_state=memory, output_final_state=True)
             if self.options.normalize:
@@ -196,8 +187,7 @@ class LinearAttention(nn.Module):
             o = o / den.clamp_min(NORMALIZER_EPS)
         if memory_state is not None:
             memory_state.update(memory, normalizer, T)
-        y = self.out(o.reshape(B, T, H * D))
-        return self.dropout(y), memory_state
+        return self.finish(o), memory_state
 
 
 @register("gated-linear", options=GatedLinearOptions)

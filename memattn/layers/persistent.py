@@ -48,8 +48,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from memattn.errors import ConfigError
-from memattn.layers.base import AttentionState, LayerSpec, _grow, check_mask, register
-from memattn.layers.positions import Rotary
+from memattn.layers.base import AttentionLayer, AttentionState, LayerSpec, _grow, register
 from memattn.ops.persistent import persistent_attention
 
 VARIANTS = ("all-attn", "attn-split", "head-split", "single-head", "ff-attn")
@@ -243,29 +242,25 @@ class PersistentCache(AttentionState):
 
 @register("persistent", options=PersistentOptions, causal=True, bidirectional=True,
           replaces_feedforward=True, feedforward=softmax_feedforward)
-class PersistentAttention(nn.Module):
+class PersistentAttention(AttentionLayer):
     """All-attention: heads read the context and N learned persistent key/value vectors in one softmax; no feed-forward."""
 
     def __init__(self, spec: LayerSpec, options: PersistentOptions) -> None:
-        super().__init__()
         H, d = spec.n_heads, spec.d_model
         if options.variant == "head-split" and H % 2:
             raise ConfigError(f"attention.variant: head-split gives half the heads to the context and "
                               f"half to the persistent vectors, so it needs an even model.n_heads, got {H}")
         D = spec.head_dim
-        self.spec, self.options = spec, options
-        self.mode = {"attn-split": "split", "head-split": "heads"}.get(options.variant, "joint")
         self.n_context_heads = H // 2 if options.variant == "head-split" else H
+        super().__init__(spec, bias=options.bias, kv_heads=self.n_context_heads)
+        self.options = options
+        self.mode = {"attn-split": "split", "head-split": "heads"}.get(options.variant, "joint")
         n = 0 if options.variant == "ff-attn" else options.n_persistent  # ff-attn: in its FF sublayer
-        self.q = nn.Linear(d, d, bias=options.bias)
-        self.kv = nn.Linear(d, 2 * self.n_context_heads * D, bias=options.bias)
-        self.out = nn.Linear(d, d, bias=options.bias)
         self.persistent = None
         if n > 0 and options.variant == "single-head":
             self.persistent = PersistentMemory(1, n, d, d)
         elif n > 0:
             self.persistent = PersistentMemory(H - self.n_context_heads if self.mode == "heads" else H, n, D, D)
-        self.rotary = Rotary(D) if spec.positions == "rotary" else None
         limits = ([options.window] if options.context == "window" else []) + \
                  ([options.span_max] if options.adaptive_span else [])
         self.limit = min(limits) if limits else None  # a query sees keys at distance < limit
@@ -277,7 +272,6 @@ class PersistentAttention(nn.Module):
         self.span = None
         if options.adaptive_span:
             self.span = nn.Parameter(torch.full((self.n_context_heads,), float(options.span_init)))  # z / S
-        self.dropout = nn.Dropout(spec.dropout)
 
     # -- adaptive span ---------------------------------------------------------------------
 
@@ -317,24 +311,20 @@ class PersistentAttention(nn.Module):
         tokens the state holds). With memory_state, continue after the tokens it holds and
         append to it.
         """
+        offset, q, k, v = self.project(x, memory_state, attention_mask, rotate=False)
         B, T, d = x.shape
-        check_mask(attention_mask, B, T)
-        H, Hc, D = self.spec.n_heads, self.n_context_heads, self.spec.head_dim
+        H = self.spec.n_heads
         if self.span is not None and self.training:
             with torch.no_grad():  # the paper's projection of z onto [0, S] after each update
                 self.span.clamp_(0.0, 1.0)
-        q = self.q(x).view(B, T, H, D)
-        k, v = self.kv(x).view(B, T, 2, Hc, D).unbind(2)
         pq, pscale = None, None
         pk, pv = self._persistent()
         if self.options.variant == "single-head" and pk.shape[1] > 0:
             pq, pscale = q.reshape(B, T, 1, d).expand(B, T, H, d), d ** -0.5  # full-width query
-        offset = memory_state.seen if memory_state is not None else 0
         if self.rotary is not None:
             if pq is None and pk.shape[1] > 0:
                 pq = q[:, :, H - pk.shape[0]:]  # persistent scores: unrotated query
-            at = positions if positions is not None else offset
-            q, k = self.rotary(q, at), self.rotary(k, at)
+            q, k = self.rotate(q, k, positions if positions is not None else offset)
         past = memory_state.past() if memory_state is not None else None
         new_mask = attention_mask
         if past is not None and (attention_mask is not None or memory_state.masked):
@@ -354,14 +344,14 @@ class PersistentAttention(nn.Module):
                                     attention_mask=attention_mask, initial_state=past)
         if memory_state is not None and not written:
             memory_state.append(k, v, keep=keep, real=new_mask)
-        return self.dropout(self.out(o.reshape(B, T, d))), memory_state
+        return self.finish(o), memory_state
 
     def _persistent(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Persistent keys [Hp, N, Kp] and values [Hp, N, D] as the op reads them."""
         H, D = self.spec.n_heads, self.spec.head_dim
         if self.persistent is None:
             heads = H - self.n_context_heads if self.mode == "heads" else H
-            empty = self.q.weight.new_zeros(heads, 0, D)
+            empty = self.qkv.weight.new_zeros(heads, 0, D)
             return empty, empty
         k, v = self.persistent()
         if self.options.variant == "single-head":  # [1, N, d]: one set of vectors for all heads

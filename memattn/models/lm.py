@@ -13,7 +13,7 @@ as one prefix or a fresh block every C tokens, and drops them from the output.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 from torch import nn

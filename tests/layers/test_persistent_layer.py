@@ -111,8 +111,8 @@ def reference_layer_output(lay, x):
     """The layer's output recomputed from its parameters with the op's reference."""
     B, T, d = x.shape
     H, Hc, D = lay.spec.n_heads, lay.n_context_heads, lay.spec.head_dim
-    q = lay.q(x).view(B, T, H, D)
-    k, v = lay.kv(x).view(B, T, 2, Hc, D).unbind(2)
+    q, k, v = lay.qkv(x).split([H * D, Hc * D, Hc * D], -1)  # q rows, then k, then v
+    q, k, v = q.view(B, T, H, D), k.view(B, T, Hc, D), v.view(B, T, Hc, D)
     pk, pv = lay.persistent()
     o, _ = persistent_attention_reference(q, k, v, pk, pv, causal=lay.spec.causal, mode=lay.mode)
     return lay.out(o.reshape(B, T, d))
@@ -132,8 +132,8 @@ def test_single_head_by_hand():
     lay = layer({"variant": "single-head", "n_persistent": 5})
     x = torch.randn(1, 4, 32, dtype=F64)
     H, D, d = 4, 8, 32
-    q = lay.q(x)[0]  # [T, d]
-    k, v = lay.kv(x)[0].view(4, 2, H, D).unbind(1)  # [T, H, D]
+    q, k, v = lay.qkv(x)[0].split(d, -1)  # [T, d] each
+    k, v = k.view(4, H, D), v.view(4, H, D)
     pk, pv = (t[0] for t in lay.persistent())  # [N, d]
     o = torch.zeros(4, d, dtype=F64)
     for t in range(4):
@@ -150,7 +150,7 @@ def test_rotary_positions_leave_the_persistent_scores_position_free():
     """Under rotary positions the persistent vectors are read with the unrotated query, so a
     token's read of them does not depend on where it sits (attn-split isolates that read)."""
     lay = layer({"variant": "attn-split", "n_persistent": 4}, positions="rotary")
-    lay.kv.weight.data.zero_()  # context values zero: the context read adds nothing
+    lay.qkv.weight.data[64:].zero_()  # context values zero: the context read adds nothing
     x = torch.randn(1, 1, 32, dtype=F64)
     first, _ = lay(x, memory_state=lay.init_state(1))
     state = lay.init_state(1)
