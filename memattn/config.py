@@ -9,17 +9,18 @@ wrong type raise `ConfigError` naming the key.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import math
-import types
-import typing
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal, Union
+from typing import Any, Literal
 
 import yaml
 
 from memattn.errors import ConfigError
+from memattn.layers.base import parse_options
+from memattn.typed import coerce, from_dict, parse_key_value, set_path
 
 PRESET_DIR = Path(__file__).parent / "configs"
 SPLIT_BASE, SPLIT_BLOCKS = 512, 64  # split positions p = SPLIT_BASE·q + r, q < SPLIT_BLOCKS
@@ -37,15 +38,23 @@ def _positive(name: str, value, *, zero_ok: bool = False) -> None:
 
 @dataclass
 class AttentionConfig:
-    """Which mechanism (a registry string) and its own options."""
+    """Which mechanism (a registry string) and its own options, as written (`options`) and
+    as the mechanism's typed options dataclass (`typed`, checked when the config is made)."""
 
     name: str = "softmax"
     options: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        from memattn.layers.base import parse_options
+        self.typed = parse_options(self.name, self.options)  # unknown mechanism or option -> ConfigError
 
-        parse_options(self.name, self.options)  # unknown mechanism or option -> ConfigError
+    @classmethod
+    def from_mapping(cls, data: dict[str, Any], prefix: str) -> AttentionConfig:
+        """{name, options} or {name, OPT: value, ...}: options may also sit beside `name`."""
+        data = dict(data)
+        name = data.pop("name", "softmax")
+        options = dict(data.pop("options", None) or {})
+        options.update(data)
+        return cls(coerce(f"{prefix}.name", name, str), options)
 
 
 @dataclass
@@ -146,97 +155,6 @@ class RunConfig:
     train: TrainConfig = field(default_factory=TrainConfig)
 
 
-# ---------------------------------------------------------------------------------------
-# Coercion of plain values (YAML / command line) into typed fields.
-
-def _hints(cls) -> dict[str, Any]:
-    return typing.get_type_hints(cls)
-
-
-def coerce(key: str, value: Any, annotation: Any, owner: type | None = None) -> Any:
-    """Convert `value` to the type `annotation` (a field's annotation) or raise ConfigError."""
-    if isinstance(annotation, str) and owner is not None:
-        annotation = _hints(owner)[key.rsplit(".", 1)[-1]]
-    origin = typing.get_origin(annotation)
-    args = typing.get_args(annotation)
-    if origin in (Union, types.UnionType):
-        if value is None and type(None) in args:
-            return None
-        errors = []
-        for arg in (a for a in args if a is not type(None)):
-            try:
-                return coerce(key, value, arg)
-            except ConfigError as e:
-                errors.append(str(e))
-        raise ConfigError(errors[0])
-    if origin is Literal:
-        if value not in args:
-            raise ConfigError(f"{key}: expected one of {', '.join(map(str, args))}, got {value!r}")
-        return value
-    if origin is tuple:
-        if not isinstance(value, (list, tuple)) or len(value) != len(args):
-            raise ConfigError(f"{key}: expected a list of {len(args)} values, got {value!r}")
-        return tuple(coerce(key, v, a) for v, a in zip(value, args))
-    if origin is dict or annotation is dict:
-        if not isinstance(value, dict):
-            raise ConfigError(f"{key}: expected a mapping, got {value!r}")
-        return dict(value)
-    if annotation is Any:
-        return value
-    if annotation is bool:
-        if isinstance(value, bool):
-            return value
-        raise ConfigError(f"{key}: expected true or false, got {value!r}")
-    if annotation is int:
-        if isinstance(value, int) and not isinstance(value, bool):
-            return value
-        raise ConfigError(f"{key}: expected an integer, got {value!r}")
-    if annotation is float:
-        if isinstance(value, (int, float)) and not isinstance(value, bool):
-            return float(value)
-        if isinstance(value, str):  # YAML 1.1 reads "1e-3" (no dot) as a string
-            try:
-                return float(value)
-            except ValueError:
-                pass
-        raise ConfigError(f"{key}: expected a number, got {value!r}")
-    if annotation is str:
-        if isinstance(value, str):
-            return value
-        if isinstance(value, (int, float)) and not isinstance(value, bool):
-            return str(value)
-        raise ConfigError(f"{key}: expected a string, got {value!r}")
-    if dataclasses.is_dataclass(annotation):
-        if isinstance(value, annotation):
-            return value
-        if not isinstance(value, dict):
-            raise ConfigError(f"{key}: expected a mapping, got {value!r}")
-        return from_dict(annotation, value, key)
-    raise ConfigError(f"{key}: cannot read a value of type {annotation}")
-
-
-def from_dict(cls, data: dict[str, Any], prefix: str = ""):
-    """Build dataclass `cls` from a nested dict, checking every key and type."""
-    if cls is AttentionConfig:
-        data = dict(data)
-        name = data.pop("name", "softmax")
-        options = dict(data.pop("options", None) or {})
-        options.update(data)  # options may also sit beside `name`
-        return AttentionConfig(coerce(f"{prefix}.name", name, str), options)
-    hints = _hints(cls)
-    values = {}
-    for key, value in data.items():
-        full = f"{prefix}.{key}" if prefix else key
-        if key not in hints or key.startswith("_"):
-            known = ", ".join(f.name for f in dataclasses.fields(cls))
-            raise ConfigError(f"{full}: unknown key (known here: {known})")
-        values[key] = coerce(full, value, hints[key])
-    try:
-        return cls(**values)
-    except TypeError as e:
-        raise ConfigError(f"{prefix or cls.__name__}: {e}") from None
-
-
 def to_dict(cfg) -> dict[str, Any]:
     """The config as plain nested dicts/lists (YAML/JSON ready)."""
     out = dataclasses.asdict(cfg)
@@ -255,38 +173,28 @@ _ALIASES = {"attention": "model.attention"}
 
 
 def parse_override(text: str) -> tuple[list[str], Any]:
-    """'model.d_model=128' -> (['model', 'd_model'], 128); values are read as YAML scalars."""
-    if "=" not in text:
-        raise ConfigError(f"{text}: expected key=value")
-    key, raw = text.split("=", 1)
-    key = key.strip()
-    head = key.split(".", 1)[0]
-    if head in _ALIASES:
-        key = _ALIASES[head] + key[len(head):]
-    if key == "model.attention":
-        key = "model.attention.name"
-    try:
-        value = yaml.safe_load(raw) if raw.strip() else ""
-    except yaml.YAMLError:
-        value = raw
-    return key.split("."), value
+    """'model.d_model=128' -> (['model', 'd_model'], 128), with the short forms
+    `attention=NAME` (model.attention.name) and `attention.OPT=V` (model.attention.OPT)."""
+    path, value = parse_key_value(text)
+    if path[0] in _ALIASES:
+        path = _ALIASES[path[0]].split(".") + path[1:]
+    if path == ["model", "attention"]:
+        path = ["model", "attention", "name"]
+    return path, value
 
 
 def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
-    """Set each `key=value` in the nested dict `data` (a copy is returned)."""
-    import copy
-
+    """Set each `key=value` in the nested dict `data` (a copy is returned); naming a new
+    mechanism starts it from its own default options."""
     data = copy.deepcopy(data)
     for text in overrides:
         path, value = parse_override(text)
         node = data
-        for part in path[:-1]:
-            node = node.setdefault(part, {})
-            if not isinstance(node, dict):
-                raise ConfigError(f"{'.'.join(path)}: {part} is not a section")
-        if path[:2] == ["model", "attention"] and path[-1] == "name" and node.get("name") != value:
-            node.clear()  # a new mechanism starts from its own default options
-        node[path[-1]] = value
+        if path[:2] == ["model", "attention"] and path[-1] == "name":
+            node = data.get("model", {}).get("attention", {})
+            if isinstance(node, dict) and node.get("name") != value:
+                node.clear()
+        set_path(data, path, value)
     return data
 
 

@@ -150,7 +150,7 @@ def test_failures_are_told_apart():
     (["nonsense"], "unknown benchmark 'nonsense'"),
     (["decode", "--attention", "nonexistent"], "unknown mechanism 'nonexistent'"),
     (["decode", "--attention", "abc-mlp:slots=3"], "attention.slots: not an option of 'abc-mlp'"),
-    (["decode", "decode.context=[1]"], "decode.context: unknown field of decode"),
+    (["decode", "decode.context=[1]"], "decode.context: unknown key of decode"),
     (["decode", "decode.batch=0"], "decode.batch: expected positive values"),
     (["decode", "--device", "tpu"], "--device: expected cpu, cuda or cuda:N, got 'tpu'"),
     (["decode", "--repeats", "0"], "--repeats: expected an integer >= 1, got 0"),

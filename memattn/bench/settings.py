@@ -6,15 +6,14 @@ from __future__ import annotations
 
 import dataclasses
 import re
-import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import ClassVar
 
 import torch
 
-from memattn.config import coerce, parse_override
 from memattn.errors import ConfigError
+from memattn.typed import parse_settings
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -126,29 +125,7 @@ PRESETS: dict[str, dict[str, dict]] = {
 
 def sizes_for(device: torch.device, *, quick: bool, overrides: list[str] = ()) -> Sizes:
     """The preset for the device (or --quick), then `section.field=value` overrides."""
-    values: dict[str, dict] = {name: {} for name in ("lm", "decode", "encode", "train", "lookup")}
-    for section, fields in PRESETS["quick" if quick else device.type].items():
-        values[section].update(fields)
-    hints = typing.get_type_hints(Sizes)
-    for text in overrides:
-        path, value = parse_override(text)
-        key = ".".join(path)
-        if len(path) != 2 or path[0] not in values:
-            raise ConfigError(f"{key}: expected SECTION.FIELD=VALUE with SECTION one of "
-                              f"{', '.join(values)}, got {text!r}")
-        cls = hints[path[0]]
-        known = {f.name: f for f in dataclasses.fields(cls)}
-        if path[1] not in known:
-            raise ConfigError(f"{key}: unknown field of {path[0]} (known: {', '.join(known)})")
-        hint = typing.get_type_hints(cls)[path[1]]
-        if typing.get_args(hint)[1:] == (Ellipsis,):  # tuple[int, ...]
-            item = typing.get_args(hint)[0]
-            if not isinstance(value, list):
-                raise ConfigError(f"{key}: expected a list like [256,1024], got {value!r}")
-            values[path[0]][path[1]] = tuple(coerce(key, v, item) for v in value)
-        else:
-            values[path[0]][path[1]] = coerce(key, value, hint)
-    return Sizes(**{name: hints[name](**fields) for name, fields in values.items()})
+    return parse_settings(Sizes, overrides, PRESETS["quick" if quick else device.type], name="sizes")
 
 
 @dataclass

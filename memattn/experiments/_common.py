@@ -1,47 +1,18 @@
-"""What the experiments share: typed settings from key=value, a training loop for encoder
-objectives, and writing results (JSON, markdown, the command, figures), each atomically."""
+"""What the experiments share: a training loop for encoder objectives and writing results
+(JSON, markdown, the command, figures), each atomically."""
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import time
-import typing
 from pathlib import Path
 from typing import Any, Callable
 
 import torch
 
-from memattn.config import TrainConfig, coerce, parse_override
-from memattn.errors import ConfigError
+from memattn.config import TrainConfig
 from memattn.fileio import atomic_write
 from memattn.train import lr_at, param_groups
-
-
-def parse_settings(cls, name: str, overrides: list[str], base: dict[str, Any],
-                   examples: dict[str, str] | None = None):
-    """Dataclass `cls` from `base` (defaults or quick values) and `key=value` overrides,
-    each checked against its field's type; unknown keys raise ConfigError naming them.
-    A tuple[X, ...] field takes a list `[a,b]`; `examples` gives the example its error shows."""
-    values = dict(base)
-    hints = typing.get_type_hints(cls)
-    for text in overrides:
-        path, value = parse_override(text)
-        key = ".".join(path)
-        if key not in hints:
-            known = ", ".join(f.name for f in dataclasses.fields(cls))
-            raise ConfigError(f"{key}: unknown setting of {name} (known: {known})")
-        hint = hints[key]
-        if typing.get_args(hint)[1:] == (Ellipsis,):  # tuple[X, ...]
-            item = typing.get_args(hint)[0]
-            if not isinstance(value, list) or not value:
-                example = (examples or {}).get(key, "[a,b]")
-                raise ConfigError(f"{key}: expected a list of {item.__name__} like {example}, "
-                                  f"got {value!r}")
-            values[key] = tuple(coerce(key, v, item) for v in value)
-        else:
-            values[key] = coerce(key, value, hint)
-    return cls(**values)
 
 
 def train_steps(model: torch.nn.Module, loss_of: Callable[[int], torch.Tensor], *, steps: int, lr: float,

@@ -57,9 +57,9 @@ import torch.nn.functional as F
 from memattn.config import AttentionConfig, ModelConfig
 from memattn.errors import ConfigError
 from memattn.experiments import single_process
-from memattn.experiments._common import (command_of, parse_settings, plot_curves, train_steps,
-                                              write_results)
+from memattn.experiments._common import command_of, plot_curves, train_steps, write_results
 from memattn.models import Encoder
+from memattn.typed import parse_settings
 
 DESCRIPTION = "GMAT: MAJORITY(L, p) tagging with chunked attention, without and with global memory"
 NAME = "gmat-majority"
@@ -259,7 +259,7 @@ def run_one(length: int, parts: int, num_memory: int, s: Settings,
 def run(out_dir: Path, *, quick: bool = False, overrides: list[str] = (), jobs: int = 1) -> dict:
     """Train and score M = 0 and M = num_memory on each task; write the results under out_dir."""
     single_process("gmat-majority", jobs)
-    s = parse_settings(Settings, NAME, list(overrides), QUICK if quick else {})
+    s = parse_settings(Settings, list(overrides), QUICK if quick else {}, name=NAME)
     out_dir = Path(out_dir)
     threads = torch.get_num_threads()
     torch.set_num_threads(s.threads)

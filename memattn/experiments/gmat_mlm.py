@@ -45,10 +45,10 @@ from memattn.config import AttentionConfig, ModelConfig
 from memattn.data import load_corpus
 from memattn.errors import ConfigError
 from memattn.experiments import single_process
-from memattn.experiments._common import (command_of, parse_settings, plot_curves, train_steps,
-                                              write_results)
+from memattn.experiments._common import command_of, plot_curves, train_steps, write_results
 from memattn.models import Compressor, Encoder
 from memattn.models.compressor import compress_ids, decompress_ids, save_compressor
+from memattn.typed import parse_settings
 
 DESCRIPTION = "GMAT: masked LM with chunked attention, without and with memory, and compressed into M vectors"
 NAME = "gmat-mlm"
@@ -187,7 +187,7 @@ def evaluate(v: Variant, data: torch.Tensor, mask_id: int, vocab: int, seed: int
 def run(out_dir: Path, *, quick: bool = False, overrides: list[str] = (), jobs: int = 1) -> dict:
     """Train and score the three models; write the results (and the compressor) under out_dir."""
     single_process("gmat-mlm", jobs)
-    s = parse_settings(Settings, NAME, list(overrides), QUICK if quick else {})
+    s = parse_settings(Settings, list(overrides), QUICK if quick else {}, name=NAME)
     out_dir = Path(out_dir)
     threads = torch.get_num_threads()
     torch.set_num_threads(s.threads)

@@ -36,10 +36,10 @@ from memattn.data.reading import ReadingBatch, ReadingConfig, ReadingTask
 from memattn.errors import ConfigError
 from memattn.experiments import single_process
 from memattn.experiments._common import command_of, save_figure, write_results
-from memattn.experiments._common import parse_settings as parse_typed
 from memattn.models.qa import ATTENTIONS, QAConfig, ReadingQA
 from memattn.ops.softmax import softmax_attention
 from memattn.representations import encode, lookup
+from memattn.typed import parse_settings as parse_typed
 
 DESCRIPTION = ("cheap linear attention: QA accuracy of none / softmax / linear / gated-linear "
                "and per-query lookup cost vs document length")
@@ -87,14 +87,13 @@ class Settings:
                 raise ConfigError(f"{name}: expected [shortest, longest], got {[lo, hi]}")
 
 
-_EXAMPLES = {"variants": "[softmax,linear]", "lookup_lengths": "[250,1000]"}
 QUICK = {"steps": 40, "batch": 16, "hidden": 16, "embed": 16, "doc_len": (100, 200),
          "long_len": (300, 400), "test_docs": 64, "lookup_repeats": 5}
 
 
 def parse_settings(overrides: list[str], *, quick: bool) -> Settings:
     """Settings from the defaults (or QUICK), then `key=value` overrides checked by type."""
-    return parse_typed(Settings, "linear-qa", overrides, dict(QUICK) if quick else {}, _EXAMPLES)
+    return parse_typed(Settings, overrides, QUICK if quick else {}, name="linear-qa")
 
 
 def run(out_dir: Path, *, quick: bool = False, overrides: list[str] = (), jobs: int = 1) -> dict:

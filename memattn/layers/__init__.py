@@ -9,8 +9,8 @@ from memattn.layers import linear  # noqa: F401  (registers "linear" and "gated-
 from memattn.layers import persistent  # noqa: F401  (registers "persistent")
 from memattn.layers import softmax  # noqa: F401  (registers "softmax")
 from memattn.layers import cross  # noqa: F401  (registers the cross attention of softmax and abc-mlp)
-from memattn.layers.base import (AttentionState, KVCache, LayerSpec, Mechanism,
-                                 build_attention, get_mechanism, mechanisms, register)
+from memattn.layers.base import (AttentionLayer, AttentionState, KVCache, LayerSpec, Mechanism,
+                                 attention_layer, build_attention, get_mechanism, mechanisms, register)
 
-__all__ = ["AttentionState", "KVCache", "LayerSpec", "Mechanism", "build_attention",
-           "get_mechanism", "mechanisms", "register"]
+__all__ = ["AttentionLayer", "AttentionState", "KVCache", "LayerSpec", "Mechanism", "attention_layer",
+           "build_attention", "get_mechanism", "mechanisms", "register"]

@@ -38,6 +38,7 @@ from torch import nn
 
 from memattn.errors import ConfigError, ShapeError, check_tensor
 from memattn.layers.positions import Rotary
+from memattn.typed import coerce
 
 
 @dataclass
@@ -322,8 +323,6 @@ def parse_options(name: str, options: dict[str, Any] | Any) -> Any:
     mech = get_mechanism(name)
     if isinstance(options, mech.options):
         return options
-    from memattn.config import coerce  # config depends on this module, not the reverse
-
     known = {f.name: f for f in dataclasses.fields(mech.options)}
     values = {}
     for key, value in dict(options or {}).items():
@@ -358,3 +357,24 @@ def build_attention(name: str, options: dict[str, Any] | Any, spec: LayerSpec) -
     if not spec.causal and not mech.bidirectional:
         raise ConfigError(f"attention: {name!r} is causal only and cannot be used in an encoder")
     return mech.layer(spec, parse_options(name, options))
+
+
+def attention_layer(name: str, d_model: int, n_heads: int, *, causal: bool = True,
+                    positions: str = "none", max_len: int = 1024, dropout: float = 0.0,
+                    **options: Any) -> nn.Module:
+    """A standalone attention layer of mechanism `name`, for use in any model.
+
+    d_model / n_heads: width and heads; causal: a decoder's layer (False: an encoder's);
+    positions: "rotary" rotates q and k inside the layer, "none" (default) leaves positions to
+    the model around it; max_len: the longest sequence position-based options cover;
+    dropout: on the output. Further keywords are the mechanism's own options
+    (`memattn info --mechanisms` lists them), e.g.
+    ``attention_layer("abc-mlp", 256, 4, num_slots=32)``. The layer keeps its own init
+    (PyTorch's for the projections); memattn's models re-initialise their linear weights
+    N(0, model.init_std) around it.
+    """
+    if positions not in ("rotary", "none"):
+        raise ConfigError(f"positions: a standalone layer takes 'rotary' or 'none', got {positions!r}")
+    spec = LayerSpec(d_model, n_heads, causal=causal, max_len=max_len, positions=positions, dropout=dropout)
+    return build_attention(name, options, spec)
+

@@ -58,7 +58,7 @@ class Compressor(nn.Module):
             raise ConfigError(f"compressor: expected n_compress >= 1, n_decompress >= 1 and "
                               f"n_compress + n_decompress <= model.n_layers = {cfg.n_layers}, got "
                               f"n_compress={n_compress}, n_decompress={n_decompress}")
-        layout = memory_layout(cfg.attention.name, cfg.attention.options, causal=False)
+        layout = memory_layout(cfg.attention.name, cfg.attention.typed, causal=False)
         if layout is None:
             raise ConfigError(f"attention: the compressor keeps only memory rows, and {cfg.attention.name!r} "
                               f"with these options has none (use attention=gmat with num_memory > 0)")

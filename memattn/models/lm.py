@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from memattn.config import SPLIT_BASE, ModelConfig
-from memattn.errors import ConfigError, ShapeError, check_tensor
+from memattn.errors import ConfigError, ShapeError
 from memattn.layers.base import (
     AttentionState,
     LayerSpec,
@@ -61,12 +61,12 @@ class Block(nn.Module):
     def __init__(self, cfg: ModelConfig, spec: LayerSpec, cross: bool = False) -> None:
         super().__init__()
         self.norm_attn = make_norm(cfg.norm, cfg.d_model)
-        self.attn = build_attention(cfg.attention.name, cfg.attention.options, spec)
+        self.attn = build_attention(cfg.attention.name, cfg.attention.typed, spec)
         self.norm_cross = make_norm(cfg.norm, cfg.d_model) if cross else None
         mech = cfg.cross_attention or cfg.attention
-        self.cross = build_cross_attention(mech.name, mech.options, spec) if cross else None
+        self.cross = build_cross_attention(mech.name, mech.typed, spec) if cross else None
         hidden = int(cfg.ff_mult * cfg.d_model)
-        ff = build_feedforward(cfg.attention.name, cfg.attention.options, spec)  # the mechanism's own, if any
+        ff = build_feedforward(cfg.attention.name, cfg.attention.typed, spec)  # the mechanism's own, if any
         if ff is None and hidden > 0 and not get_mechanism(cfg.attention.name).replaces_feedforward:
             ff = FeedForward(cfg.d_model, hidden, cfg.dropout)
         self.norm_ff = make_norm(cfg.norm, cfg.d_model) if ff is not None else None
@@ -228,7 +228,7 @@ class Transformer(nn.Module):
         self.pos = nn.Embedding(cfg.max_len, cfg.d_model) if cfg.positions == "learned" else None
         if cfg.positions == "split":
             self.pos = SplitPositions(cfg.max_len, cfg.d_model)
-        self.memory_layout = memory_layout(cfg.attention.name, cfg.attention.options, causal=causal)
+        self.memory_layout = memory_layout(cfg.attention.name, cfg.attention.typed, causal=causal)
         self.memory = (nn.Embedding(self.memory_layout.tokens, cfg.d_model)
                        if self.memory_layout is not None else None)
         self.dropout = nn.Dropout(cfg.dropout)

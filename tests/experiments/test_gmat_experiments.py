@@ -10,7 +10,7 @@ import torch
 
 from memattn.errors import ConfigError
 from memattn.experiments import get_experiment
-from memattn.experiments._common import parse_settings
+from memattn.typed import parse_settings
 from memattn.experiments.gmat_majority import Settings, majority_batch
 from memattn.experiments.gmat_mlm import MASK_RATE, mask_tokens
 
@@ -64,16 +64,16 @@ def test_bert_masking_rates():
 
 
 def test_settings_are_typed_and_checked():
-    s = parse_settings(Settings, "gmat-majority", ["steps=12", "lr=1e-3"], {})
+    s = parse_settings(Settings, ["steps=12", "lr=1e-3"], name="gmat-majority")
     assert (s.steps, s.lr) == (12, 1e-3)
-    with pytest.raises(ConfigError, match=r"stepz: unknown setting of gmat-majority \(known: d_model"):
-        parse_settings(Settings, "gmat-majority", ["stepz=3"], {})
+    with pytest.raises(ConfigError, match=r"stepz: unknown key of gmat-majority \(known: d_model"):
+        parse_settings(Settings, ["stepz=3"], name="gmat-majority")
     with pytest.raises(ConfigError, match=r"steps: expected an integer, got 'many'"):
-        parse_settings(Settings, "gmat-majority", ["steps=many"], {})
+        parse_settings(Settings, ["steps=many"], name="gmat-majority")
     with pytest.raises(ConfigError, match=r"num_memory: expected a positive value, got 0"):
-        parse_settings(Settings, "gmat-majority", ["num_memory=0"], {})
+        parse_settings(Settings, ["num_memory=0"], name="gmat-majority")
     with pytest.raises(ConfigError, match=r"wide: expected runs or uniform, got 'often'"):
-        parse_settings(Settings, "gmat-majority", ["wide=often"], {})
+        parse_settings(Settings, ["wide=often"], name="gmat-majority")
     with pytest.raises(ConfigError, match=r"margins: expected fair, runs or uniform, got 'x'"):
         majority_batch(8, 1, 2, torch.Generator(), margins="x")
 

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from memattn.errors import ConfigError
-from memattn.experiments._common import parse_settings
+from memattn.typed import parse_settings
 from memattn.experiments.gmat_majority import Settings, build_model, start_from
 
 
@@ -22,7 +22,7 @@ def test_chaining_copies_the_trained_block_row_to_every_new_block():
 
 
 def test_curriculum_shares_are_checked():
-    s = parse_settings(Settings, "gmat-majority", ["wide_phase=0.25", "segment_steps=10"], {})
+    s = parse_settings(Settings, ["wide_phase=0.25", "segment_steps=10"], name="gmat-majority")
     assert (s.wide_phase, s.segment_steps) == (0.25, 10)
     with pytest.raises(ConfigError, match=r"long_wide_phase: expected a share in \[0, 1\], got 1.5"):
-        parse_settings(Settings, "gmat-majority", ["long_wide_phase=1.5"], {})
+        parse_settings(Settings, ["long_wide_phase=1.5"], name="gmat-majority")

@@ -20,13 +20,13 @@ def test_settings_overrides_are_typed_and_checked():
                        quick=False)
     assert (s.steps, s.lr, s.doc_len, s.lookup_lengths) == (12, 1e-3, (50, 80), (250, 500))
     assert parse_settings([], quick=True).steps == QUICK["steps"] < Settings().steps
-    with pytest.raises(ConfigError, match=r"stepz: unknown setting of linear-qa \(known: variants, steps"):
+    with pytest.raises(ConfigError, match=r"stepz: unknown key of linear-qa \(known: variants, steps"):
         parse_settings(["stepz=3"], quick=False)
     with pytest.raises(ConfigError, match=r"steps: expected an integer, got 'many'"):
         parse_settings(["steps=many"], quick=False)
     with pytest.raises(ConfigError, match=r"doc_len: expected \[shortest, longest\]"):
         parse_settings(["doc_len=[80,50]"], quick=False)
-    with pytest.raises(ConfigError, match=r"lookup_lengths: expected a list of int like \[250,1000\]"):
+    with pytest.raises(ConfigError, match=r"lookup_lengths: expected a list of int"):
         parse_settings(["lookup_lengths=250"], quick=False)
     with pytest.raises(ConfigError, match=r"variants: expected distinct names among none, softmax"):
         parse_settings(["variants=[linear,abc]"], quick=False)

@@ -1,0 +1,53 @@
+"""A layer outside memattn's models: `attention_layer(name, d_model, n_heads, **options)`."""
+
+import math
+
+import pytest
+import torch
+
+from memattn.config import AttentionConfig
+from memattn.errors import ConfigError
+from memattn.layers import attention_layer, mechanisms
+
+
+def test_softmax_layer_is_multi_head_attention_by_hand():
+    """No rotary unless asked: the layer is causal multi-head attention on its projections."""
+    torch.manual_seed(0)
+    lay = attention_layer("softmax", 12, 3).double()
+    x = torch.randn(2, 5, 12, dtype=torch.float64)
+    W = lay.qkv.weight
+    q, k, v = (x @ W[i * 12:(i + 1) * 12].T for i in range(3))  # [B, T, d] each
+    want = torch.zeros_like(x)
+    for b in range(2):
+        for h in range(3):
+            cols = slice(4 * h, 4 * h + 4)
+            for t in range(5):
+                s = k[b, :t + 1, cols] @ q[b, t, cols] / math.sqrt(4)
+                want[b, t, cols] = torch.softmax(s, 0) @ v[b, :t + 1, cols]
+    torch.testing.assert_close(lay(x)[0], lay.out(want))
+
+
+@pytest.mark.parametrize("name", [n for n, m in mechanisms().items() if m.causal and n != "gmat"])
+def test_every_causal_mechanism_builds_standalone_and_decodes_as_it_reads(name):
+    """Built with keywords alone, each layer gives token by token what it gives at once."""
+    torch.manual_seed(0)
+    lay = attention_layer(name, 16, 2, positions="rotary").double().eval()
+    x = torch.randn(2, 7, 16, dtype=torch.float64)
+    full, _ = lay(x)
+    state = lay.init_state(2, dtype=torch.float64)
+    steps = [lay(x[:, t:t + 1], memory_state=state)[0] for t in range(7)]
+    torch.testing.assert_close(torch.cat(steps, 1), full)
+
+
+def test_options_are_keywords_and_checked():
+    lay = attention_layer("abc-mlp", 16, 2, num_slots=5)
+    assert lay.options.num_slots == 5
+    with pytest.raises(ConfigError, match="attention.slots: not an option of 'abc-mlp'"):
+        attention_layer("abc-mlp", 16, 2, slots=5)
+    with pytest.raises(ConfigError, match="positions: a standalone layer takes 'rotary' or 'none'"):
+        attention_layer("softmax", 16, 2, positions="learned")
+
+
+def test_a_config_keeps_its_typed_options():
+    cfg = AttentionConfig("abc-mlp", {"num_slots": 7})
+    assert type(cfg.typed).__name__ == "ABCMLPOptions" and cfg.typed.num_slots == 7
