@@ -22,17 +22,16 @@ from memattn.kernels import KERNEL_DTYPES, kernels_supported
 from memattn.ops.abc.common import (
     ABCState,
     BoundedMemoryState,
+    check_inplace_state,
     check_step_inputs,
     default_scale,
 )
-from memattn.ops.abc.recurrent import check_inplace_state
 
 try:
     import triton
     import triton.language as tl
 except ImportError:  # the torch forms work without triton
     triton = None
-
 
 
 def check_kernel_inputs(name: str, tensors: dict[str, torch.Tensor | None], *,

@@ -119,6 +119,17 @@ def check_step_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, w: torc
     return B, H, K, V, M
 
 
+def check_inplace_state(state: tuple | None, state_type: type, dtype: torch.dtype) -> None:
+    """An in-place step overwrites the given state tensors: they must be contiguous and
+    already in the dtype the step computes in (float32; float64 for float64 inputs)."""
+    for field, t in zip(state_type._fields, state or ()):
+        if t.dtype != dtype or not t.is_contiguous():
+            raise ValueError(f"state.{field}: inplace=True updates the state tensors in place "
+                             f"and needs them contiguous {dtype}, got "
+                             f"{'a non-contiguous ' if not t.is_contiguous() else ''}{t.dtype} "
+                             f"tensor; pass inplace=False")
+
+
 def finite_or_off_cpu(*tensors) -> bool:
     """False when a CPU tensor among `tensors` (None and tuples allowed) holds a NaN or an
     infinity. The chunked forms mix every step of a chunk in one product, so a non-finite

@@ -15,6 +15,7 @@ from memattn.kernels import use_kernels
 from memattn.ops.abc.common import (
     ABCState,
     BoundedMemoryState,
+    check_inplace_state,
     check_inputs,
     check_step_inputs,
     compute_dtype,
@@ -27,17 +28,6 @@ def _read(q: torch.Tensor, mem_k: torch.Tensor, mem_v: torch.Tensor, scale: floa
     scores = scale * (mem_k @ q[..., None]).squeeze(-1)  # [B, H, M]
     p = torch.softmax(scores, dim=-1)
     return (p[..., None, :] @ mem_v).squeeze(-2)
-
-
-def check_inplace_state(state: tuple | None, state_type: type, dtype: torch.dtype) -> None:
-    """An in-place step overwrites the given state tensors: they must be contiguous and
-    already in the dtype the step computes in (float32; float64 for float64 inputs)."""
-    for field, t in zip(state_type._fields, state or ()):
-        if t.dtype != dtype or not t.is_contiguous():
-            raise ValueError(f"state.{field}: inplace=True updates the state tensors in place "
-                             f"and needs them contiguous {dtype}, got "
-                             f"{'a non-contiguous ' if not t.is_contiguous() else ''}{t.dtype} "
-                             f"tensor; pass inplace=False")
 
 
 def _abc_update(state: ABCState, k: torch.Tensor, v: torch.Tensor, s: torch.Tensor,

@@ -1,0 +1,255 @@
+"""ABC strategies whose write weights φ depend only on positions: abc-linformer, abc-random,
+abc-meanpool and abc-l2g.
+
+    abc-linformer   learned per-position columns φ_t = softplus(W^LF[t]) [M], W^LF [max_len, M];
+                    causal through the recurrence.
+    abc-random      φ_t = e_{i_t}, i_t a fixed pseudo-random slot (a hash of position and head).
+    abc-meanpool    φ_t = e_{⌊t/c⌋} / c: slot j holds the mean of tokens jc .. jc+c-1.
+    abc-l2g         local-to-global: φ_t = e_{t/c} for the global tokens t = 0, c, 2c, ..., else 0.
+
+Each is a `GivenPhiLayer` with its own `write_weights`; the layer zeroes φ on padding and
+reads the memory with `bounded_memory_attention` (no normalisation), so decoding keeps the
+op's BoundedMemoryState (k, v [B, H, M, D]).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from memattn.errors import ShapeError
+from memattn.layers.abc.common import ABCLayer, ABCMemoryState, check_positive, state_dtype
+from memattn.layers.base import LayerSpec, register
+from memattn.ops.abc import BoundedMemoryState, bounded_memory_attention
+
+
+class GivenPhiLayer(ABCLayer):
+    """An ABC layer whose write weights φ [B, T, H, M] depend only on positions (and padding)."""
+
+    num_slots: int
+
+    def init_state(self, batch_size: int, device=None, dtype=None) -> ABCMemoryState:
+        """An empty memory: zeros [B, H, M, D] for keys and values."""
+        w = self.qkv.weight
+        D = self.spec.head_dim
+        return ABCMemoryState(BoundedMemoryState.empty(
+            batch_size, self.spec.n_heads, self.num_slots, D, D,
+            device=device if device is not None else w.device, dtype=state_dtype(dtype, w)))
+
+    def write_weights(self, pos: torch.Tensor, last: int, x: torch.Tensor) -> torch.Tensor:
+        """φ [1 or B, T, 1 or H, M] for tokens at positions pos [1 or B, T] (int64), the
+        largest of which is `last`."""
+        raise NotImplementedError
+
+    def forward(self, x: torch.Tensor, *, memory_state: ABCMemoryState | None = None,
+                attention_mask: torch.Tensor | None = None, positions: torch.Tensor | None = None):
+        """x [B, T, d], attention_mask [B, T] bool (True = real), positions [B, T] ->
+        (y [B, T, d], state)."""
+        offset, q, k, v = self.project(x, memory_state, attention_mask, positions)
+        B, T, _ = x.shape
+        if positions is None:
+            pos, last = torch.arange(offset, offset + T, device=x.device)[None], offset + T - 1
+        else:
+            pos, last = positions, int(positions.max())
+        phi = self.write_weights(pos, last, x).to(q.dtype).expand(B, T, self.spec.n_heads, -1)
+        if attention_mask is not None:
+            phi = phi * attention_mask[:, :, None, None].to(phi.dtype)  # padding writes nothing
+        initial = memory_state.inner if memory_state is not None else None
+        o, state = bounded_memory_attention(q, k, v, phi, causal=self.spec.causal,
+                                            initial_state=initial,
+                                            output_final_state=memory_state is not None)
+        if memory_state is not None:
+            memory_state.update(state, T)
+        return self.finish(o), memory_state
+
+
+# --------------------------------------------------------------------------- abc-linformer
+
+
+@dataclass
+class ABCLinformerOptions:
+    """Options of `abc-linformer`.
+
+    num_slots: M, memory slots (columns of W^LF [max_len, M], shared by the heads).
+    bias: biases on the q/k/v and output projections.
+    """
+
+    num_slots: int = 32
+    bias: bool = False
+
+    def __post_init__(self) -> None:
+        check_positive("num_slots", self.num_slots)
+
+
+@register("abc-linformer", options=ABCLinformerOptions)
+class ABCLinformerAttention(GivenPhiLayer):
+    """ABC with Linformer control: learned per-position φ_t = softplus(W^LF[t]); fixed-size state.
+
+    W^LF [max_len, M] (model.max_len rows) is a free parameter, initialised N(0, 1); softplus
+    keeps φ ≥ 0 as the op requires. φ is not normalised (Linformer's projection of the
+    sequence). Causal, token t reads Σ_{i≤t} φ_i ⊗ k_i, valid through the recurrence as the
+    paper shows. A sequence past max_len has no column and raises ShapeError.
+    """
+
+    def __init__(self, spec: LayerSpec, options: ABCLinformerOptions) -> None:
+        super().__init__(spec, options.bias)
+        self.options = options
+        self.num_slots = options.num_slots
+        self.max_len = spec.max_len
+        self.columns = nn.Parameter(torch.randn(spec.max_len, options.num_slots))
+
+    def write_weights(self, pos: torch.Tensor, last: int, x: torch.Tensor) -> torch.Tensor:
+        if last >= self.max_len:
+            raise ShapeError(f"x: a Linformer model given a longer sequence than it was built "
+                             f"for: positions up to {last + 1} exceed model.max_len="
+                             f"{self.max_len}")
+        return F.softplus(self.columns[pos])[:, :, None, :]  # [1 or B, T, 1, M]
+
+
+# ------------------------------------------------------------------------------ abc-random
+
+
+@dataclass
+class ABCRandomOptions:
+    """Options of `abc-random`.
+
+    num_slots: M, memory slots per head.
+    seed: picks the pseudo-random slot sequence.
+    bias: biases on the q/k/v and output projections.
+    """
+
+    num_slots: int = 32
+    seed: int = 0
+    bias: bool = False
+
+    def __post_init__(self) -> None:
+        check_positive("num_slots", self.num_slots)
+
+
+def random_slots(positions: torch.Tensor, heads: int, slots: int, seed: int) -> torch.Tensor:
+    """positions [...] int64 -> slot ids [..., H] in [0, slots): a fixed hash of (seed, position,
+    head), so that a full forward pass and token-by-token decoding pick the same slots."""
+    h = torch.arange(heads, device=positions.device, dtype=torch.int64)
+    z = positions[..., None] * 1000003 + h * 7919 + seed * 104729 + 12345
+    mask = (1 << 31) - 1
+    for _ in range(3):  # a few rounds of multiply-xorshift on 31 bits
+        z = (z * 1103515245 + 12345) & mask
+        z = z ^ (z >> 13)
+    return torch.remainder(z, slots)
+
+
+@register("abc-random", options=ABCRandomOptions)
+class ABCRandomAttention(GivenPhiLayer):
+    """ABC_RD: every token writes, one-hot, to a pseudo-random slot (φ_t = e_{i_t}); fixed-size state.
+
+    i_t is a deterministic hash of (seed, position, head) rather than a fresh draw, so that
+    training, evaluation and decoding write the same token to the same slot; over positions
+    it is spread close to uniformly over the M slots.
+    """
+
+    def __init__(self, spec: LayerSpec, options: ABCRandomOptions) -> None:
+        super().__init__(spec, options.bias)
+        self.options = options
+        self.num_slots = options.num_slots
+
+    def write_weights(self, pos: torch.Tensor, last: int, x: torch.Tensor) -> torch.Tensor:
+        ids = random_slots(pos, self.spec.n_heads, self.num_slots, self.options.seed)
+        return F.one_hot(ids, self.num_slots).to(x.dtype)  # [1 or B, T, H, M]
+
+
+# ---------------------------------------------------------------------------- abc-meanpool
+
+
+@dataclass
+class ABCMeanPoolOptions:
+    """Options of `abc-meanpool`.
+
+    num_slots: M, memory slots: the layer reads at most num_slots * pool tokens.
+    pool: c, tokens averaged into each slot.
+    bias: biases on the q/k/v and output projections.
+    """
+
+    num_slots: int = 32
+    pool: int = 2
+    bias: bool = False
+
+    def __post_init__(self) -> None:
+        check_positive("num_slots", self.num_slots)
+        check_positive("pool", self.pool)
+
+
+@register("abc-meanpool", options=ABCMeanPoolOptions)
+class ABCMeanPoolAttention(GivenPhiLayer):
+    """ABC with compressive mean-pool control: φ_t = e_{⌊t/c⌋} / c; fixed-size state.
+
+    Slot j holds the mean of tokens jc .. jc+c-1 (a partial block holds its sum / c so
+    far). The slots needed grow with the length, so a sequence past num_slots * pool tokens
+    raises ShapeError naming both options rather than silently reusing slots.
+    """
+
+    def __init__(self, spec: LayerSpec, options: ABCMeanPoolOptions) -> None:
+        super().__init__(spec, options.bias)
+        self.options = options
+        self.num_slots = options.num_slots
+
+    def write_weights(self, pos: torch.Tensor, last: int, x: torch.Tensor) -> torch.Tensor:
+        c, M = self.options.pool, self.num_slots
+        if last >= c * M:
+            raise ShapeError(f"x: positions up to {last + 1} exceed what abc-meanpool can hold, "
+                             f"attention.num_slots * attention.pool = {M} * {c} = {M * c}")
+        phi = F.one_hot(pos // c, M).to(x.dtype) / c  # [1 or B, T, M]
+        return phi[:, :, None, :]
+
+
+# --------------------------------------------------------------------------------- abc-l2g
+
+
+@dataclass
+class ABCL2GOptions:
+    """Options of `abc-l2g`.
+
+    num_slots: M, memory slots: one a global token, so the layer reads at most
+        num_slots * every tokens.
+    every: c, one global token every c positions (positions 0, c, 2c, ...).
+    bias: biases on the q/k/v and output projections.
+    """
+
+    num_slots: int = 32
+    every: int = 4
+    bias: bool = False
+
+    def __post_init__(self) -> None:
+        check_positive("num_slots", self.num_slots)
+        check_positive("every", self.every)
+
+
+@register("abc-l2g", options=ABCL2GOptions, bidirectional=False)
+class ABCL2GAttention(GivenPhiLayer):
+    """ABC with local-to-global control: global token j (position jc) writes e_j; fixed-size state.
+
+    φ_t = e_{t/c} when t is a multiple of c, 0 for the other tokens: the memory is the
+    keys / values of the global tokens, one slot each, and every token reads all the global
+    tokens so far (causal) or in the sequence. Until the first global token, or for a query
+    whose memory is still empty, the read is zero. A sequence past num_slots * every tokens
+    raises ShapeError naming both options.
+
+    This is the global half of local-to-global attention: a token that is not global is
+    never written, so nothing else reads it. Causal only: in an encoder such a token would
+    be invisible to every other one, which defeats bidirectional reading.
+    """
+
+    def __init__(self, spec: LayerSpec, options: ABCL2GOptions) -> None:
+        super().__init__(spec, options.bias)
+        self.options = options
+        self.num_slots = options.num_slots
+
+    def write_weights(self, pos: torch.Tensor, last: int, x: torch.Tensor) -> torch.Tensor:
+        c, M = self.options.every, self.num_slots
+        if last >= c * M:
+            raise ShapeError(f"x: positions up to {last + 1} exceed what abc-l2g can hold, "
+                             f"attention.num_slots * attention.every = {M} * {c} = {M * c}")
+        phi = F.one_hot(pos // c, M).to(x.dtype) * (pos % c == 0)[..., None].to(x.dtype)
+        return phi[:, :, None, :]  # [1 or B, T, 1, M]

@@ -1,0 +1,178 @@
+"""Softmax attention over a sliding window of keys: the read of abc-window and abc-dilated.
+
+A FIFO memory of the last n tokens (ABC's shift-matrix control) holds exactly those n keys
+and values, so reading it is softmax attention restricted to a window:
+
+    causal          query t reads keys t-n+1 .. t
+    bidirectional   query t reads keys t - n // 2 .. t + (n - 1) // 2 (centred; one more
+                    before for even n)
+    dilated         (causal) also the last n positions ≤ t that are multiples of d, in the
+                    same softmax: a key in both sets counts twice
+
+    local_window_attention   the whole sequence in blocks of about n tokens, O(T · n)
+    local_window_reference   a loop over queries, the window spelled out; ground truth
+    counted_softmax          softmax attention with a multiplicity per (query, key): the
+                             read of a continued queue, whose held keys sit in slots
+    in_window, in_strided_queue   the two membership rules, as boolean masks
+
+These ops keep no state and return o alone: a layer that decodes keeps its own ring buffer
+of the last n keys and values, and reads it with `counted_softmax`.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from memattn.errors import ShapeError, check_qkv, check_tensor
+
+
+def in_window(qpos: torch.Tensor, kpos: torch.Tensor, window: int, causal: bool) -> torch.Tensor:
+    """Key position kpos is in the window of n positions of query qpos (broadcast): causal
+    the last n up to qpos, bidirectional qpos - n // 2 .. qpos + (n - 1) // 2."""
+    rel = qpos - kpos
+    return (rel >= 0) & (rel < window) if causal else (rel <= window // 2) & (-rel <= (window - 1) // 2)
+
+
+def in_strided_queue(qpos: torch.Tensor, kpos: torch.Tensor, window: int,
+                     dilation: int) -> torch.Tensor:
+    """Key position kpos is in the dilated queue of query qpos (broadcast): one of the last
+    n positions ≤ qpos that are multiples of d."""
+    d = dilation
+    return (kpos % d == 0) & (kpos <= qpos) & (qpos // d - kpos // d < window)
+
+
+def counted_softmax(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, count: torch.Tensor,
+                    scale: float | None = None) -> torch.Tensor:
+    """Softmax attention where key j enters query i's memory count[b, i, j] times (0: absent).
+
+    q [B, Tq, H, D], k [B, Tk, H, D], v [B, Tk, H, V], count [B, Tq, Tk] -> o [B, Tq, H, V];
+    a query with an empty memory reads zeros. A key held in two slots weighs twice.
+    """
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    scores = scale * torch.einsum("bqhd,bkhd->bhqk", q, k)
+    held = (count > 0)[:, None]  # [B, 1, Tq, Tk]
+    scores = torch.where(held, scores + torch.log(count.clamp_min(1).to(scores.dtype))[:, None],
+                         -torch.inf)
+    # A query with an empty memory: finite scores in its row (no NaN, forward or backward),
+    # then its weights are zeroed.
+    empty = ~held.any(-1, keepdim=True)  # [B, 1, Tq, 1]
+    p = torch.softmax(scores.masked_fill(empty, 0.0), dim=-1).masked_fill(empty, 0.0)
+    return torch.einsum("bhqk,bkhv->bqhv", p, v)
+
+
+def _check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int, causal: bool,
+           dilation: int, attention_mask: torch.Tensor | None) -> tuple[int, int]:
+    """Check the inputs of both window ops; return (B, T)."""
+    B, Tq, T, _, _, _ = check_qkv(q, k, v)
+    if Tq != T:
+        raise ShapeError(f"q: expected one query per key (Tq = T) in a sliding window, "
+                         f"got Tq={Tq} for T={T}")
+    if attention_mask is not None:
+        check_tensor("attention_mask", attention_mask, "[B, T]", B, T)
+        if attention_mask.dtype != torch.bool:
+            raise ShapeError(f"attention_mask: expected dtype torch.bool, got {attention_mask.dtype}")
+    if isinstance(window, bool) or not isinstance(window, int) or window < 1:
+        raise ValueError(f"window: expected a positive integer, got {window!r}")
+    if isinstance(dilation, bool) or not isinstance(dilation, int) or dilation < 0:
+        raise ValueError(f"dilation: expected an integer >= 0 (0: no dilated queue), got {dilation!r}")
+    if dilation and not causal:
+        raise ValueError("dilation: the dilated queue is a causal write rule; pass causal=True "
+                         "or dilation=0")
+    return B, T
+
+
+def local_window_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, window: int,
+                           causal: bool = True, dilation: int = 0,
+                           attention_mask: torch.Tensor | None = None,
+                           scale: float | None = None) -> torch.Tensor:
+    """Softmax attention over a sliding window, in blocks: O(T · n) time and memory.
+
+    q, k [B, T, H, D], v [B, T, H, V] -> o [B, T, H, V]; attention_mask [B, T] bool (False:
+    padding, never read; None: every key is real). scale defaults to D^-0.5.
+    Causal: query t reads keys t-n+1 .. t; bidirectional: keys t - n // 2 .. t + (n - 1) // 2. The
+    sequence is cut into blocks of c tokens (c = n causal, n // 2 + 1 bidirectional) and a
+    block reads itself and its neighbours (the one before; bidirectional also the one
+    after), which hold every key of its window. dilation d > 0 (causal): query t also reads
+    the last n positions ≤ t that are multiples of d, in the same softmax (a key in both
+    sets counts twice), gathered per block from the keys at 0, d, 2d, ... A query with no
+    real key reads zeros.
+    """
+    B, T = _check(q, k, v, window, causal, dilation, attention_mask)
+    D = q.shape[-1]
+    scale = D ** -0.5 if scale is None else scale
+    real = (attention_mask if attention_mask is not None
+            else torch.ones(B, T, dtype=torch.bool, device=q.device))
+    c = window if causal else window // 2 + 1
+    nb = -(-T // c)
+    pad = nb * c - T
+    before, after = 1, (0 if causal else 1)
+
+    def blocks(x: torch.Tensor, fill=0.0) -> torch.Tensor:  # [B, T, ...] -> [B, nb + pads, c, ...]
+        x = F.pad(x.movedim(1, -1), (before * c, pad + after * c), value=fill).movedim(-1, 1)
+        return x.unflatten(1, (nb + before + after, c))
+
+    def neighbours(x: torch.Tensor) -> torch.Tensor:  # [B, nb + pads, c, ...] -> [B, nb, (1 + before + after) c, ...]
+        return torch.cat([x[:, i:i + nb] for i in range(before + after + 1)], dim=2)
+
+    qb = blocks(q)[:, before:before + nb]  # [B, nb, c, H, D]
+    kb, vb = neighbours(blocks(k)), neighbours(blocks(v))  # [B, nb, w, H, *]
+    keep = neighbours(blocks(real, False))  # [B, nb, w]
+    qpos = torch.arange(nb * c, device=q.device).view(nb, c)  # [nb, c]
+    kpos = qpos[:, :1] - before * c + torch.arange(kb.shape[2], device=q.device)  # [nb, w]
+    seen = in_window(qpos[:, :, None], kpos[:, None, :], window, causal)  # [nb, c, w]
+    seen = seen[None] & keep[:, :, None, :]  # [B, nb, c, w]
+    if dilation:  # the strided keys j·d of block i: j in [i c // d - n + 1, ((i + 1) c - 1) // d]
+        d = dilation
+        first = qpos[:, 0] // d - window + 1  # [nb]
+        j = first[:, None] + torch.arange(window + c // d + 1, device=q.device)  # [nb, s]
+        pos = (j * d).clamp(0, T - 1)
+        kb = torch.cat([kb, k[:, pos]], dim=2)
+        vb = torch.cat([vb, v[:, pos]], dim=2)
+        exists = ((j >= 0) & (j * d < T))[:, None, :]
+        strided = in_strided_queue(qpos[:, :, None], (j * d)[:, None, :], window, d) & exists
+        seen = torch.cat([seen, strided[None] & real[:, pos][:, :, None, :]], dim=-1)
+    scores = torch.einsum("bncht,bnwht->bnhcw", qb, kb) * scale
+    scores = scores.masked_fill(~seen[:, :, None], -torch.inf)
+    empty = ~seen.any(-1)[:, :, None, :, None]  # [B, nb, 1, c, 1]
+    p = torch.softmax(scores.masked_fill(empty, 0.0), dim=-1).masked_fill(empty, 0.0)
+    o = torch.einsum("bnhcw,bnwhv->bnchv", p, vb)
+    return o.flatten(1, 2)[:, :T]
+
+
+def local_window_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, window: int,
+                           causal: bool = True, dilation: int = 0,
+                           attention_mask: torch.Tensor | None = None,
+                           scale: float | None = None) -> torch.Tensor:
+    """`local_window_attention` as written: for each query, a softmax over its keys.
+
+    Shapes and arguments as in `local_window_attention`. Query t of row b lists the positions
+    it reads (its window, then with dilation d the last n multiples of d up to t, so a key in
+    both is listed twice), drops padding, and takes one softmax over what is left; with
+    nothing left it reads zeros. Computed in float32 (float64 for float64 inputs), returned
+    in q's dtype. O(T · n) Python steps: for tests.
+    """
+    B, T = _check(q, k, v, window, causal, dilation, attention_mask)
+    n = window
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    out_dtype, dt = q.dtype, torch.promote_types(q.dtype, torch.float32)
+    q, k, v = q.to(dt), k.to(dt), v.to(dt)
+    rows = []
+    for b in range(B):
+        outs = []
+        for t in range(T):
+            if causal:
+                keys = list(range(max(0, t - n + 1), t + 1))
+            else:
+                keys = list(range(max(0, t - n // 2), min(T, t + (n - 1) // 2 + 1)))
+            if dilation:
+                keys += list(range(0, t + 1, dilation))[-n:]
+            if attention_mask is not None:
+                keys = [j for j in keys if attention_mask[b, j]]
+            if not keys:
+                outs.append(v.new_zeros(v.shape[2:]))  # [H, V]
+                continue
+            scores = scale * torch.einsum("hd,jhd->hj", q[b, t], k[b, keys])  # [H, len(keys)]
+            outs.append(torch.einsum("hj,jhv->hv", torch.softmax(scores, -1), v[b, keys]))
+        rows.append(torch.stack(outs))  # [T, H, V]
+    return torch.stack(rows).to(out_dtype)  # [B, T, H, V]
