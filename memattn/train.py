@@ -65,6 +65,15 @@ def sample_batch(ids: torch.Tensor, step: int, cfg: TrainConfig, rank: int = 0,
     return window[:, :-1], window[:, 1:]
 
 
+def project_parameters(model: torch.nn.Module) -> None:
+    """After an optimizer step: each module with a `project_parameters()` method puts its
+    parameters back where they are defined (e.g. a learned span into [0, S])."""
+    with torch.no_grad():
+        for m in model.modules():
+            if hasattr(m, "project_parameters"):
+                m.project_parameters()
+
+
 def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict[str, Any]]:
     """Weight decay on matrices only (not on norms, biases or gains)."""
     decay, no_decay = [], []
@@ -372,6 +381,7 @@ def _train(cfg: RunConfig, ddp: Distributed, resume: bool, progress: bool, on_st
         if tc.grad_clip > 0:
             torch.nn.utils.clip_grad_norm_(model.parameters(), tc.grad_clip)
         optimizer.step()
+        project_parameters(model)
         optimizer.zero_grad(set_to_none=True)
         tokens_since += x.numel() * ddp.world
         done = step + 1

@@ -12,7 +12,7 @@ import torch
 
 from memattn.config import TrainConfig
 from memattn.fileio import atomic_write
-from memattn.train import lr_at, param_groups
+from memattn.train import lr_at, param_groups, project_parameters
 
 
 def train_steps(model: torch.nn.Module, loss_of: Callable[[int], torch.Tensor], *, steps: int, lr: float,
@@ -37,6 +37,7 @@ def train_steps(model: torch.nn.Module, loss_of: Callable[[int], torch.Tensor], 
         if grad_clip > 0:
             torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip)
         optimizer.step()
+        project_parameters(model)
         done = step + 1
         if done % log_every == 0 or done == steps:
             losses.append([done, round(loss.item(), 5)])

@@ -49,7 +49,7 @@ from torch import nn
 
 from memattn.errors import ConfigError
 from memattn.layers.base import AttentionLayer, AttentionState, LayerSpec, _grow, register
-from memattn.ops.persistent import persistent_attention
+from memattn.ops.persistent import DistanceTerms, persistent_attention
 
 VARIANTS = ("all-attn", "attn-split", "head-split", "single-head", "ff-attn")
 CONTEXTS = ("softmax", "window")
@@ -281,6 +281,12 @@ class PersistentAttention(AttentionLayer):
             return []
         return (self.span.detach().clamp(0, 1) * self.options.span_max).tolist()
 
+    def project_parameters(self) -> None:
+        """The paper's projection of z onto [0, S] after each update (the training loop calls
+        it after every optimizer step; forward only reads z clamped)."""
+        if self.span is not None:
+            self.span.clamp_(0.0, 1.0)
+
     def aux_loss(self) -> torch.Tensor | None:
         """The span penalty span_loss · span_max · mean_h z_h / span_max (None without adaptive span)."""
         if self.span is None:
@@ -314,9 +320,6 @@ class PersistentAttention(AttentionLayer):
         offset, q, k, v = self.project(x, memory_state, attention_mask, rotate=False)
         B, T, d = x.shape
         H = self.spec.n_heads
-        if self.span is not None and self.training:
-            with torch.no_grad():  # the paper's projection of z onto [0, S] after each update
-                self.span.clamp_(0.0, 1.0)
         pq, pscale = None, None
         pk, pv = self._persistent()
         if self.options.variant == "single-head" and pk.shape[1] > 0:
@@ -338,10 +341,10 @@ class PersistentAttention(AttentionLayer):
             memory_state.append(k, v, keep=keep, real=new_mask)
             (k, v), past = memory_state.past(), None
         span = self.span.clamp(0, 1) * self.options.span_max if self.span is not None else None
+        distance = DistanceTerms(self.rel, span, float(self.options.span_ramp), self.limit)
         o, _ = persistent_attention(q, k, v, pk, pv, causal=self.spec.causal, mode=self.mode, pq=pq,
-                                    pscale=pscale, rel=self.rel, span=span,
-                                    ramp=float(self.options.span_ramp), window=self.limit,
-                                    attention_mask=attention_mask, initial_state=past)
+                                    pscale=pscale, distance=distance, attention_mask=attention_mask,
+                                    initial_state=past)
         if memory_state is not None and not written:
             memory_state.append(k, v, keep=keep, real=new_mask)
         return self.finish(o), memory_state

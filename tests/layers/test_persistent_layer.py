@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from memattn.config import AttentionConfig, ModelConfig
+from memattn.train import project_parameters
 from memattn.errors import ConfigError
 from memattn.layers import LayerSpec, build_attention, get_mechanism
 from memattn.layers.persistent import PersistentCache, PersistentMemory, SoftmaxFeedForward
@@ -228,16 +229,6 @@ def test_span_loss_and_its_gradient():
     assert model().aux_loss() is None
 
 
-def test_spans_are_projected_onto_their_range_during_training():
-    m = model({"adaptive_span": True, "span_max": 16})
-    m.train()
-    for b in m.blocks:
-        b.attn.span.data = torch.tensor([-0.5, 0.2, 1.7, 1.0], dtype=F64)
-    m(torch.zeros(1, 5, dtype=torch.long))
-    assert m.blocks[0].attn.span.tolist() == [0.0, 0.2, 1.0, 1.0]
-    assert m.blocks[0].attn.spans() == pytest.approx([0.0, 3.2, 16.0, 16.0])
-
-
 def test_training_signal_reaches_the_spans():
     m = model({"adaptive_span": True, "span_max": 16, "span_ramp": 4, "span_init": 0.2})
     m.train()
@@ -302,3 +293,19 @@ def test_encoder_padding_does_not_reach_real_tokens(options):
     mask[1, 7:] = False
     out = enc(idx, attention_mask=mask)
     torch.testing.assert_close(out[1, :7], enc(idx[1:, :7])[0])
+
+
+def test_forward_leaves_the_span_alone_and_the_update_projects_it():
+    """The learned span z / S lives in [0, 1]: forward reads it clamped without changing the
+    parameter; the training loop's projection after each step puts it back in range."""
+    m = model({"adaptive_span": True, "span_max": 16, "n_persistent": 4}).train()
+    spans = [b.attn.span for b in m.blocks]
+    with torch.no_grad():
+        spans[0].copy_(torch.tensor([1.7, -0.3, 0.5, 0.2]))
+        spans[1].fill_(0.4)
+    m(torch.randint(0, 37, (1, 5)))
+    assert spans[0].tolist() == pytest.approx([1.7, -0.3, 0.5, 0.2])
+    assert m.blocks[0].attn.spans() == pytest.approx([16.0, 0.0, 8.0, 3.2])  # read clamped
+    project_parameters(m)
+    assert spans[0].tolist() == pytest.approx([1.0, 0.0, 0.5, 0.2])
+    assert spans[1].tolist() == pytest.approx([0.4] * 4)

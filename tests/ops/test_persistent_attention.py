@@ -8,7 +8,7 @@ import torch
 
 from memattn.errors import ShapeError
 from memattn.ops import softmax_attention
-from memattn.ops.persistent import (persistent_attention, persistent_attention_reference,
+from memattn.ops.persistent import (DistanceTerms, persistent_attention, persistent_attention_reference,
                                     persistent_attention_weights, span_mask)
 
 F64 = torch.float64
@@ -96,14 +96,21 @@ def test_fast_form_matches_reference_forward_and_gradients(mode, option, causal,
                                 causal=causal, grad=True)
     pk = extra.get("pk", pk)
     leaves = [t for t in (q, k, v, pk, pv, *kwargs.values()) if isinstance(t, torch.Tensor) and t.requires_grad]
-    fast, _ = persistent_attention(q, k, v, pk, pv, causal=causal, mode=mode, **kwargs)
-    ref, _ = persistent_attention_reference(q, k, v, pk, pv, causal=causal, mode=mode, **kwargs)
+    fast, _ = persistent_attention(q, k, v, pk, pv, causal=causal, mode=mode, **with_distance(kwargs))
+    ref, _ = persistent_attention_reference(q, k, v, pk, pv, causal=causal, mode=mode, **with_distance(kwargs))
     torch.testing.assert_close(fast, ref)
     w = torch.randn_like(ref)
     g_fast = torch.autograd.grad((fast * w).sum(), leaves)
     g_ref = torch.autograd.grad((ref * w).sum(), leaves)
     for a, b in zip(g_fast, g_ref):
         torch.testing.assert_close(a, b)
+
+
+def with_distance(kw):
+    """kw with rel / span / ramp / window gathered into the op's `distance` argument."""
+    kw = dict(kw)
+    terms = {n: kw.pop(n) for n in ("rel", "span", "ramp", "window") if n in kw}
+    return {**kw, "distance": DistanceTerms(**terms)} if terms else kw
 
 
 def test_odd_length_with_initial_state_and_final_state():
@@ -114,7 +121,8 @@ def test_odd_length_with_initial_state_and_final_state():
     # z + R off the integers: at m = 0 exactly the mask has a kink, where the two forms take
     # different one-sided derivatives (the reference m · exp(s), the fast form log m)
     span = torch.tensor([9.3, 30.6], dtype=F64, requires_grad=True)
-    kw = dict(rel=rel, span=span, ramp=8.0, window=50, initial_state=(k0, v0), output_final_state=True)
+    terms = DistanceTerms(rel=rel, span=span, ramp=8.0, window=50)
+    kw = dict(distance=terms, initial_state=(k0, v0), output_final_state=True)
     fast, (k_all, v_all) = persistent_attention(q, k, v, pk, pv, **kw)
     ref, _ = persistent_attention_reference(q, k, v, pk, pv, **kw)
     torch.testing.assert_close(fast, ref)
@@ -124,7 +132,7 @@ def test_odd_length_with_initial_state_and_final_state():
         torch.testing.assert_close(a, b)
     # the same queries over the whole sequence at once: the state is only where the keys start
     whole, _ = persistent_attention(q, torch.cat([k0, k], 1), torch.cat([v0, v], 1), pk, pv,
-                                    rel=rel, span=span, ramp=8.0, window=50)
+                                    distance=terms)
     torch.testing.assert_close(fast, whole)
 
 
@@ -132,7 +140,7 @@ def test_odd_length_with_initial_state_and_final_state():
 
 def weights(mode="joint", causal=True, **kw):
     q, k, _, pk, _ = inputs(2, 6, 6, 4, 8, 5, 4, mode)
-    return persistent_attention_weights(q, k, pk, causal=causal, mode=mode, **kw)
+    return persistent_attention_weights(q, k, pk, causal=causal, mode=mode, **with_distance(kw))
 
 
 def test_joint_weights_sum_to_one_over_context_and_persistent_vectors_together():
@@ -184,7 +192,7 @@ def test_soft_span_mask_values():
 def test_span_mask_renormalises_the_context_and_leaves_persistent_slots_unmasked():
     q, k, _, pk, _ = inputs(1, 8, 8, 2, 4, 3, 3)
     span = torch.tensor([0.0, 1.0], dtype=F64)
-    w_p, w_c = persistent_attention_weights(q, k, pk, span=span, ramp=2.0)
+    w_p, w_c = persistent_attention_weights(q, k, pk, distance=DistanceTerms(span=span, ramp=2.0))
     plain_p, plain_c = persistent_attention_weights(q, k, pk)
     dist = torch.arange(8)[:, None] - torch.arange(8)[None, :]
     for h, z in enumerate(span.tolist()):
@@ -201,7 +209,7 @@ def test_span_mask_renormalises_the_context_and_leaves_persistent_slots_unmasked
 def test_span_gradient_reaches_z_only_through_the_ramp():
     q, k, v, pk, pv = inputs(1, 10, 10, 2, 4, 4, 3)
     span = torch.tensor([2.0, 50.0], dtype=F64, requires_grad=True)  # head 1: ramp past every key
-    o, _ = persistent_attention(q, k, v, pk, pv, span=span, ramp=3.0)
+    o, _ = persistent_attention(q, k, v, pk, pv, distance=DistanceTerms(span=span, ramp=3.0))
     (g,) = torch.autograd.grad(o.square().sum(), span)
     assert g[0] != 0 and g[1] == 0
 
@@ -227,4 +235,4 @@ def test_bad_inputs_are_clear_errors(change, message):
     change(args)
     q, k, v, pk, pv = (args.pop(n) for n in "q k v pk pv".split())
     with pytest.raises(ShapeError, match=message):
-        persistent_attention(q, k, v, pk, pv, **args)
+        persistent_attention(q, k, v, pk, pv, **with_distance(args))

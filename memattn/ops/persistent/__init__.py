@@ -28,7 +28,8 @@ from __future__ import annotations
 
 import torch
 
-from memattn.ops.persistent.common import MODES, distances, rel_index, span_mask, visible
+from memattn.ops.persistent.common import (MODES, DistanceTerms, distances, rel_index, span_mask,
+                                           visible)
 from memattn.ops.persistent.reference import (persistent_attention_reference,
                                               persistent_attention_weights)
 from memattn.ops.persistent.sdpa import context_mask, persistent_attention_sdpa
@@ -37,9 +38,8 @@ from memattn.ops.persistent.sdpa import context_mask, persistent_attention_sdpa
 def persistent_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pk: torch.Tensor,
                          pv: torch.Tensor, *, causal: bool = True, scale: float | None = None,
                          mode: str = "joint", pq: torch.Tensor | None = None,
-                         pscale: float | None = None, rel: torch.Tensor | None = None,
-                         span: torch.Tensor | None = None, ramp: float | None = None,
-                         window: int | None = None, attention_mask: torch.Tensor | None = None,
+                         pscale: float | None = None, distance: DistanceTerms | None = None,
+                         attention_mask: torch.Tensor | None = None,
                          initial_state: tuple[torch.Tensor, torch.Tensor] | None = None,
                          output_final_state: bool = False
                          ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor] | None]:
@@ -51,24 +51,19 @@ def persistent_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pk: 
 
     scale: of the context scores (default K^-0.5). pq [B, Tq, Hp, Kp]: the queries of the
     persistent scores (default: q, or its last Hp heads in mode "heads"), pscale their scale
-    (default Kp^-0.5). rel: learned relative position embeddings u, [R, K] when causal
-    (u_0 .. u_(R-1)) or [2R - 1, K] (u_-(R-1) .. u_(R-1)); farther distances read the last
-    one. span [Hc] (tokens) with ramp > 0: the soft mask m_z(x) = clamp((ramp + z - x) / ramp,
-    0, 1) on the context at distance x = |t - c| (the persistent vectors are never masked).
-    window: a query sees context keys at distance < window only (|distance| when not causal).
-    attention_mask: bool [B, Tk] (Tk counting initial_state), False for context keys never
+    (default Kp^-0.5). distance: relative position embeddings, a soft span mask and a window
+    on the context scores (`DistanceTerms`; default none). attention_mask: bool [B, Tk] (Tk counting initial_state), False for context keys never
     to be read. initial_state (k0 [B, T0, Hc, K], v0 [B, T0, Hc, V]): context before k, v.
 
     Returns o [B, Tq, H, V] in q's dtype and, if output_final_state, (k0 ++ k, v0 ++ v),
     else None.
     """
     return persistent_attention_sdpa(q, k, v, pk, pv, causal=causal, scale=scale, mode=mode, pq=pq,
-                                     pscale=pscale, rel=rel, span=span, ramp=ramp, window=window,
-                                     attention_mask=attention_mask, initial_state=initial_state,
+                                     pscale=pscale, distance=distance, attention_mask=attention_mask, initial_state=initial_state,
                                      output_final_state=output_final_state)
 
 
 __all__ = [
-    "MODES", "context_mask", "distances", "persistent_attention", "persistent_attention_reference",
+    "MODES", "DistanceTerms", "context_mask", "distances", "persistent_attention", "persistent_attention_reference",
     "persistent_attention_sdpa", "persistent_attention_weights", "rel_index", "span_mask", "visible",
 ]

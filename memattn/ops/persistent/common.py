@@ -8,12 +8,35 @@ and the distance of key c from query t is t - c.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 
 from memattn.errors import ShapeError, check_tensor
 
 MODES = ("joint", "split", "heads")
+
+
+@dataclass(frozen=True)
+class DistanceTerms:
+    """How a context score depends on the distance x = t - c from its query to its key (each
+    term optional; the persistent vectors have no distance and are never affected).
+
+    rel: learned relative position embeddings u, [R, K] when causal (u_0 .. u_(R-1)) or
+        [2R - 1, K] (u_-(R-1) .. u_(R-1)), the score q_tᵀ (k_c + u_x); farther distances
+        read the last one.
+    span [Hc] (tokens) with ramp > 0: the soft mask m_z(x) = clamp((ramp + z - |x|) / ramp,
+        0, 1) multiplying the context's exp-scores, per context head.
+    window: a query sees context keys at |x| < window only.
+    """
+
+    rel: torch.Tensor | None = None
+    span: torch.Tensor | None = None
+    ramp: float | None = None
+    window: int | None = None
+
+
+NO_DISTANCE_TERMS = DistanceTerms()
 
 
 def check_inputs(q, k, v, pk, pv, *, mode, pq, rel, span, ramp, window, attention_mask,

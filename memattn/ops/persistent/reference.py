@@ -22,23 +22,24 @@ from __future__ import annotations
 import torch
 
 from memattn.errors import check_tensor
-from memattn.ops.persistent.common import (check_inputs, distances, rel_index, resolve_scale,
-                                           span_mask, visible)
+from memattn.ops.persistent.common import (NO_DISTANCE_TERMS, check_inputs, distances, rel_index,
+                                           resolve_scale, span_mask, visible)
 
 
 def persistent_attention_weights(q, k, pk, *, causal=True, scale=None, mode="joint", pq=None,
-                                 pscale=None, rel=None, span=None, ramp=None, window=None,
-                                 attention_mask=None):
+                                 pscale=None, distance=None, attention_mask=None):
     """The attention weights of the reference, explicitly.
 
     q [B, Tq, H, K], k [B, Tk, Hc, K] (every context key, cached ones included), pk [Hp, N, Kp],
-    pq [B, Tq, Hp, Kp] (default: q, or its last Hp heads in mode "heads"), rel [R, K] causal /
-    [2R - 1, K] not, span [Hc], attention_mask bool [B, Tk]. Returns (persistent weights
+    pq [B, Tq, Hp, Kp] (default: q, or its last Hp heads in mode "heads"), distance a
+    `DistanceTerms`, attention_mask bool [B, Tk]. Returns (persistent weights
     [B, H, Tq, N], context weights [B, H, Tq, Tk]), fp32 (fp64 for fp64 inputs), zero where a
     head does not read that part.
     """
     check_tensor("pk", pk, "[Hp, N, Kp]", None, None, None)
     values = pk.new_zeros(pk.shape[0], pk.shape[1], k.shape[-1])  # stand-in: only keys matter here
+    d = distance or NO_DISTANCE_TERMS
+    rel, span, ramp, window = d.rel, d.span, d.ramp, d.window
     check_inputs(q, k, k, pk, values, mode=mode, pq=pq, rel=rel, span=span, ramp=ramp, window=window,
                  attention_mask=attention_mask, initial_state=None, causal=causal)
     dt = torch.float64 if q.dtype == torch.float64 else torch.float32
@@ -95,21 +96,20 @@ def persistent_attention_weights(q, k, pk, *, causal=True, scale=None, mode="joi
 
 
 def persistent_attention_reference(q, k, v, pk, pv, *, causal=True, scale=None, mode="joint",
-                                   pq=None, pscale=None, rel=None, span=None, ramp=None,
-                                   window=None, attention_mask=None, initial_state=None,
-                                   output_final_state=False):
+                                   pq=None, pscale=None, distance=None, attention_mask=None,
+                                   initial_state=None, output_final_state=False):
     """Persistent-memory attention from the explicit weights.
 
     q [B, Tq, H, K], k [B, Tk, Hc, K], v [B, Tk, Hc, V], pk [Hp, N, Kp], pv [Hp, N, V];
     the other arguments as in `persistent_attention`. Returns o [B, Tq, H, V] (q's dtype) and,
     if output_final_state, the context (k, v) with initial_state prepended, else None.
     """
-    k_all, v_all = check_inputs(q, k, v, pk, pv, mode=mode, pq=pq, rel=rel, span=span, ramp=ramp,
-                                window=window, attention_mask=attention_mask,
+    d = distance or NO_DISTANCE_TERMS
+    k_all, v_all = check_inputs(q, k, v, pk, pv, mode=mode, pq=pq, rel=d.rel, span=d.span, ramp=d.ramp,
+                                window=d.window, attention_mask=attention_mask,
                                 initial_state=initial_state, causal=causal)
     w_p, w_c = persistent_attention_weights(q, k_all, pk, causal=causal, scale=scale, mode=mode,
-                                            pq=pq, pscale=pscale, rel=rel, span=span, ramp=ramp,
-                                            window=window, attention_mask=attention_mask)
+                                            pq=pq, pscale=pscale, distance=d, attention_mask=attention_mask)
     dt = w_p.dtype
     H, Hc, Hp = q.shape[2], k.shape[2], pk.shape[0]
     ctx_head = list(range(H)) if mode != "heads" else list(range(Hc)) + [0] * Hp

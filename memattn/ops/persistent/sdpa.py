@@ -30,8 +30,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from memattn.ops.persistent.common import (check_inputs, distances, rel_index, resolve_scale,
-                                           span_mask, visible)
+from memattn.ops.persistent.common import (NO_DISTANCE_TERMS, check_inputs, distances, rel_index,
+                                           resolve_scale, span_mask, visible)
 
 
 def context_mask(q: torch.Tensor, Tk: int, *, causal: bool, scale: float, rel=None, span=None,
@@ -106,14 +106,15 @@ def _joint_read(qh, pqh, pkb, pvb, kh, vh, mask, scale, pscale):
 
 
 def persistent_attention_sdpa(q, k, v, pk, pv, *, causal=True, scale=None, mode="joint", pq=None,
-                              pscale=None, rel=None, span=None, ramp=None, window=None,
-                              attention_mask=None, initial_state=None, output_final_state=False):
+                              pscale=None, distance=None, attention_mask=None, initial_state=None,
+                              output_final_state=False):
     """Persistent-memory attention through `scaled_dot_product_attention`.
 
     Arguments and result as `memattn.ops.persistent_attention`.
     """
-    k, v = check_inputs(q, k, v, pk, pv, mode=mode, pq=pq, rel=rel, span=span, ramp=ramp,
-                        window=window, attention_mask=attention_mask,
+    d = distance or NO_DISTANCE_TERMS
+    k, v = check_inputs(q, k, v, pk, pv, mode=mode, pq=pq, rel=d.rel, span=d.span, ramp=d.ramp,
+                        window=d.window, attention_mask=attention_mask,
                         initial_state=initial_state, causal=causal)
     B, Tq, H, K = q.shape
     Tk, Hc = k.shape[1], k.shape[2]
@@ -121,8 +122,8 @@ def persistent_attention_sdpa(q, k, v, pk, pv, *, causal=True, scale=None, mode=
     scale, pscale = resolve_scale(scale, K), resolve_scale(pscale, Kp)
     pk, pv = pk.to(q.dtype), pv.to(q.dtype)
     q_ctx = q[:, :, :Hc]
-    mask, plain_causal = context_mask(q_ctx, Tk, causal=causal, scale=scale, rel=rel, span=span,
-                                      ramp=ramp, window=window, attention_mask=attention_mask)
+    mask, plain_causal = context_mask(q_ctx, Tk, causal=causal, scale=scale, rel=d.rel, span=d.span,
+                                      ramp=d.ramp, window=d.window, attention_mask=attention_mask)
     kh, vh = k.transpose(1, 2), v.transpose(1, 2)  # [B, Hc, Tk, D]
     pkb, pvb = pk[None].expand(B, -1, -1, -1), pv[None].expand(B, -1, -1, -1)  # [B, Hp, N, D]
 
