@@ -178,6 +178,15 @@ class ModelCache:
             state.map_tensors(lambda t, batched: t.index_select(0, indices.to(t.device)) if batched else t)
         return self
 
+    def repeat_interleave(self, repeats: int) -> ModelCache:
+        """Each row repeated `repeats` times in place (row b becomes rows b·r .. b·r + r - 1):
+        the beams of one prompt start from its state. Returns self."""
+        if self.real is not None:
+            self.real = self.real.repeat_interleave(repeats, 0)
+        for state in self.states:
+            state.map_tensors(lambda t, batched: t.repeat_interleave(repeats, 0) if batched else t)
+        return self
+
     def batch_select(self, rows: torch.Tensor) -> ModelCache:
         """Keep only `rows` (e.g. the sequences still being decoded); in place, returns self."""
         return self.reorder(rows)

@@ -1,0 +1,25 @@
+"""memattn works without transformers; the integration says what to install."""
+
+import subprocess
+import sys
+
+BLOCK = "import sys; sys.modules['transformers'] = None; "
+
+
+def run(code: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-c", BLOCK + code], capture_output=True, text=True, timeout=120)
+
+
+def test_the_library_imports_and_runs_without_transformers():
+    out = run("import torch; import memattn.cli, memattn.layers, memattn.train; "
+              "from memattn.models import CausalLM; from memattn.config import ModelConfig; "
+              "m = CausalLM(ModelConfig(vocab_size=5, d_model=8, n_layers=1, n_heads=2)); "
+              "print(m(torch.zeros(1, 3, dtype=torch.long)).shape)")
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "torch.Size([1, 3, 5])"
+
+
+def test_the_integration_names_the_extra_to_install():
+    out = run("import memattn.integrations.hf")
+    assert out.returncode != 0
+    assert "memattn.integrations.hf needs transformers 5: pip install 'memattn[hf]'" in out.stderr
