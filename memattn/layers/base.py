@@ -175,56 +175,118 @@ class AttentionState:
 
 
 class KVCache(AttentionState):
-    """The unbounded memory of softmax attention: every key and value seen, [B, T, H, D].
+    """Every key and value seen, [B, T, H, D] each, and which of them are real tokens: the
+    memory of softmax attention (and of persistent memory's context).
 
-    Storage grows by doubling, so appending one token is amortised O(1).
+    limit None: every token is kept, storage grows by doubling (appending one token is
+    amortised O(1)). limit L: at most the last L tokens are kept, so the state has a fixed
+    size. Tensors are stored detached, so a bounded cache can be carried from one training
+    segment to the next.
     """
 
-    fixed_size = False
+    carries_segments = True  # when bounded (fixed_size)
 
-    def __init__(self) -> None:
+    def __init__(self, limit: int | None = None) -> None:
+        self.limit = limit
         self.seen = 0
-        self._k: torch.Tensor | None = None
-        self._v: torch.Tensor | None = None
-        self._real: torch.Tensor | None = None  # [B, capacity] bool once any token was padding
+        self._t: dict[str, torch.Tensor] = {}  # "k", "v", "real" ([B, capacity] bool), kept alike
+        self._len = 0
+        self.masked = False  # whether any token came with a mask (then keys may be padding)
+
+    @property
+    def fixed_size(self) -> bool:  # type: ignore[override]
+        return self.limit is not None
 
     def update(self, k: torch.Tensor, v: torch.Tensor, real: torch.Tensor | None = None
                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """Append k [B, T, H, K], v [B, T, H, V] and which of them are real tokens (real [B, T]
-        bool, None: all); return all keys, values and the mask of real keys [B, Tk] (None while
-        every key is real)."""
-        t = k.shape[1]
-        if self._k is None:
-            self._k, self._v = k.new_empty(k.shape), v.new_empty(v.shape)
-        need = self.seen + t
-        if need > self._k.shape[1]:
-            cap = max(need, 2 * self._k.shape[1])
-            self._k = _grow(self._k, cap, self.seen)
-            self._v = _grow(self._v, cap, self.seen)
-            if self._real is not None:
-                self._real = _grow(self._real, cap, self.seen)
-        if real is not None and self._real is None:
-            self._real = torch.ones(self._k.shape[:2], dtype=torch.bool, device=k.device)
-        self._k[:, self.seen:need] = k
-        self._v[:, self.seen:need] = v
-        if self._real is not None:
-            self._real[:, self.seen:need] = True if real is None else real
-        self.seen = need
-        mask = None if self._real is None else self._real[:, :need]
-        return self._k[:, :need], self._v[:, :need], mask
+        bool, None: all) to an unbounded cache; return every key and value so far and the mask
+        of real keys [B, Tk] (None while every key is real). The new keys and values keep
+        their gradient (the stored copies are detached)."""
+        if self.limit is not None:
+            raise ConfigError("KVCache.update: a bounded cache drops tokens; read it with past() and append()")
+        before = self.past()
+        self.append(k, v, real=real)
+        mask = self.real() if self.masked else None
+        if torch.is_grad_enabled() and (k.requires_grad or v.requires_grad):
+            if before is not None:
+                k, v = torch.cat([before[0], k], 1), torch.cat([before[1], v], 1)
+            return k, v, mask
+        return (*self.past(), mask)
+
+    def past(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The kept keys and values, ([B, T0, H, K], [B, T0, H, V]), or None when empty."""
+        if not self._t:
+            return None
+        return self._t["k"][:, :self._len], self._t["v"][:, :self._len]
+
+    def real(self) -> torch.Tensor | None:
+        """[B, T0] bool: which kept keys are real tokens (not padding); None when empty."""
+        return self._t["real"][:, :self._len] if self._t else None
+
+    def append(self, k: torch.Tensor, v: torch.Tensor, keep: int | None = None,
+               real: torch.Tensor | None = None) -> None:
+        """Add the newest k [B, T, H, K], v [B, T, H, V] (real [B, T] bool, None: all real);
+        keep the last min(keep, limit)."""
+        self.masked = self.masked or real is not None
+        new = {"k": k.detach(), "v": v.detach(),
+               "real": real if real is not None else torch.ones(k.shape[:2], dtype=torch.bool, device=k.device)}
+        self.seen += k.shape[1]
+        if self.limit is not None:
+            keep = self.limit if keep is None else min(keep, self.limit)
+        if keep is None and not torch.is_grad_enabled():
+            self._write_in_place(new)
+            return
+        if self._t:
+            new = {name: torch.cat([self._t[name][:, :self._len], t], 1) for name, t in new.items()}
+        if keep is not None:
+            start = max(0, new["k"].shape[1] - keep)
+            new = {name: t[:, start:].contiguous() for name, t in new.items()}
+        self._t, self._len = new, new["k"].shape[1]
+
+    def grows_in_place(self, keep: int | None) -> bool:
+        """Whether `append(.., keep)` writes into the storage without copying it (unbounded
+        decoding, no gradient)."""
+        keep = self.limit if keep is None else keep
+        return keep is None and not torch.is_grad_enabled()
+
+    def _write_in_place(self, new: dict[str, torch.Tensor]) -> None:
+        """Unbounded decoding: amortised O(1) per token (the storage doubles when full)."""
+        need = self._len + new["k"].shape[1]
+        if not self._t:
+            self._t = {name: t.new_empty(t.shape) for name, t in new.items()}
+        elif need > self._t["k"].shape[1]:
+            cap = max(need, 2 * self._t["k"].shape[1])
+            self._t = {name: _grow(t, cap, self._len) for name, t in self._t.items()}
+        for name, t in new.items():
+            self._t[name][:, self._len:need] = t
+        self._len = need
 
     def tensors(self) -> list[torch.Tensor]:
-        if self._k is None:
-            return []
-        return [self._k[:, : self.seen], self._v[:, : self.seen]]
+        past = self.past()
+        return [] if past is None else list(past)
 
     def map_tensors(self, fn) -> None:
-        if self._k is not None:
-            self._k, self._v = fn(self._k, True), fn(self._v, True)
-        if self._real is not None:
-            self._real = fn(self._real, True)
+        self._t = {name: fn(t, True) for name, t in self._t.items()}
 
-    can_crop = True
+    @property
+    def can_crop(self) -> bool:  # type: ignore[override]
+        return self._len == self.seen  # a window that dropped tokens would need them again
+
+    def crop(self, length: int) -> None:
+        super().crop(length)
+        self._len = length
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        return {name: t[:, :self._len] for name, t in self._t.items()}
+
+    def load_state_dict(self, tensors: dict[str, torch.Tensor], seen: int) -> None:
+        self._t = dict(tensors)
+        if self._t and "real" not in self._t:  # saved before padding was kept
+            self._t["real"] = torch.ones(self._t["k"].shape[:2], dtype=torch.bool, device=self._t["k"].device)
+        self._len = 0 if not self._t else self._t["k"].shape[1]
+        self.seen = seen
+        self.masked = True
 
 
 def _grow(t: torch.Tensor, capacity: int, used: int) -> torch.Tensor:

@@ -30,7 +30,7 @@ Options (`attention.OPTION=VALUE`):
 Positions: under the model's rotary positions the context keys and the queries are rotated
 and the persistent scores use the unrotated query (no position term for them).
 
-Decoding state: a `PersistentCache` of the context keys and values. Full context: it grows
+Decoding state: a `KVCache` of the context keys and values. Full context: it grows
 like a KV cache. Window or adaptive span: it keeps the last window - 1 / span_max - 1 tokens
 (fixed size); in eval mode an adaptive-span cache keeps only ⌈max z + R⌉ tokens, the farthest
 any head still sees. The same state carries the memory between training segments
@@ -48,7 +48,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from memattn.errors import ConfigError
-from memattn.layers.base import AttentionLayer, AttentionState, LayerSpec, _grow, register
+from memattn.layers.base import AttentionLayer, KVCache, LayerSpec, register
 from memattn.ops.persistent import DistanceTerms, persistent_attention
 
 VARIANTS = ("all-attn", "attn-split", "head-split", "single-head", "ff-attn")
@@ -142,104 +142,6 @@ def softmax_feedforward(spec: LayerSpec, options: PersistentOptions) -> nn.Modul
     return SoftmaxFeedForward(spec.d_model, options.n_persistent, spec.dropout)
 
 
-class PersistentCache(AttentionState):
-    """Context keys and values of a persistent-memory layer, [B, T, Hc, D] each.
-
-    limit None: every token is kept (storage grows by doubling). limit L: at most the last L
-    tokens are kept, so the state has a fixed size. Tensors are stored detached, so the
-    state can be carried from one training segment to the next. The persistent vectors are
-    parameters, not part of the state.
-    """
-
-    carries_segments = True
-
-    def __init__(self, limit: int | None = None) -> None:
-        self.limit = limit
-        self.seen = 0
-        # keys, values and which keys are real tokens ([B, T] bool), kept alike
-        self._t: dict[str, torch.Tensor] = {}
-        self._len = 0
-        self.masked = False  # whether any token came with a mask (then keys may be padding)
-
-    @property
-    def fixed_size(self) -> bool:  # type: ignore[override]
-        return self.limit is not None
-
-    def past(self) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """The kept keys and values, ([B, T0, Hc, K], [B, T0, Hc, V]), or None when empty."""
-        if not self._t:
-            return None
-        return self._t["k"][:, :self._len], self._t["v"][:, :self._len]
-
-    def real(self) -> torch.Tensor | None:
-        """[B, T0] bool: which kept keys are real tokens (not padding); None when empty."""
-        return self._t["real"][:, :self._len] if self._t else None
-
-    def append(self, k: torch.Tensor, v: torch.Tensor, keep: int | None = None,
-               real: torch.Tensor | None = None) -> None:
-        """Add the newest k [B, T, Hc, K], v [B, T, Hc, V] (real [B, T] bool, None: all
-        real); keep the last min(keep, limit)."""
-        self.masked = self.masked or real is not None
-        new = {"k": k.detach(), "v": v.detach(),
-               "real": real if real is not None else torch.ones(k.shape[:2], dtype=torch.bool, device=k.device)}
-        self.seen += k.shape[1]
-        if self.limit is not None:
-            keep = self.limit if keep is None else min(keep, self.limit)
-        if keep is None and not torch.is_grad_enabled():
-            self._write_in_place(new)
-            return
-        if self._t:
-            new = {name: torch.cat([self._t[name][:, :self._len], t], 1) for name, t in new.items()}
-        if keep is not None:
-            start = max(0, new["k"].shape[1] - keep)
-            new = {name: t[:, start:].contiguous() for name, t in new.items()}
-        self._t, self._len = new, new["k"].shape[1]
-
-    def grows_in_place(self, keep: int | None) -> bool:
-        """Whether `append(.., keep)` writes into the storage without copying it (unbounded
-        decoding, no gradient)."""
-        keep = self.limit if keep is None else keep
-        return keep is None and not torch.is_grad_enabled()
-
-    def _write_in_place(self, new: dict[str, torch.Tensor]) -> None:
-        """Unbounded decoding: amortised O(1) per token (doubling storage, as `KVCache`)."""
-        need = self._len + new["k"].shape[1]
-        if not self._t:
-            self._t = {name: t.new_empty(t.shape) for name, t in new.items()}
-        elif need > self._t["k"].shape[1]:
-            cap = max(need, 2 * self._t["k"].shape[1])
-            self._t = {name: _grow(t, cap, self._len) for name, t in self._t.items()}
-        for name, t in new.items():
-            self._t[name][:, self._len:need] = t
-        self._len = need
-
-    def tensors(self) -> list[torch.Tensor]:
-        past = self.past()
-        return [] if past is None else list(past)
-
-    def map_tensors(self, fn) -> None:
-        self._t = {name: fn(t, True) for name, t in self._t.items()}
-
-    @property
-    def can_crop(self) -> bool:  # type: ignore[override]
-        return self._len == self.seen  # a window that dropped tokens would need them again
-
-    def crop(self, length: int) -> None:
-        super().crop(length)
-        self._len = length
-
-    def state_dict(self) -> dict[str, torch.Tensor]:
-        return {name: t[:, :self._len] for name, t in self._t.items()}
-
-    def load_state_dict(self, tensors: dict[str, torch.Tensor], seen: int) -> None:
-        self._t = dict(tensors)
-        if self._t and "real" not in self._t:  # saved before padding was kept
-            self._t["real"] = torch.ones(self._t["k"].shape[:2], dtype=torch.bool, device=self._t["k"].device)
-        self._len = 0 if not self._t else self._t["k"].shape[1]
-        self.seen = seen
-        self.masked = True
-
-
 @register("persistent", options=PersistentOptions, causal=True, bidirectional=True,
           replaces_feedforward=True, feedforward=softmax_feedforward)
 class PersistentAttention(AttentionLayer):
@@ -305,10 +207,10 @@ class PersistentAttention(AttentionLayer):
 
     # -- layer interface -------------------------------------------------------------------
 
-    def init_state(self, batch_size: int, device=None, dtype=None) -> PersistentCache:
-        return PersistentCache(None if self.limit is None else self.limit - 1)
+    def init_state(self, batch_size: int, device=None, dtype=None) -> KVCache:
+        return KVCache(None if self.limit is None else self.limit - 1)
 
-    def forward(self, x: torch.Tensor, *, memory_state: PersistentCache | None = None,
+    def forward(self, x: torch.Tensor, *, memory_state: KVCache | None = None,
                 attention_mask: torch.Tensor | None = None, positions: torch.Tensor | None = None):
         """x [B, T, d] -> (y [B, T, d], memory_state).
 

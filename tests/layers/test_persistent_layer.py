@@ -10,7 +10,8 @@ from memattn.config import AttentionConfig, ModelConfig
 from memattn.train import project_parameters
 from memattn.errors import ConfigError
 from memattn.layers import LayerSpec, build_attention, get_mechanism
-from memattn.layers.persistent import PersistentCache, PersistentMemory, SoftmaxFeedForward
+from memattn.layers.base import KVCache
+from memattn.layers.persistent import PersistentMemory, SoftmaxFeedForward
 from memattn.models import CausalLM, Encoder
 from memattn.ops.persistent import persistent_attention_reference
 
@@ -273,9 +274,9 @@ def test_segment_memory_is_detached_in_training():
 
 
 def test_state_round_trips_through_its_state_dict():
-    state = PersistentCache(limit=4)
+    state = KVCache(limit=4)
     state.append(torch.randn(2, 6, 3, 5), torch.randn(2, 6, 3, 5))
-    copy = PersistentCache(limit=4)
+    copy = KVCache(limit=4)
     copy.load_state_dict(state.state_dict(), state.seen)
     assert copy.seen == 6 and all(torch.equal(a, b) for a, b in zip(copy.tensors(), state.tensors()))
     assert state.past()[0].shape[1] == 4 and state.carries_segments

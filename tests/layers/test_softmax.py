@@ -104,3 +104,16 @@ def test_initial_state_is_the_earlier_keys_and_values():
     torch.testing.assert_close(final[0], k)
     torch.testing.assert_close(final[1], v)
     assert softmax_attention(q, k, v)[1] is None
+
+
+def test_a_cache_read_under_gradient_keeps_the_new_tokens_gradient():
+    """Training through a cache: the stored copies are detached, this chunk's keys are not."""
+    layer = build_attention("softmax", {}, LayerSpec(8, 2)).double()
+    x = torch.randn(1, 6, 8, dtype=torch.float64, requires_grad=True)
+    (g_full,) = torch.autograd.grad(layer(x)[0][:, 3:].sum(), x)
+    state = layer.init_state(1)
+    with torch.no_grad():
+        layer(x[:, :3], memory_state=state)
+    tail = x[:, 3:].detach().requires_grad_()
+    (g_tail,) = torch.autograd.grad(layer(tail, memory_state=state)[0].sum(), tail)
+    torch.testing.assert_close(g_tail, g_full[:, 3:])
