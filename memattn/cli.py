@@ -232,6 +232,29 @@ def cmd_experiment(args) -> int:
     return 0
 
 
+def cmd_export_hf(args) -> int:
+    import json
+
+    from memattn.errors import ConfigError
+    from memattn.train import model_from_checkpoint
+
+    try:
+        from memattn.integrations.hf import MemattnForCausalLM
+    except ImportError as e:
+        raise ConfigError(str(e)) from None
+    from memattn.warmstart import HF_VOCAB
+
+    model, _, vocab = model_from_checkpoint(args.run)
+    out = Path(args.out)
+    if out.exists() and any(out.iterdir()):
+        raise ConfigError(f"-o: {out} is not empty; choose a new folder")
+    MemattnForCausalLM.from_memattn(model).save_pretrained(out)
+    (out / HF_VOCAB).write_text(json.dumps(vocab))
+    print(f"memattn export-hf: wrote {out} (config.json, model.safetensors, {HF_VOCAB}); load it with "
+          "AutoModelForCausalLM.from_pretrained after `import memattn.integrations.hf`", file=sys.stderr)
+    return 0
+
+
 def cmd_compress(args) -> int:
     from memattn.data import Vocab
     from memattn.errors import ConfigError
@@ -392,6 +415,15 @@ def build_parser() -> argparse.ArgumentParser:
                    "in run folders: abc-lm, persistent-lm); running the command again continues "
                    "unfinished models and reuses finished ones")
     x.set_defaults(fn=cmd_experiment)
+
+    h = sub.add_parser("export-hf", help="write a run as a Hugging Face transformers folder",
+                       description="Write a trained run as a transformers model folder (config.json, "
+                       "model.safetensors and the character vocabulary), loadable with "
+                       "AutoModelForCausalLM.from_pretrained once `memattn.integrations.hf` is "
+                       "imported, and usable as train.init_from. Needs memattn[hf].")
+    h.add_argument("run", help="run folder or checkpoint written by `memattn train`")
+    h.add_argument("-o", "--out", required=True, help="folder to write (new or empty)")
+    h.set_defaults(fn=cmd_export_hf)
 
     c = sub.add_parser("compress", help="compress a text into M memory vectors per sequence",
                        description="Cut a text into sequences, compress each into the M memory "

@@ -133,6 +133,10 @@ class TrainConfig:
     # consecutive segments of seq_len, each layer's bounded memory of the previous segment
     # carried (detached) into the next; evaluation reads the same way.
     segments: bool = False
+    # Start from another model's weights (a memattn run or checkpoint, or an export-hf folder):
+    # every tensor shared by name and shape is copied, the mechanism's own ones stay new
+    # (memattn.warmstart); the corpus is read with that model's vocabulary.
+    init_from: str | None = None
     out_dir: str = "runs/default"
 
     def __post_init__(self) -> None:

@@ -22,6 +22,7 @@ import json
 import math
 import os
 import socket
+import sys
 import time
 from pathlib import Path
 from typing import Any, Callable
@@ -299,6 +300,14 @@ def _train(cfg: RunConfig, ddp: Distributed, resume: bool, progress: bool, on_st
     if tc.batch_size % ddp.world:
         raise ConfigError(f"train.batch_size: {tc.batch_size} does not split over {ddp.world} processes")
     corpus = load_run_corpus(cfg, ddp)
+    source = None
+    if tc.init_from and not resume:
+        from memattn.data import Vocab
+        from memattn.warmstart import read_source
+
+        source = read_source(tc.init_from)
+        if source.vocab is not None:
+            corpus = corpus.encoded_with(Vocab.from_json(source.vocab))
     if cfg.model.vocab_size not in (0, corpus.vocab.size):
         raise ConfigError(f"model.vocab_size: {cfg.model.vocab_size} does not match the corpus "
                           f"vocabulary of {corpus.vocab.size}")
@@ -314,7 +323,16 @@ def _train(cfg: RunConfig, ddp: Distributed, resume: bool, progress: bool, on_st
     ckpt_path = out / "checkpoint.safetensors"
     log = JsonlLog(out / "log.jsonl", ddp.main)
     torch.manual_seed(tc.seed)
-    model = CausalLM(cfg.model).to(device)
+    model = CausalLM(cfg.model)
+    if source is not None:
+        from memattn.warmstart import warm_start
+
+        started = warm_start(model, source)
+        if ddp.main:
+            new = ", ".join(started["new"][:6]) + (" ..." if len(started["new"]) > 6 else "")
+            print(f"memattn train: started from {source.path}: {len(started['copied'])} tensors copied, "
+                  f"{len(started['new'])} new{': ' + new if new else ''}", file=sys.stderr)
+    model = model.to(device)
     optimizer = torch.optim.AdamW(param_groups(model, tc.weight_decay), lr=tc.lr, betas=tc.betas)
     carry: ModelCache | None = None  # train.segments: the memory carried from step to step
     if tc.segments:

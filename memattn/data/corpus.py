@@ -32,6 +32,7 @@ and moved into place, so a reader never sees a partial cache.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import hashlib
 import json
@@ -80,6 +81,18 @@ class Corpus:
         if name not in SPLITS:
             raise ConfigError(f"split: expected one of {', '.join(SPLITS)}, got {name!r}")
         return getattr(self, name)
+
+    def encoded_with(self, vocab: Vocab) -> Corpus:
+        """The same text read with another vocabulary (e.g. the one of a model it continues);
+        ConfigError when the text holds a character that vocabulary lacks (and has no unknown
+        symbol for)."""
+        if vocab == self.vocab:
+            return self
+        try:
+            splits = {s: vocab.encode(self.vocab.decode(self.split(s))) for s in SPLITS}
+        except ValueError as e:
+            raise ConfigError(f"corpus {self.name!r} read with another vocabulary: {e}") from None
+        return dataclasses.replace(self, vocab=vocab, **splits)
 
     @property
     def sizes(self) -> dict[str, int]:

@@ -1,0 +1,81 @@
+"""Starting a model from another model's weights (`train.init_from=PATH`): a memattn run or
+checkpoint, or a Hugging Face folder written by `memattn export-hf`.
+
+Every tensor whose name and shape the two models share is copied; the rest of the new model
+keeps its initialisation. Since every attention layer holds the same q/k/v and output
+projections (`AttentionLayer`), a model of one mechanism starts from another's: a softmax
+model warm-starts ABC_MLP with its projections, embeddings, norms and feed-forward layers
+copied and only the mechanism's own parameters (φ, persistent vectors, ...) new — the
+papers' warm-start setting. What cannot be copied outside the attention layers (a different
+width, depth or vocabulary) is refused, as is any shared tensor of another shape.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from memattn.checkpoint import CheckpointError, load_checkpoint
+
+HF_PREFIX = "model.net."
+HF_VOCAB = "memattn_vocab.json"
+
+
+@dataclass
+class Source:
+    """Weights to start from, named as in memattn's models, and the vocabulary they read."""
+
+    path: Path
+    weights: dict[str, torch.Tensor]
+    vocab: dict | None
+
+
+def read_source(path: str | os.PathLike) -> Source:
+    """The weights (and vocabulary) of a memattn run folder / checkpoint or an export-hf folder."""
+    path = Path(path)
+    config = path / "config.json"
+    if path.is_dir() and config.exists() and (path / "model.safetensors").exists():
+        from safetensors.torch import load_file
+
+        if json.loads(config.read_text()).get("model_type") != "memattn":
+            raise CheckpointError(f"train.init_from: {path} is a Hugging Face folder of another model type; "
+                                  "convert it first (memattn reads its own models' folders)")
+        weights = {k[len(HF_PREFIX):]: t for k, t in load_file(path / "model.safetensors").items()
+                   if k.startswith(HF_PREFIX)}
+        vocab_file = path / HF_VOCAB
+        return Source(path, weights, json.loads(vocab_file.read_text()) if vocab_file.exists() else None)
+    ckpt = load_checkpoint(path)
+    return Source(ckpt.path, ckpt.model_state(), ckpt.meta.get("vocab"))
+
+
+def warm_start(model: nn.Module, source: Source) -> dict[str, list[str]]:
+    """Copy into `model` every tensor of `source` it shares by name and shape; returns the names
+    {"copied", "new" (kept as initialised), "dropped" (in the source only)}.
+
+    CheckpointError when a shared name has another shape, or when a tensor outside the
+    attention layers (`.attn.`) is missing from the source: the trunk must be the same.
+    """
+    own = model.state_dict()
+    weights = dict(source.weights)
+    head, embed = getattr(model, "head", None), getattr(model, "embed", None)
+    if head is not None and embed is not None and head.weight is embed.weight:
+        weights.setdefault("head.weight", weights.get("embed.weight"))  # tied: saved once
+    weights = {k: t for k, t in weights.items() if t is not None}
+    wrong = [f"{k}: {tuple(weights[k].shape)} in the source, {tuple(t.shape)} here"
+             for k, t in own.items() if k in weights and weights[k].shape != t.shape]
+    if wrong:
+        raise CheckpointError(f"train.init_from: {source.path} does not fit this model: {'; '.join(wrong[:4])}")
+    trunk = sorted(k for k in own if k not in weights and ".attn." not in k)
+    if trunk:
+        raise CheckpointError(f"train.init_from: {source.path} lacks {', '.join(trunk[:5])} outside the "
+                              "attention layers; only a model of the same width, depth, vocabulary and "
+                              "positions can start this one")
+    copied = sorted(k for k in own if k in weights)
+    model.load_state_dict({k: weights[k] for k in copied}, strict=False)
+    return {"copied": copied, "new": sorted(k for k in own if k not in weights),
+            "dropped": sorted(k for k in weights if k not in own)}

@@ -1,0 +1,68 @@
+"""Starting a run from another model (train.init_from), and `memattn export-hf`."""
+
+import json
+
+import pytest
+import torch
+
+from memattn.checkpoint import CheckpointError
+from memattn.cli import main
+from memattn.config import AttentionConfig, ModelConfig
+from memattn.models import CausalLM
+from memattn.train import model_from_checkpoint
+from memattn.warmstart import Source, warm_start
+
+from conftest import tiny_overrides
+
+
+def lm(name, options=None, **kw):
+    base = dict(vocab_size=30, d_model=16, n_layers=2, n_heads=2, ff_mult=2,
+                attention=AttentionConfig(name, dict(options or {})))
+    return CausalLM(ModelConfig(**{**base, **kw}))
+
+
+def test_a_softmax_model_starts_abc_mlp_with_everything_but_phi():
+    torch.manual_seed(0)
+    soft = lm("softmax")
+    torch.manual_seed(1)
+    abc = lm("abc-mlp", {"num_slots": 4})
+    phi_before = {k: t.clone() for k, t in abc.state_dict().items() if ".phi" in k}
+    report = warm_start(abc, Source("soft", soft.state_dict(), None))
+    mine, theirs = abc.state_dict(), soft.state_dict()
+    assert report["copied"] == sorted(theirs) and report["dropped"] == []
+    assert report["new"] == sorted(phi_before) and phi_before  # only φ is new
+    for k in theirs:
+        assert torch.equal(mine[k], theirs[k]), k
+    for k, t in phi_before.items():
+        assert torch.equal(mine[k], t), k
+
+
+def test_a_model_of_another_shape_is_refused():
+    with pytest.raises(CheckpointError, match=r"does not fit this model: embed.weight: \(30, 16\) in the source"):
+        warm_start(lm("softmax", d_model=24), Source("x", lm("softmax").state_dict(), None))
+    with pytest.raises(CheckpointError, match="lacks blocks.2.ff.down.weight, .* outside the attention layers"):
+        warm_start(lm("softmax", n_layers=3), Source("x", lm("softmax").state_dict(), None))
+
+
+def test_export_hf_then_warm_start_abc_mlp_from_it(text_file, tmp_path):
+    pytest.importorskip("transformers")
+    from transformers import AutoModelForCausalLM
+
+    import memattn.integrations.hf  # noqa: F401  (registers the Auto classes)
+
+    over = tiny_overrides(text_file, tmp_path, "train.steps=4")
+    assert main(["train", "--config", "tiny", "--quiet", *over]) == 0
+    net, _, vocab = model_from_checkpoint(tmp_path / "run")
+    assert main(["export-hf", str(tmp_path / "run"), "-o", str(tmp_path / "hf")]) == 0
+    hf = AutoModelForCausalLM.from_pretrained(tmp_path / "hf")
+    ids = torch.randint(0, net.cfg.vocab_size, (2, 12))
+    assert torch.equal(hf(ids, use_cache=False).logits, net(ids).float())
+    assert json.loads((tmp_path / "hf" / "memattn_vocab.json").read_text()) == vocab
+
+    second = tiny_overrides(text_file, tmp_path / "abc", "train.steps=4", "attention=abc-mlp",
+                            "attention.num_slots=4", f"train.init_from={tmp_path / 'hf'}", "train.lr=1e-9")
+    assert main(["train", "--config", "tiny", "--quiet", *second]) == 0
+    warm, _, _ = model_from_checkpoint(tmp_path / "abc" / "run")
+    for k, t in net.state_dict().items():  # a learning rate of 1e-9: four steps move nothing visible
+        torch.testing.assert_close(warm.state_dict()[k], t, atol=1e-6, rtol=0)
+    assert main(["export-hf", str(tmp_path / "run"), "-o", str(tmp_path / "hf")]) == 2  # not empty
