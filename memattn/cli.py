@@ -255,6 +255,42 @@ def cmd_export_hf(args) -> int:
     return 0
 
 
+def cmd_convert(args) -> int:
+    from memattn.errors import ConfigError
+    from memattn.typed import parse_key_value
+
+    try:
+        import transformers
+
+        from memattn.integrations.convert import convert, save_converted
+    except ImportError as e:
+        raise ConfigError(str(e)) from None
+    options = {}
+    for text in args.overrides:
+        path, value = parse_key_value(text)
+        if len(path) != 2 or path[0] != "attention":
+            raise ConfigError(f"{text}: expected attention.OPTION=VALUE (an option of {args.attention!r})")
+        options[path[1]] = value
+    layers = None
+    if args.layers:
+        try:
+            layers = [int(i) for i in args.layers.split(",")]
+        except ValueError:
+            raise ConfigError(f"--layers: expected layer numbers like 0,2,5, got {args.layers!r}") from None
+    out = Path(args.out)
+    if out.exists() and any(out.iterdir()):
+        raise ConfigError(f"-o: {out} is not empty; choose a new folder")
+    config = transformers.AutoConfig.from_pretrained(args.model)
+    masked = any("MaskedLM" in a for a in (getattr(config, "architectures", None) or []))
+    auto = transformers.AutoModelForMaskedLM if masked else transformers.AutoModelForCausalLM
+    model = auto.from_pretrained(args.model)
+    convert(model, args.attention, options, layers=layers)
+    save_converted(model, out)
+    print(f"memattn convert: wrote {out}; load it with memattn.integrations.convert.load_converted",
+          file=sys.stderr)
+    return 0
+
+
 def cmd_compress(args) -> int:
     from memattn.data import Vocab
     from memattn.errors import ConfigError
@@ -424,6 +460,20 @@ def build_parser() -> argparse.ArgumentParser:
     h.add_argument("run", help="run folder or checkpoint written by `memattn train`")
     h.add_argument("-o", "--out", required=True, help="folder to write (new or empty)")
     h.set_defaults(fn=cmd_export_hf)
+
+    cv = sub.add_parser("convert", help="replace a pretrained transformers model's attention by a mechanism",
+                        description="Load a Hugging Face model folder (Llama, Mistral, Qwen2/3, GPT-2, "
+                        "BERT, RoBERTa), replace its self-attention by a memattn mechanism (q/k/v/o "
+                        "weights copied, everything else untouched, the mechanism's own parameters "
+                        "new) and save it, loadable with memattn.integrations.convert.load_converted. "
+                        "Needs memattn[hf].")
+    cv.add_argument("model", help="a transformers model folder (or hub name, where a network is there)")
+    cv.add_argument("--attention", required=True, help="the mechanism (memattn info --mechanisms)")
+    cv.add_argument("overrides", nargs="*", metavar="attention.OPTION=VALUE",
+                    help="options of the mechanism, e.g. attention.num_slots=32")
+    cv.add_argument("--layers", default="", help="comma-separated layer numbers to convert (default: all)")
+    cv.add_argument("-o", "--out", required=True, help="folder to write (new or empty)")
+    cv.set_defaults(fn=cmd_convert)
 
     c = sub.add_parser("compress", help="compress a text into M memory vectors per sequence",
                        description="Cut a text into sequences, compress each into the M memory "

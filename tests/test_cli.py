@@ -11,8 +11,8 @@ from conftest import tiny_overrides
 from memattn.cli import build_parser, main
 from memattn.train import model_from_checkpoint
 
-COMMANDS = ["train", "eval", "generate", "info", "demo", "experiment", "export-hf", "compress",
-            "decompress", "bench"]
+COMMANDS = ["train", "eval", "generate", "info", "demo", "experiment", "export-hf", "convert",
+            "compress", "decompress", "bench"]
 
 
 def run(*args, timeout=120):

@@ -93,6 +93,10 @@ class AttentionLayer(nn.Module):
         self.out = nn.Linear(spec.d_model, spec.d_model, bias=bias)
         self.rotary = Rotary(D) if spec.positions == "rotary" else None
         self.dropout = nn.Dropout(spec.dropout)
+        # Optional per-head norms of queries and keys before positions (e.g. a converted
+        # Qwen3's), each over the head dim; None: none.
+        self.q_norm: nn.Module | None = None
+        self.k_norm: nn.Module | None = None
 
     def project(self, x: torch.Tensor, memory_state: AttentionState | None = None,
                 attention_mask: torch.Tensor | None = None, positions: torch.Tensor | None = None,
@@ -110,6 +114,8 @@ class AttentionLayer(nn.Module):
         H, Hk, D = self.spec.n_heads, self.kv_heads, self.spec.head_dim
         q, k, v = self.qkv(x).split([H * D, Hk * D, Hk * D], dim=-1)
         q, k, v = q.view(B, T, H, D), k.view(B, T, Hk, D), v.view(B, T, Hk, D)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
         if rotate:
             q, k = self.rotate(q, k, positions if positions is not None else offset)
         return offset, q, k, v

@@ -25,7 +25,7 @@ class Rotary(nn.Module):
             t = offset.to(device=x.device, dtype=dtype)  # [B, T]
         else:
             t = torch.arange(offset, offset + x.shape[1], device=x.device, dtype=dtype)[None]  # [1, T]
-        inv_freq = self.base ** (-torch.arange(0, self.head_dim, 2, device=x.device, dtype=dtype) / self.head_dim)
+        inv_freq = 1.0 / self.base ** (torch.arange(0, self.head_dim, 2, device=x.device, dtype=dtype) / self.head_dim)
         angles = t[..., None] * inv_freq  # [B or 1, T, D/2]
         cos = angles.cos()[:, :, None, :]
         sin = angles.sin()[:, :, None, :]

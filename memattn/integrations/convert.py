@@ -1,0 +1,353 @@
+"""A pretrained Hugging Face model with its attention replaced by a memattn mechanism.
+
+    from memattn.integrations.convert import convert
+    model = AutoModelForCausalLM.from_pretrained("...")          # Llama, Mistral, Qwen2/3, GPT-2
+    convert(model, "abc-mlp", {"num_slots": 32}, layers=None)   # in place; returns the model
+    model.generate(ids, attention_mask=mask, num_beams=4)       # decodes with bounded states
+
+Every self-attention module of a Llama-family model (Llama, Mistral, Qwen2, Qwen3: rotary
+positions, grouped-query attention, Qwen2's biases, Qwen3's per-head q/k norms), GPT-2, or a
+BERT / RoBERTa encoder (bidirectional) becomes a memattn layer of the chosen mechanism
+(`layers`: which layer indices; the others keep their attention — hybrid models). The
+q/k/v and output weights and biases are copied (grouped key/value heads repeated over their
+query heads, as the model's own attention reads them), positions stay as the model had them
+(rotary inside the layer with the model's base, learned ones outside it), and everything
+else — embeddings, norms, MLPs, head — is left untouched. The mechanism's own parameters
+(ABC's φ, persistent vectors, gates) start from its own initialisation, so a converted model
+reads like the original only with `softmax`; the others are meant to be trained on.
+
+Decoding keeps each converted layer's memattn state in the transformers cache (a
+`StateLayer` in the place of that layer's key/value layer), so beam search reorders it and
+bounded mechanisms stay fixed in size under `generate`. `save_converted` / `load_converted`
+round-trip a converted model (the conversion is recorded in its config).
+
+Refused with an error: rotary scaling other than the default, sliding-window layers,
+mechanisms that need the model's cooperation (memory tokens: gmat; layer-to-layer state:
+abc-workspace; a mechanism's own feed-forward), cross attention, and a head dim times heads
+other than the hidden size.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from memattn.errors import ConfigError
+from memattn.layers.base import (AttentionState, LayerSpec, build_attention, build_feedforward,
+                                 get_mechanism, parse_options)
+from memattn.layers.positions import Rotary
+
+try:
+    from transformers import AutoConfig
+    from transformers.cache_utils import CacheLayerMixin, EncoderDecoderCache
+except ImportError as e:  # pragma: no cover - exercised only without transformers
+    raise ImportError("memattn.integrations.convert needs transformers 5: pip install 'memattn[hf]'") from e
+
+LLAMA_LIKE = ("LlamaAttention", "MistralAttention", "Qwen2Attention", "Qwen3Attention")
+GPT2 = ("GPT2Attention",)
+BERT_LIKE = ("BertSelfAttention", "RobertaSelfAttention")
+CONFIG_KEY = "memattn_conversion"
+REFUSED = {"gmat": "its memory tokens are placed in the sequence by memattn's own models",
+           "abc-workspace": "it reads the previous layer's memory, which memattn's own models pass on"}
+
+
+class StateLayer(CacheLayerMixin):
+    """A converted layer's place in a transformers cache: its memattn state, the tokens seen
+    and each row's count of real tokens (for positions under left padding)."""
+
+    is_compileable = False
+    is_croppable = False
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.state: AttentionState | None = None
+        self.seen = 0
+        self.real: torch.Tensor | None = None  # [B] real tokens read per row, once a mask was given
+
+    def lazy_initialization(self, key_states, value_states) -> None:
+        pass
+
+    def update(self, key_states, value_states, *args, **kwargs):
+        raise NotImplementedError("a converted memattn layer keeps its own state, not keys and values")
+
+    def get_seq_length(self) -> int:
+        return self.seen
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.seen + query_length, 0
+
+    def get_max_length(self) -> int:
+        return -1
+
+    def _rows(self, pick) -> None:
+        if self.state is not None:
+            self.state.map_tensors(lambda t, batched: pick(t) if batched else t)
+        if self.real is not None:
+            self.real = pick(self.real)
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        self._rows(lambda t: t.index_select(0, beam_idx.to(t.device)))
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        self._rows(lambda t: t[indices.to(t.device) if torch.is_tensor(indices) else indices])
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        self._rows(lambda t: t.repeat_interleave(repeats, 0))
+
+    def crop(self, max_length: int) -> None:
+        length = max_length if max_length >= 0 else self.seen + max_length
+        if self.state is not None:
+            self.state.crop(length)  # ConfigError for a state that summarises its tokens
+        self.seen = length
+
+    def reset(self) -> None:
+        self.state, self.seen, self.real = None, 0, None
+
+    def offload(self) -> None:
+        pass
+
+    def prefetch(self) -> None:
+        pass
+
+
+def _key_padding(mask: torch.Tensor | None, T: int, causal: bool) -> torch.Tensor | None:
+    """Which of the T new tokens are real [B, T] bool, read off the mask transformers gives an
+    attention module: None, bool [B, 1, Tq, Tk] (True: attend) or additive float (0: attend).
+    The last query of a causal mask (the first of a bidirectional one) sees every real key."""
+    if mask is None:
+        return None
+    if mask.dim() != 4:
+        raise ConfigError(f"attention_mask: expected the model's 4D mask [B, 1, Tq, Tk], got shape "
+                          f"{tuple(mask.shape)}")
+    row = mask[:, 0, -1 if causal else 0, -T:]
+    real = row if row.dtype == torch.bool else row == 0
+    return None if bool(real.all()) else real
+
+
+class ConvertedAttention(nn.Module):
+    """A memattn layer in the place of a transformers attention module, with its call
+    signature: (hidden_states, attention_mask, position_ids, past_key_values, ...) ->
+    (output [B, T, hidden], None)."""
+
+    def __init__(self, layer: nn.Module, layer_idx: int) -> None:
+        super().__init__()
+        self.layer = layer
+        self.layer_idx = layer_idx
+
+    def forward(self, hidden_states: torch.Tensor, attention_mask: torch.Tensor | None = None,
+                past_key_values=None, position_ids: torch.Tensor | None = None,
+                encoder_hidden_states: torch.Tensor | None = None, **kwargs: Any):
+        if encoder_hidden_states is not None:
+            raise ConfigError("a converted memattn layer is self-attention; cross attention is not converted")
+        if isinstance(past_key_values, EncoderDecoderCache):
+            raise ConfigError("past_key_values: an encoder-decoder cache cannot hold a converted layer's state")
+        B, T, _ = hidden_states.shape
+        causal = self.layer.spec.causal
+        real = _key_padding(attention_mask, T, causal)
+        slot = None
+        if past_key_values is not None and causal:
+            while len(past_key_values.layers) <= self.layer_idx:  # a cache that adds layers lazily
+                past_key_values.layers.append(StateLayer())
+            slot = past_key_values.layers[self.layer_idx]
+            if not isinstance(slot, StateLayer):
+                slot = past_key_values.layers[self.layer_idx] = StateLayer()
+            if slot.state is None:
+                slot.state = self.layer.init_state(B, device=hidden_states.device, dtype=hidden_states.dtype)
+        positions = position_ids if position_ids is not None else self._positions(slot, real, B, T, hidden_states)
+        state = slot.state if slot is not None else None
+        if slot is not None and real is None and slot.real is not None:
+            real = torch.ones(B, T, dtype=torch.bool, device=hidden_states.device)
+        y, state = self.layer(hidden_states, memory_state=state, attention_mask=real, positions=positions)
+        if slot is not None:
+            slot.state, slot.seen = state, slot.seen + T
+        return y, None
+
+    @staticmethod
+    def _positions(slot: StateLayer | None, real: torch.Tensor | None, B: int, T: int,
+                   x: torch.Tensor) -> torch.Tensor | None:
+        """Positions over each row's real tokens (None while no row was padded), moving the
+        cache's count on: what position-based control reads where the model passes none."""
+        before = slot.real if slot is not None else None
+        if real is None and before is None:
+            return None
+        if before is None:
+            seen = slot.seen if slot is not None else 0
+            before = torch.full((B,), seen, dtype=torch.long, device=x.device)
+        counted = (real.long().cumsum(1) if real is not None
+                   else torch.arange(1, T + 1, device=x.device).expand(B, T))
+        if slot is not None:
+            slot.real = before + counted[:, -1]
+        return (before[:, None] + counted - 1).clamp_min(0)
+
+
+def _linear_weights(module: nn.Module) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(weight [out, in], bias or None) of an nn.Linear or a GPT-2 Conv1D ([in, out])."""
+    if isinstance(module, nn.Linear):
+        return module.weight.detach(), None if module.bias is None else module.bias.detach()
+    return module.weight.detach().t(), module.bias.detach()
+
+
+def _projections(attn: nn.Module, kind: str, n_heads: int, head_dim: int):
+    """[(q, k, v) weights [H·D, d] and biases (None where absent)], output (weight, bias) or None."""
+    if kind == "gpt2":
+        w, b = _linear_weights(attn.c_attn)
+        (wq, wk, wv), (bq, bk, bv) = w.chunk(3, 0), b.chunk(3, 0)
+        return (wq, wk, wv), (bq, bk, bv), _linear_weights(attn.c_proj)
+    if kind == "bert":
+        parts = [_linear_weights(getattr(attn, n)) for n in ("query", "key", "value")]
+        return tuple(w for w, _ in parts), tuple(b for _, b in parts), None  # output dense stays outside
+    parts = [_linear_weights(getattr(attn, n)) for n in ("q_proj", "k_proj", "v_proj")]
+    groups = n_heads // (parts[1][0].shape[0] // head_dim)  # query heads per key/value head
+
+    def repeat(t):  # [Hkv·D, ...] -> [H·D, ...]: each key/value head serves `groups` query heads
+        return None if t is None else t.view(-1, head_dim, *t.shape[1:]).repeat_interleave(groups, 0).flatten(0, 1)
+
+    weights = (parts[0][0], repeat(parts[1][0]), repeat(parts[2][0]))
+    biases = (parts[0][1], repeat(parts[1][1]), repeat(parts[2][1]))
+    return weights, biases, _linear_weights(attn.o_proj)
+
+
+def _kind(attn: nn.Module) -> str | None:
+    name = type(attn).__name__
+    return "llama" if name in LLAMA_LIKE else "gpt2" if name in GPT2 else "bert" if name in BERT_LIKE else None
+
+
+def _check_model(config, kind: str, index: int) -> None:
+    if kind == "llama":
+        rope = getattr(config, "rope_parameters", None) or {}
+        if rope.get("rope_type", "default") != "default":
+            raise ConfigError(f"convert: rotary scaling {rope.get('rope_type')!r} is not supported "
+                              "(the default rotary positions are)")
+        layer_types = getattr(config, "layer_types", None) or []
+        sliding = (getattr(config, "sliding_window", None) is not None and type(config).__name__ == "MistralConfig") \
+            or (index < len(layer_types) and layer_types[index] == "sliding_attention")
+        if sliding:
+            raise ConfigError(f"convert: layer {index} is sliding-window attention; set config.sliding_window "
+                              "to None first, or keep it with layers=")
+    if kind == "gpt2" and getattr(config, "scale_attn_by_inverse_layer_idx", False):
+        raise ConfigError("convert: GPT-2's scale_attn_by_inverse_layer_idx is not supported")
+    if kind == "bert" and getattr(config, "is_decoder", False):
+        raise ConfigError("convert: a BERT-style decoder is not supported (encoders are)")
+
+
+def _memattn_layer(attn: nn.Module, kind: str, config, name: str, options: Any, index: int,
+                   n_layers: int) -> nn.Module:
+    """The memattn layer of mechanism `name` holding `attn`'s weights."""
+    _check_model(config, kind, index)
+    d, H = config.hidden_size, config.num_attention_heads
+    D = getattr(attn, "head_dim", None) or getattr(attn, "attention_head_size", None) or d // H
+    if H * D != d:
+        raise ConfigError(f"convert: heads x head dim = {H} x {D} differs from the hidden size {d}; "
+                          "memattn layers read the whole width")
+    (wq, wk, wv), (bq, bk, bv), out = _projections(attn, kind, H, D)
+    has_bias = any(b is not None for b in (bq, bk, bv)) or (out is not None and out[1] is not None)
+    if has_bias and not hasattr(options, "bias"):
+        raise ConfigError(f"convert: the model's attention has biases and {name!r} has no bias option")
+    if has_bias:
+        options = dataclasses.replace(options, bias=True)
+    spec = LayerSpec(d, H, causal=kind != "bert", layer_idx=index, n_layers=n_layers,
+                     max_len=getattr(config, "max_position_embeddings", 1024),
+                     positions="rotary" if kind == "llama" else "none")
+    if build_feedforward(name, options, spec) is not None:
+        raise ConfigError(f"convert: {name!r} with these options brings its own feed-forward sublayer; "
+                          "only attention is converted")
+    layer = build_attention(name, options, spec)
+    if getattr(layer, "kv_heads", H) != H:
+        raise ConfigError(f"convert: {name!r} with these options reads {layer.kv_heads} key/value heads, "
+                          f"the model's attention {H}")
+    if kind == "llama":
+        layer.rotary = Rotary(D, base=float((getattr(config, "rope_parameters", None) or {}).get("rope_theta", 10000.0)))
+        if hasattr(attn, "q_norm"):
+            layer.q_norm, layer.k_norm = attn.q_norm, attn.k_norm
+    with torch.no_grad():
+        layer.qkv.weight.copy_(torch.cat([wq, wk, wv], 0))
+        if layer.qkv.bias is not None:
+            layer.qkv.bias.copy_(torch.cat([b if b is not None else torch.zeros(w.shape[0], dtype=w.dtype)
+                                            for w, b in ((wq, bq), (wk, bk), (wv, bv))]))
+        if out is None:
+            layer.out = nn.Identity()  # BERT's output projection sits outside its self-attention
+        else:
+            layer.out.weight.copy_(out[0])
+            if layer.out.bias is not None:
+                layer.out.bias.copy_(out[1] if out[1] is not None else torch.zeros_like(layer.out.bias))
+    weight = wq
+    return layer.to(device=weight.device, dtype=weight.dtype)
+
+
+def convert(model: nn.Module, attention: str, options: dict[str, Any] | None = None, *,
+            layers: list[int] | None = None) -> nn.Module:
+    """Replace the self-attention of `model` (a transformers model) by memattn mechanism
+    `attention` with `options`, in the layers `layers` (None: all), in place; returns it."""
+    mech = get_mechanism(attention)
+    if attention in REFUSED:
+        raise ConfigError(f"convert: {attention!r} cannot replace one attention module: {REFUSED[attention]}")
+    typed = parse_options(attention, options or {})
+    config = model.config
+    found = [(name, m, _kind(m)) for name, m in model.named_modules() if _kind(m) is not None]
+    if not found:
+        raise ConfigError(f"convert: no supported attention module in {type(model).__name__} (supported: "
+                          f"{', '.join(LLAMA_LIKE + GPT2 + BERT_LIKE)})")
+    n = len(found)
+    chosen = set(range(n)) if layers is None else set(layers)
+    unknown = sorted(chosen - set(range(n)))
+    if unknown:
+        raise ConfigError(f"convert: layers {unknown} do not exist (the model has {n} attention layers)")
+    for index, (path, attn, kind) in enumerate(found):
+        if index not in chosen:
+            continue
+        causal = kind != "bert"
+        if (causal and not mech.causal) or (not causal and not mech.bidirectional):
+            raise ConfigError(f"convert: {attention!r} cannot serve as {'causal' if causal else 'bidirectional'} "
+                              "attention")
+        layer_idx = getattr(attn, "layer_idx", None)
+        converted = ConvertedAttention(_memattn_layer(attn, kind, config, attention, typed, index, n),
+                                       index if layer_idx is None else layer_idx)
+        parent_path, _, child = path.rpartition(".")
+        setattr(model.get_submodule(parent_path) if parent_path else model, child, converted)
+    setattr(config, CONFIG_KEY, {"attention": attention, "options": dict(options or {}),
+                                 "layers": sorted(chosen)})
+    return model
+
+
+def save_converted(model: nn.Module, folder: str | Path) -> None:
+    """`save_pretrained` of a converted model; its config records the conversion."""
+    if not hasattr(model.config, CONFIG_KEY):
+        raise ConfigError("save_converted: the model was not converted by memattn")
+    model.save_pretrained(folder)
+
+
+def load_converted(folder: str | Path, auto_class=None) -> nn.Module:
+    """A converted model saved with `save_converted`: the original architecture built from the
+    config, converted as recorded, then every weight loaded (strictly)."""
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    folder = Path(folder)
+    config = AutoConfig.from_pretrained(folder)
+    recorded = getattr(config, CONFIG_KEY, None)
+    if not isinstance(recorded, dict):
+        raise ConfigError(f"load_converted: {folder}/config.json records no memattn conversion")
+    model = (auto_class or AutoModelForCausalLM).from_config(config)
+    convert(model, recorded["attention"], recorded["options"], layers=recorded["layers"])
+    weights = {}
+    for file in sorted(folder.glob("*.safetensors")):
+        weights.update(load_file(file))
+    missing, unexpected = model.load_state_dict(weights, strict=False)
+    tied = set(getattr(model, "_tied_weights_keys", None) or {})
+    missing = [k for k in missing if k not in tied]
+    if missing or unexpected:
+        raise ConfigError(f"load_converted: {folder} does not fit its recorded conversion: missing "
+                          f"{missing[:4]}, unexpected {unexpected[:4]}")
+    model.tie_weights()
+    return model.eval()
+
+
+def conversion_of(folder: str | Path) -> dict[str, Any] | None:
+    """The recorded conversion of a saved model folder, or None."""
+    config = json.loads((Path(folder) / "config.json").read_text())
+    return config.get(CONFIG_KEY)
