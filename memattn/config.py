@@ -137,6 +137,9 @@ class TrainConfig:
     # every tensor shared by name and shape is copied, the mechanism's own ones stay new
     # (memattn.warmstart); the corpus is read with that model's vocabulary.
     init_from: str | None = None
+    # > 0: add distill_weight · KL(teacher ‖ model) per token to the loss, the teacher being
+    # the init_from model, frozen (uptraining a converted model towards the original)
+    distill_weight: float = 0.0
     out_dir: str = "runs/default"
 
     def __post_init__(self) -> None:
@@ -148,6 +151,13 @@ class TrainConfig:
             raise ConfigError(f"train.min_lr_ratio: expected a value in [0, 1], got {self.min_lr_ratio}")
         if not all(0.0 <= b < 1.0 for b in self.betas):
             raise ConfigError(f"train.betas: expected two values in [0, 1), got {list(self.betas)}")
+        if not math.isfinite(self.distill_weight) or self.distill_weight < 0:
+            raise ConfigError(f"train.distill_weight: expected a weight >= 0, got {self.distill_weight}")
+        if self.distill_weight > 0 and not self.init_from:
+            raise ConfigError("train.distill_weight: the teacher is the train.init_from model; set train.init_from")
+        if self.distill_weight > 0 and self.segments:
+            raise ConfigError("train.distill_weight: not with train.segments (the teacher carries no memory "
+                              "from segment to segment)")
         if not self.out_dir.strip():
             raise ConfigError("train.out_dir: expected a folder for the run, got an empty string")
 

@@ -38,6 +38,7 @@ from memattn.config import RunConfig, TrainConfig, from_dict, to_dict
 from memattn.errors import CheckpointError, ConfigError, TrainingError
 from memattn.evaluate import as_tensor, evaluate, segment_window
 from memattn.models import CausalLM, ModelCache
+from memattn.warmstart import distill_loss
 
 # Train fields a resumed run may change without changing what it computes up to the
 # checkpoint (steps may grow; the cosine then stretches from that point on).
@@ -301,7 +302,7 @@ def _train(cfg: RunConfig, ddp: Distributed, resume: bool, progress: bool, on_st
         raise ConfigError(f"train.batch_size: {tc.batch_size} does not split over {ddp.world} processes")
     corpus = load_run_corpus(cfg, ddp)
     source = None
-    if tc.init_from and not resume:
+    if tc.init_from:  # read on resume too: the run reads the corpus with the source's vocabulary
         from memattn.data import Vocab
         from memattn.warmstart import read_source
 
@@ -324,7 +325,12 @@ def _train(cfg: RunConfig, ddp: Distributed, resume: bool, progress: bool, on_st
     log = JsonlLog(out / "log.jsonl", ddp.main)
     torch.manual_seed(tc.seed)
     model = CausalLM(cfg.model)
-    if source is not None:
+    teacher = None
+    if tc.distill_weight > 0:
+        from memattn.warmstart import teacher_model
+
+        teacher = teacher_model(source).to(device)
+    if source is not None and not resume:
         from memattn.warmstart import warm_start
 
         started = warm_start(model, source)
@@ -395,6 +401,11 @@ def _train(cfg: RunConfig, ddp: Distributed, resume: bool, progress: bool, on_st
         logits = wrapped(x) if carry is None else wrapped(x, cache=carry)
         loss = F.cross_entropy(logits.float().flatten(0, 1), y.flatten())
         aux = model.aux_loss()  # e.g. adaptive-span penalties; None for most mechanisms
+        if teacher is not None:
+            with torch.no_grad():
+                teacher_logits = teacher(x)
+            distill = distill_loss(logits, teacher_logits)
+            aux = tc.distill_weight * distill if aux is None else aux + tc.distill_weight * distill
         (loss if aux is None else loss + aux).backward()
         if tc.grad_clip > 0:
             torch.nn.utils.clip_grad_norm_(model.parameters(), tc.grad_clip)
@@ -418,6 +429,8 @@ def _train(cfg: RunConfig, ddp: Distributed, resume: bool, progress: bool, on_st
             record.update(step=done, loss=train_loss, lr=lr, tokens_per_s=round(tok_per_s, 1))
             if aux is not None:
                 record.update(aux_loss=aux.item())
+            if teacher is not None:
+                record.update(distill=ddp.mean(distill.item()))
         if done % tc.eval_every == 0 or done == tc.steps:
             last_val = evaluate(model, val_ids, seq_len=tc.seq_len, batch_size=tc.batch_size,
                                 max_batches=tc.eval_batches, device=device, segments=tc.segments)

@@ -33,6 +33,7 @@ class Source:
     path: Path
     weights: dict[str, torch.Tensor]
     vocab: dict | None
+    model: dict | None = None  # its memattn model config, as a mapping
 
 
 def read_source(path: str | os.PathLike) -> Source:
@@ -48,9 +49,41 @@ def read_source(path: str | os.PathLike) -> Source:
         weights = {k[len(HF_PREFIX):]: t for k, t in load_file(path / "model.safetensors").items()
                    if k.startswith(HF_PREFIX)}
         vocab_file = path / HF_VOCAB
-        return Source(path, weights, json.loads(vocab_file.read_text()) if vocab_file.exists() else None)
+        meta = json.loads(config.read_text())
+        return Source(path, weights, json.loads(vocab_file.read_text()) if vocab_file.exists() else None,
+                      meta.get("memattn"))
     ckpt = load_checkpoint(path)
-    return Source(ckpt.path, ckpt.model_state(), ckpt.meta.get("vocab"))
+    return Source(ckpt.path, ckpt.model_state(), ckpt.meta.get("vocab"),
+                  (ckpt.meta.get("config") or {}).get("model"))
+
+
+def teacher_model(source: Source) -> nn.Module:
+    """The source as a frozen CausalLM in eval mode (the teacher of a distillation term)."""
+    from memattn.config import ModelConfig, from_dict
+    from memattn.models import CausalLM
+
+    if not isinstance(source.model, dict):
+        raise CheckpointError(f"train.distill_weight: {source.path} records no memattn model config to "
+                              "rebuild the teacher from")
+    teacher = CausalLM(from_dict(ModelConfig, source.model, "model"))
+    teacher.load_state_dict(warm_start_weights(teacher, source))
+    return teacher.eval().requires_grad_(False)
+
+
+def warm_start_weights(model: nn.Module, source: Source) -> dict[str, torch.Tensor]:
+    """The source's weights keyed as `model` holds them (a tied head filled from the embedding)."""
+    weights = dict(source.weights)
+    head, embed = getattr(model, "head", None), getattr(model, "embed", None)
+    if head is not None and embed is not None and head.weight is embed.weight and "embed.weight" in weights:
+        weights.setdefault("head.weight", weights["embed.weight"])  # tied: saved once
+    return weights
+
+
+def distill_loss(logits: torch.Tensor, teacher_logits: torch.Tensor) -> torch.Tensor:
+    """KL(teacher ‖ student) per token, averaged: Σ_v p_t(v) (log p_t(v) − log p_s(v)), in fp32."""
+    student = torch.log_softmax(logits.float(), -1).flatten(0, -2)
+    teacher = torch.log_softmax(teacher_logits.float(), -1).flatten(0, -2)
+    return torch.nn.functional.kl_div(student, teacher, log_target=True, reduction="batchmean")
 
 
 def warm_start(model: nn.Module, source: Source) -> dict[str, list[str]]:
@@ -61,11 +94,7 @@ def warm_start(model: nn.Module, source: Source) -> dict[str, list[str]]:
     attention layers (`.attn.`) is missing from the source: the trunk must be the same.
     """
     own = model.state_dict()
-    weights = dict(source.weights)
-    head, embed = getattr(model, "head", None), getattr(model, "embed", None)
-    if head is not None and embed is not None and head.weight is embed.weight:
-        weights.setdefault("head.weight", weights.get("embed.weight"))  # tied: saved once
-    weights = {k: t for k, t in weights.items() if t is not None}
+    weights = warm_start_weights(model, source)
     wrong = [f"{k}: {tuple(weights[k].shape)} in the source, {tuple(t.shape)} here"
              for k, t in own.items() if k in weights and weights[k].shape != t.shape]
     if wrong:

@@ -10,7 +10,7 @@ from memattn.cli import main
 from memattn.config import AttentionConfig, ModelConfig
 from memattn.models import CausalLM
 from memattn.train import model_from_checkpoint
-from memattn.warmstart import Source, warm_start
+from memattn.warmstart import Source, distill_loss, warm_start
 
 from conftest import tiny_overrides
 
@@ -66,3 +66,38 @@ def test_export_hf_then_warm_start_abc_mlp_from_it(text_file, tmp_path):
     for k, t in net.state_dict().items():  # a learning rate of 1e-9: four steps move nothing visible
         torch.testing.assert_close(warm.state_dict()[k], t, atol=1e-6, rtol=0)
     assert main(["export-hf", str(tmp_path / "run"), "-o", str(tmp_path / "hf")]) == 2  # not empty
+
+
+def test_distill_loss_is_the_kl_from_teacher_to_student():
+    s, t = torch.randn(2, 3, 7), torch.randn(2, 3, 7)
+    p_t = t.softmax(-1)
+    want = (p_t * (p_t.log() - s.log_softmax(-1))).sum(-1).mean()
+    torch.testing.assert_close(distill_loss(s, t), want)
+    assert distill_loss(t, t).abs() < 1e-6
+
+
+def test_uptraining_with_a_distillation_term(text_file, tmp_path):
+    """The teacher is the init_from model: a student that starts as a copy of it is at KL 0,
+    a converted one is not; resuming keeps the teacher."""
+    first = tiny_overrides(text_file, tmp_path, "train.steps=3", "model.init_std=0.5")  # a peaked teacher
+    assert main(["train", "--config", "tiny", "--quiet", *first]) == 0
+    kls = {}
+    for name in ("softmax", "abc-mlp"):
+        over = tiny_overrides(text_file, tmp_path / name, "train.steps=2", "train.log_every=1", f"attention={name}",
+                              f"train.init_from={tmp_path / 'run'}", "train.distill_weight=0.5", "train.lr=1e-9",
+                              "model.init_std=0.5")
+        assert main(["train", "--config", "tiny", "--quiet", *over]) == 0
+        log = [json.loads(line) for line in (tmp_path / name / "run" / "log.jsonl").read_text().splitlines()]
+        kls[name] = [r["distill"] for r in log if "distill" in r]
+        assert len(kls[name]) == 2
+        resumed = [o for o in over if not o.startswith("train.steps")] + ["train.steps=3"]
+        assert main(["train", "--config", "tiny", "--quiet", "--resume", *resumed]) == 0
+    assert kls["softmax"][0] < 1e-6 and kls["abc-mlp"][0] > 1e-3, kls
+
+
+def test_distillation_needs_its_teacher():
+    from memattn.config import TrainConfig
+    from memattn.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="the teacher is the train.init_from model"):
+        TrainConfig(distill_weight=1.0)
