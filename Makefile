@@ -32,3 +32,9 @@ test: setup
 
 clean:
 	rm -rf $(VENV) runs .cache .pytest_cache
+
+# The peer libraries `memattn bench` measures beside memattn, in a venv of their own
+# (.venv-peers; the tests never see them): benchmarks/peers_setup.sh.
+.PHONY: bench-peers
+bench-peers:
+	benchmarks/peers_setup.sh .venv-peers

@@ -9,7 +9,9 @@ Four benchmarks, one module each (its docstring says exactly what it measures):
     lookup   per-query cost of a stored document: linear attention's C q against softmax
 
 Mechanisms join from the registry (`memattn.layers.mechanisms()`); only softmax, the
-baseline, is named. Each benchmark writes <name>.json, <name>.md and <name>.png under the
+baseline, is named. Peer libraries, where installed, join decode and train as rows
+marked "(peer)" beside the mechanism they compute (`memattn.bench.peers`), with memattn's
+figure over theirs. Each benchmark writes <name>.json, <name>.md and <name>.png under the
 output folder; every figure is also given as its ratio to softmax measured in the same run.
 A configuration that runs out of memory or fails is recorded ("oom" / "error") and the run
 goes on. Sizes: presets per device and for --quick (`memattn.bench.settings`), changed with

@@ -97,10 +97,14 @@ def describe_lm(shape: LMShape) -> str:
             f"{d['vocab_size']}, rotary positions")
 
 
-def measure(row: Row, fn: Callable[[], dict[str, float]], s: BenchSettings) -> Row:
-    """Fill `row` with fn()'s metrics, or record its failure (oom / error) and go on."""
+def measure(row: Row, fn: Callable[[], dict[str, float]], s: BenchSettings,
+            reraise: tuple[type[Exception], ...] = ()) -> Row:
+    """Fill `row` with fn()'s metrics, or record its failure (oom / error) and go on; the
+    exceptions of `reraise` are raised to the caller instead."""
     try:
         row.metrics.update(fn())
+    except reraise:
+        raise
     except Exception as e:  # noqa: BLE001  (one configuration's failure must not stop the run)
         row.status, row.reason = failure(e)
     finally:

@@ -10,16 +10,23 @@ for each of the B sequences), logits and argmax included. State: `ModelCache.nby
 context c, the bytes of the state tensors every layer holds (softmax: the keys and values
 used so far; bounded mechanisms: their fixed-size memory), divided by B. On CUDA also the
 peak of `torch.cuda.max_memory_allocated` over the timed steps, above the model's weights.
+
+Peers (`memattn.bench.peers`), where installed: after each mechanism that has one, the same
+LM with every attention layer replaced by the peer's, decoding through the peer's own cache
+(x-transformers' memory tokens: its own LM, which has no cache and runs the prefix again);
+state: the bytes of the tensors that cache holds.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import statistics
 import time
 
 import torch
 
 from memattn.bench.common import Choice, Progress, chosen_mechanisms, describe_lm, measure, model_config
+from memattn.bench.peers import Peer, PeerUnavailable, peer_lm, peer_reason, peers_of
 from memattn.bench.report import Metric, Result, Row, Section, fmt_bytes, fmt_ms
 from memattn.bench.settings import BenchSettings
 from memattn.bench.timing import failure, synchronize
@@ -56,7 +63,8 @@ def _split(s: BenchSettings):
 
 
 def count(s: BenchSettings) -> int:
-    return len(_split(s)[0]) * len(s.sizes.decode.contexts)
+    runs = _split(s)[0]
+    return (len(runs) + sum(len(peers_of(c.name)) for c in runs)) * len(s.sizes.decode.contexts)
 
 
 def run(s: BenchSettings, progress: Progress) -> Result:
@@ -69,24 +77,57 @@ def run(s: BenchSettings, progress: Progress) -> Result:
     result.rows += [Row(NAME, c.label, c.name, c.options, status="skipped", reason=why) for c, why in skipped]
     for choice in runs:
         result.rows += decode_mechanism(choice, s, progress)
+        for peer in peers_of(choice.name):
+            result.rows += decode_peer(peer, choice, s, progress)
+            if peer.note:
+                result.notes.append(f"{peer.label}: {peer.note}.")
     return result
+
+
+def _lm(choice: Choice, s: BenchSettings) -> CausalLM:
+    torch.manual_seed(0)
+    max_len = max(s.sizes.decode.contexts) + s.warmup + s.sizes.decode.steps + 1
+    return CausalLM(model_config(choice.name, choice.options, s.sizes.lm, max_len))
 
 
 def decode_mechanism(choice: Choice, s: BenchSettings, progress: Progress) -> list[Row]:
     """One row per context: the model reads the contexts in increasing order, one cache."""
+    return decode_model(lambda: _lm(choice, s), Row(NAME, choice.label, choice.name, choice.options),
+                        s, progress)
+
+
+def decode_peer(peer: Peer, choice: Choice, s: BenchSettings, progress: Progress) -> list[Row]:
+    """The rows of `peer` against `choice`'s mechanism (one skipped row where it cannot run)."""
+    row = Row(NAME, peer.label, choice.name, choice.options, versus=choice.label)
+    try:
+        return decode_model(lambda: peer_lm(peer, s.sizes.lm, choice.options, _lm(choice, s)), row, s,
+                            progress, strict=True)
+    except PeerUnavailable as e:
+        progress.done(len(s.sizes.decode.contexts))
+        row.status, row.reason = "skipped", peer_reason(e)
+        return [row]
+
+
+def decode_model(build, like: Row, s: BenchSettings, progress: Progress, strict: bool = False) -> list[Row]:
+    """One row (a copy of `like`) per context for the model build() returns. strict: a
+    PeerUnavailable from build() is raised, not recorded as a failure."""
     d, lm = s.sizes.decode, s.sizes.lm
     contexts = sorted(set(d.contexts))
     steps = s.warmup + d.steps
     rows: list[Row] = []
+
+    def row_at(c: int, **kw) -> Row:
+        return dataclasses.replace(like, **{"x": c, "options": dict(like.options), "metrics": {},
+                                            "shape": {}, **kw})
+
     try:
-        torch.manual_seed(0)
-        model = CausalLM(model_config(choice.name, choice.options, lm, max(contexts) + steps + 1))
-        model = model.to(device=s.device, dtype=s.dtype).eval()
+        model = build().to(device=s.device, dtype=s.dtype).eval()
     except Exception as e:  # noqa: BLE001  (recorded, and the run goes on)
+        if strict and isinstance(e, PeerUnavailable):
+            raise
         status, reason = failure(e)
         progress.done(len(contexts))
-        return [Row(NAME, choice.label, choice.name, choice.options, x=c, status=status, reason=reason)
-                for c in contexts]
+        return [row_at(c, status=status, reason=reason) for c in contexts]
     weights = torch.cuda.memory_allocated(s.device) if s.device.type == "cuda" else 0
     gen = torch.Generator(device=s.device).manual_seed(0)
     held = {"cache": None, "position": 0, "logits": None}
@@ -124,8 +165,8 @@ def decode_mechanism(choice: Choice, s: BenchSettings, progress: Progress) -> li
 
     oom_at = None
     for c in contexts:
-        progress.step(f"decode {choice.label} @ {c:,}")
-        row = Row(NAME, choice.label, choice.name, choice.options, x=c, shape={"batch": d.batch})
+        progress.step(f"decode {like.label} @ {c:,}")
+        row = row_at(c, shape={"batch": d.batch})
         if oom_at is not None:
             row.status, row.reason = "oom", f"not run: out of memory at context {oom_at:,} already"
         else:

@@ -1,5 +1,6 @@
 """Results of one benchmark: rows of measurements, their ratios to softmax measured in the
-same run, and the files they are written to (JSON, markdown tables, PNG plots)."""
+same run (and, for a peer library's row, memattn's figure over the peer's), and the files
+they are written to (JSON, markdown tables, PNG plots)."""
 
 from __future__ import annotations
 
@@ -49,6 +50,8 @@ class Row:
     metrics: dict[str, float] = field(default_factory=dict)
     shape: dict[str, Any] = field(default_factory=dict)  # batch and the like, where it varies
     vs_softmax: dict[str, float] = field(default_factory=dict)
+    versus: str = ""  # a peer library's row: the label of the memattn row it is measured against
+    memattn_over_peer: dict[str, float] = field(default_factory=dict)  # peer rows: memattn / this
 
 
 @dataclass
@@ -66,17 +69,28 @@ class Result:
 def add_ratios(rows: list[Row], baseline: str = BASELINE) -> None:
     """Set each row's vs_softmax[metric] = its value / the baseline row's value, the baseline
     being the row labelled `baseline` in the same section at the same x (measured in the
-    same run). Rows that failed, or whose baseline failed, get no ratio."""
+    same run). Rows that failed, or whose baseline failed, get no ratio. A peer's row (one
+    with `versus`) also gets memattn_over_peer[metric] = the memattn row's value / its own."""
     base = {(r.section, r.x): r for r in rows if r.label == baseline and r.status == "ok"}
+    ok = {(r.section, r.label, r.x): r for r in rows if r.status == "ok"}
     for r in rows:
-        r.vs_softmax = {}
-        ref = base.get((r.section, r.x))
-        if r.status != "ok" or ref is None:
+        r.vs_softmax, r.memattn_over_peer = {}, {}
+        if r.status != "ok":
             continue
-        for key, value in r.metrics.items():
-            b = ref.metrics.get(key)
-            if b and value is not None and math.isfinite(b) and math.isfinite(value):
-                r.vs_softmax[key] = value / b
+        r.vs_softmax = _divide(r, base.get((r.section, r.x)))
+        mine = ok.get((r.section, r.versus, r.x)) if r.versus else None
+        if mine is not None:
+            r.memattn_over_peer = _divide(mine, r)
+
+
+def _divide(row: Row, by: Row | None) -> dict[str, float]:
+    """{metric: row's value / by's value} where both are finite and by's is not 0."""
+    out = {}
+    for key, value in (row.metrics.items() if by is not None else ()):
+        b = by.metrics.get(key)
+        if b and value is not None and math.isfinite(b) and math.isfinite(value):
+            out[key] = value / b
+    return out
 
 
 # Formatting ----------------------------------------------------------------------------------
@@ -176,6 +190,7 @@ def markdown(result: Result) -> str:
             for label in labels:
                 lines.append(f"| {label} | " + " | ".join(_cell(by.get((label, x)), metric) for x in xs) + " |")
             lines.append("")
+    lines += peer_tables(result)
     skipped = dict.fromkeys(f"- {r.label}: {r.reason}" for r in result.rows if r.status == "skipped")
     failed = dict.fromkeys(f"- {r.label}" + (f" at {r.x:,}" if r.x is not None else "") + f" ({r.status}): {r.reason}"
                            for r in result.rows if r.status in ("oom", "error"))
@@ -186,6 +201,36 @@ def markdown(result: Result) -> str:
     if result.notes:
         lines += ["## Notes", "", *(f"- {n}" for n in result.notes), ""]
     return "\n".join(lines).rstrip() + "\n"
+
+
+def peer_tables(result: Result) -> list[str]:
+    """Markdown lines: for each section with peer rows, each metric, memattn's figure over the
+    peer's at each x ([] when no peer row ran)."""
+    lines: list[str] = []
+    for section in result.sections:
+        peers = [r for r in _shown(result, section) if r.versus]
+        if not peers:
+            continue
+        pairs = list(dict.fromkeys((r.versus, r.label) for r in peers))
+        xs = sorted({r.x for r in peers}, key=lambda x: (x is None, x))
+        by = {(r.label, r.x): r for r in peers}
+        lines += [f"### {section.title}", ""]
+        for metric in section.metrics:
+            lines += [f"**{metric.title}**" + (f" by {section.x_name}" if section.x_name else ""), "",
+                      "| memattn / peer | " + " | ".join("" if x is None else f"{x:,}" for x in xs) + " |",
+                      "|---|" + "---:|" * len(xs)]
+            for mine, peer in pairs:
+                cells = []
+                for x in xs:
+                    r = by.get((peer, x))
+                    ratio = None if r is None else r.memattn_over_peer.get(metric.key)
+                    cells.append(r.status if r is not None and r.status != "ok" else
+                                 "—" if ratio is None else fmt_ratio(ratio))
+                lines.append(f"| {mine} / {peer} | " + " | ".join(cells) + " |")
+            lines.append("")
+    intro = ("Each cell: memattn's figure / the peer's, measured side by side in this run (times "
+             "and bytes: below 1 memattn is better; tokens/s: above 1).")
+    return ["## memattn against its peers", "", intro, "", *lines] if lines else []
 
 
 def plot(result: Result, path: Path) -> bool:

@@ -8,8 +8,13 @@ tokens a step):
   y.backward(dy) with a random dy; parameter and input gradients set to None between calls;
 - the small causal LM: next-token cross-entropy on random tokens, then backward;
 - the ABC op itself: memattn's `abc_attention` (chunked form) against the causal softmax op
-  (`scaled_dot_product_attention`) and, where installed on CUDA, flash-linear-attention's
-  `chunk_abc`, on the same q, k, v [B, T, H, D] and slot logits s [B, T, H, M].
+  (`scaled_dot_product_attention`) and, where installed, flash-linear-attention's `chunk_abc`
+  (CUDA) and its pure-PyTorch `naive_recurrent_abc`, on the same q, k, v [B, T, H, D] and
+  slot logits s [B, T, H, M].
+
+Peers (`memattn.bench.peers`), where installed: after each mechanism that has one, the
+peer's layer in the layer rows, and in the LM rows memattn's LM with every attention layer
+replaced by the peer's (x-transformers' memory tokens: its own LM of the same shape).
 
 Throughput: B·T / the median wall time of one forward + backward. On CUDA also the peak of
 `torch.cuda.max_memory_allocated` in one step above what was allocated before it.
@@ -21,7 +26,8 @@ import torch
 import torch.nn.functional as F
 
 from memattn.bench.common import Choice, Progress, chosen_mechanisms, describe_lm, measure, model_config
-from memattn.bench.peers import FLA_ABC, fla_chunk_abc
+from memattn.bench.peers import (FLA_ABC, FLA_NAIVE_ABC, Peer, PeerUnavailable, fla_chunk_abc,
+                                 fla_naive_abc, peer_lm, peer_reason, peers_of)
 from memattn.bench.report import BASELINE, Metric, Result, Row, Section, fmt_bytes, fmt_rate
 from memattn.bench.settings import BenchSettings
 from memattn.bench.timing import median_time, peak_allocated
@@ -51,7 +57,8 @@ def _split(s: BenchSettings):
 
 
 def count(s: BenchSettings) -> int:
-    return (2 * len(_split(s)[0]) + 3) * len(s.sizes.train.lengths)
+    runs = _split(s)[0]
+    return (2 * (len(runs) + sum(len(peers_of(c.name)) for c in runs)) + 4) * len(s.sizes.train.lengths)
 
 
 def batch_for(s: BenchSettings, T: int) -> int:
@@ -66,11 +73,13 @@ def _time_step(step, s: BenchSettings, tokens: int) -> dict[str, float]:
     return out
 
 
-def layer_step(choice: Choice, s: BenchSettings, T: int) -> dict[str, float]:
+def layer_step(choice: Choice, s: BenchSettings, T: int, peer: Peer | None = None) -> dict[str, float]:
+    """One layer of `choice`'s mechanism, or `peer`'s layer built for it."""
     lm, B = s.sizes.lm, batch_for(s, T)
     torch.manual_seed(0)
     spec = LayerSpec(lm.d_model, lm.n_heads, causal=True, max_len=T)
-    layer = build_attention(choice.name, choice.options, spec).to(s.device, s.dtype).train()
+    layer = (peer.layer(spec, choice.options) if peer is not None
+             else build_attention(choice.name, choice.options, spec)).to(s.device, s.dtype).train()
     x = torch.randn(B, T, lm.d_model, device=s.device, dtype=s.dtype, requires_grad=True)
     dy = torch.randn_like(x)
 
@@ -83,10 +92,14 @@ def layer_step(choice: Choice, s: BenchSettings, T: int) -> dict[str, float]:
     return _time_step(step, s, B * T)
 
 
-def lm_step(choice: Choice, s: BenchSettings, T: int) -> dict[str, float]:
+def lm_step(choice: Choice, s: BenchSettings, T: int, peer: Peer | None = None) -> dict[str, float]:
+    """The small LM of `choice`'s mechanism, or the LM of `peer` built for it (`peer_lm`)."""
     lm, B = s.sizes.lm, batch_for(s, T)
     torch.manual_seed(0)
-    model = CausalLM(model_config(choice.name, choice.options, lm, T)).to(s.device, s.dtype).train()
+    model = CausalLM(model_config(choice.name, choice.options, lm, T))
+    if peer is not None:
+        model = peer_lm(peer, lm, choice.options, model)
+    model = model.to(s.device, s.dtype).train()
     idx = torch.randint(0, lm.vocab_size, (B, T + 1), device=s.device)
 
     def step():
@@ -117,11 +130,12 @@ def op_step(op, s: BenchSettings, T: int) -> dict[str, float]:
 
 
 def _ops(s: BenchSettings) -> list[tuple[str, object, str]]:
-    """[(label, op(q, k, v, s) -> o, why skipped or "")]: softmax, memattn's ABC, its peer."""
+    """[(label, op(q, k, v, s) -> o, why skipped or "")]: softmax, memattn's ABC, its peers."""
     fla, why = fla_chunk_abc(s.device)
+    naive, naive_why = fla_naive_abc(s.device)
     return [(BASELINE, lambda q, k, v, _: softmax_attention(q, k, v, causal=True)[0], ""),
             (MEMATTN_ABC, lambda q, k, v, logits: abc_attention(q, k, v, logits, causal=True)[0], ""),
-            (FLA_ABC, fla, why)]
+            (FLA_ABC, fla, why), (FLA_NAIVE_ABC, naive, naive_why)]
 
 
 def run(s: BenchSettings, progress: Progress) -> Result:
@@ -155,14 +169,31 @@ def run(s: BenchSettings, progress: Progress) -> Result:
                 row = Row(section, c.label, c.name, c.options, x=T, shape=shape)
                 result.rows.append(measure(row, lambda fn=fn, c=c, T=T: fn(c, s, T), s))
                 progress.done()
+                for peer in peers_of(c.name):
+                    progress.step(f"train {section} {peer.label} @ {T:,}")
+                    row = Row(section, peer.label, c.name, c.options, x=T, shape=shape, versus=c.label)
+                    result.rows.append(_measure_peer(row, lambda fn=fn, c=c, T=T, p=peer: fn(c, s, T, p), s))
+                    progress.done()
         for label, op, why in _ops(s):
             progress.step(f"train op {label} @ {T:,}")
             mech = "abc-mlp" if label != BASELINE else BASELINE
-            row = Row("op", label, mech, {"num_slots": t.slots}, x=T, shape=shape)
+            row = Row("op", label, mech, {"num_slots": t.slots}, x=T, shape=shape,
+                      versus=MEMATTN_ABC if label in (FLA_ABC, FLA_NAIVE_ABC) else "")
             if op is None:
                 row.status, row.reason = "skipped", why
             else:
                 measure(row, lambda op=op, T=T: op_step(op, s, T), s)
             result.rows.append(row)
             progress.done()
+    notes = dict.fromkeys(f"{p.label}: {p.note}." for c in runs for p in peers_of(c.name) if p.note)
+    result.notes += list(notes)
     return result
+
+
+def _measure_peer(row: Row, fn, s: BenchSettings) -> Row:
+    """`measure`, with a peer that cannot be built recorded as skipped with its reason."""
+    try:
+        return measure(row, fn, s, reraise=(PeerUnavailable,))
+    except PeerUnavailable as e:
+        row.status, row.reason = "skipped", peer_reason(e)
+        return row
