@@ -69,6 +69,7 @@ def test_converted_to_softmax_the_model_reads_as_before(family):
 
 
 def greedy(model, ids, steps, **kw):
+    kw.setdefault("min_new_tokens", steps)  # no early end of sequence: every row runs all steps
     return model.generate(ids, max_new_tokens=steps, do_sample=False, pad_token_id=0, **kw)
 
 
@@ -92,7 +93,7 @@ def test_bounded_state_stays_fixed_and_hybrids_keep_softmax_layers():
     sizes = []
     for steps in (20, 200):
         cache = transformers.DynamicCache(config=model.config)
-        greedy(model, torch.randint(2, 50, (1, 5)), steps, min_new_tokens=steps, past_key_values=cache)
+        greedy(model, torch.randint(2, 50, (1, 5)), steps, past_key_values=cache)
         state = cache.layers[1].state
         sizes.append(sum(t.numel() for t in state.tensors()))
         assert cache.layers[0].get_seq_length() == cache.layers[1].get_seq_length() == 5 + steps - 1
