@@ -22,7 +22,7 @@ $(VENV)/.installed: pyproject.toml Makefile
 	$(PY) -m pip install --quiet -e ".[test,plot,hf]"
 	touch $@
 
-DEMO_ATTENTION ?= softmax
+DEMO_ATTENTION ?= softmax abc-mlp
 
 demo: setup
 	$(VENV)/bin/memattn demo --attention $(DEMO_ATTENTION)

@@ -217,7 +217,14 @@ def cmd_info(args) -> int:
 def cmd_demo(args) -> int:
     from memattn.demo import run_demo
 
-    run_demo(args.config, args.overrides, mechanisms=args.attention, out_dir=args.out_dir)
+    from memattn.errors import ConfigError
+
+    if args.warm_steps < 0:
+        raise ConfigError(f"--warm-steps: expected a number of steps >= 0, got {args.warm_steps}")
+    if not args.contexts or min(args.contexts) < 1:
+        raise ConfigError(f"--contexts: expected context lengths >= 1, got {args.contexts}")
+    run_demo(args.config, args.overrides, mechanisms=args.attention, out_dir=args.out_dir,
+             warm_steps=args.warm_steps, contexts=tuple(sorted(set(args.contexts))))
     return 0
 
 
@@ -429,12 +436,18 @@ def build_parser() -> argparse.ArgumentParser:
     i.set_defaults(fn=cmd_info)
 
     d = sub.add_parser("demo", help="the main job: prepare the corpus, train, evaluate, generate, compare",
-                       description="Prepare the default corpus, train a small model for each "
-                       "mechanism given (softmax attention is the baseline), evaluate it on the "
-                       "test split, generate a sample and print a comparison.")
+                       description="Prepare the default corpus, train softmax attention, start each "
+                       "other mechanism from it (train.init_from) and train it on, evaluate every "
+                       "model on the test split, generate a sample, and compare quality, speed and "
+                       "the decoding cost and state at growing contexts (a table and a plot).")
     with_config(d)
-    d.add_argument("--attention", nargs="+", default=["softmax"],
-                   help="mechanisms to train and compare, softmax first as the baseline (default: %(default)s)")
+    d.add_argument("--attention", nargs="+", default=["softmax", "abc-mlp"],
+                   help="mechanisms to compare, the baseline first (default: %(default)s)")
+    d.add_argument("--warm-steps", type=int, default=200,
+                   help="steps each other mechanism trains after starting from the baseline; 0: "
+                   "train it from scratch with the baseline's budget (default: %(default)s)")
+    d.add_argument("--contexts", type=int, nargs="+", default=[256, 1024, 4096, 16384],
+                   help="context lengths at which decoding cost and state are measured (default: %(default)s)")
     d.add_argument("--out-dir", default="runs/demo", help="where runs and summary.json go (default: %(default)s)")
     d.set_defaults(fn=cmd_demo)
 

@@ -1,9 +1,17 @@
-"""The main job: prepare the default corpus, train a small LM per mechanism, evaluate it on
-the test split, sample from it, and compare every mechanism with softmax attention."""
+"""The main job: prepare the default corpus, train softmax attention, turn it into each
+memory mechanism asked for, and show what the memory buys — quality, speed, and a decoding
+cost and state that stay flat as the context grows.
+
+The first mechanism (softmax) trains from scratch. Each other one starts from it through
+`train.init_from` (its projections, embeddings, norms and feed-forward layers copied, only
+the mechanism's own parameters new: the papers' warm-start setting) and trains on for
+`warm_steps` steps; `warm_steps=0` trains it from scratch with the baseline's budget instead.
+"""
 
 from __future__ import annotations
 
 import json
+import statistics
 import time
 from pathlib import Path
 
@@ -16,43 +24,112 @@ from memattn.generate import generate
 from memattn.train import load_run_corpus, model_from_checkpoint, train
 
 PROMPT = "ROMEO.\n"
+CONTEXTS = (256, 1024, 4096, 16384)  # decoding cost and state measured after this many tokens
+SHOWN = (256, 16384)  # the two the table prints
 
 
-def run_demo(preset: str, overrides: list[str], mechanisms: list[str], out_dir: str) -> list[dict]:
+def decoding_cost(model, context: int, steps: int = 8, chunk: int = 2048) -> dict[str, float]:
+    """Median ms per decoded token and bytes of the decoding state of `model` (batch 1) after
+    `context` tokens (read in chunks with its cache)."""
+    gen = torch.Generator().manual_seed(0)
+    vocab = model.cfg.vocab_size
+    cache = model.init_cache(1)
+    with torch.inference_mode():
+        for start in range(0, context, chunk):
+            logits = model(torch.randint(0, vocab, (1, min(chunk, context - start)), generator=gen), cache=cache)
+        state = cache.nbytes()
+        times = []
+        for _ in range(steps + 1):  # the first step warms up
+            token = logits[:, -1].argmax(-1, keepdim=True)
+            start = time.perf_counter()
+            logits = model(token, cache=cache)
+            times.append(time.perf_counter() - start)
+    return {"ms_per_token": 1e3 * statistics.median(times[1:]), "state_bytes": state}
+
+
+def run_demo(preset: str, overrides: list[str], mechanisms: list[str], out_dir: str,
+             warm_steps: int = 200, contexts: tuple[int, ...] = CONTEXTS) -> list[dict]:
     rows = []
+    base_dir = f"{out_dir}/{mechanisms[0]}"
     for name in mechanisms:
-        cfg = load_config(preset, [*overrides, f"attention={name}", f"train.out_dir={out_dir}/{name}"])
+        extra = [f"attention={name}", f"train.out_dir={out_dir}/{name}"]
+        if rows and warm_steps:
+            extra += [f"train.init_from={base_dir}", f"train.steps={warm_steps}"]
+        cfg = load_config(preset, [*overrides, *extra])
         if not rows:
             start = time.perf_counter()
             corpus = load_run_corpus(cfg)
             print(f"corpus {corpus.name}: {len(corpus.train):,} / {len(corpus.val):,} / "
                   f"{len(corpus.test):,} characters (train / val / test), vocabulary {corpus.vocab.size}, "
                   f"prepared in {time.perf_counter() - start:.1f}s")
+        how = (f"from {mechanisms[0]}, +{warm_steps} steps" if rows and warm_steps
+               else f"{cfg.train.steps} steps")
+        print(f"\n=== {name}: {how} ===")
         summary = train(cfg, overwrite=True)  # the demo always trains anew
         model, cfg, vocab_json = model_from_checkpoint(summary["checkpoint"])
         test = evaluate(model, as_tensor(corpus.test), seq_len=cfg.train.seq_len,
                         batch_size=cfg.train.batch_size)
         vocab = Vocab.from_json(vocab_json)
         prompt = torch.as_tensor(vocab.encode(PROMPT), dtype=torch.long)[None]
-        start = time.perf_counter()
         tokens = [t.item() for t in generate(model, prompt, 300, temperature=0.8, seed=0)]
-        decode_rate = len(tokens) / (time.perf_counter() - start)
         print(f"\n--- sample ({name}) ---\n{PROMPT}{vocab.decode(tokens)}\n---")
-        rows.append({"attention": name, "params": summary["params"], "val_bpc": summary["val"]["bpc"],
-                     "test_bpc": test["bpc"], "train_tokens_per_s": summary["tokens_per_s"],
-                     "decode_tokens_per_s": decode_rate, "train_s": summary["wall_s"]})
-    print_table(rows)
-    Path(out_dir).mkdir(parents=True, exist_ok=True)
-    (Path(out_dir) / "summary.json").write_text(json.dumps(rows, indent=2))
+        cost = {c: decoding_cost(model, c) for c in contexts}
+        rows.append({"attention": name, "trained": how, "params": summary["params"],
+                     "val_bpc": summary["val"]["bpc"], "test_bpc": test["bpc"],
+                     "train_tokens_per_s": summary["tokens_per_s"], "train_s": summary["wall_s"],
+                     "decoding": {str(c): v for c, v in cost.items()}})
+    print_table(rows, [c for c in SHOWN if c in contexts] or list(contexts[-1:]))
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "summary.json").write_text(json.dumps(rows, indent=2))
+    plot_decoding(rows, out / "decoding.png")
     return rows
 
 
-def print_table(rows: list[dict]) -> None:
+def _bytes(n: float) -> str:
+    for unit in ("B", "KB", "MB", "GB"):
+        if n < 1024 or unit == "GB":
+            return f"{n:,.0f} {unit}" if unit == "B" else f"{n:,.1f} {unit}"
+        n /= 1024
+    return ""
+
+
+def print_table(rows: list[dict], shown: list[int]) -> None:
     base = rows[0]
-    print(f"\n{'attention':<14}{'params':>10}{'val bpc':>9}{'test bpc':>10}{'train tok/s':>13}"
-          f"{'decode tok/s':>14}{'train s':>9}  vs {base['attention']} (test bpc)")
+    head = (f"{'attention':<12}{'trained':<26}{'params':>9}{'val bpc':>9}{'test bpc':>9}{'vs ' + base['attention']:>12}"
+            f"{'train tok/s':>12}" + "".join(f"{'ms/token @' + f'{c:,}':>16}{'state @' + f'{c:,}':>15}" for c in shown))
+    print("\n" + head)
     for r in rows:
-        delta = r["test_bpc"] - base["test_bpc"]
-        print(f"{r['attention']:<14}{r['params']:>10,}{r['val_bpc']:>9.3f}{r['test_bpc']:>10.3f}"
-              f"{r['train_tokens_per_s']:>13,.0f}{r['decode_tokens_per_s']:>14,.1f}{r['train_s']:>9.0f}"
-              f"  {delta:+.3f}")
+        line = (f"{r['attention']:<12}{r['trained']:<26}{r['params']:>9,}{r['val_bpc']:>9.3f}{r['test_bpc']:>9.3f}"
+                f"{r['test_bpc'] - base['test_bpc']:>+12.3f}{r['train_tokens_per_s']:>12,.0f}")
+        for c in shown:
+            d = r["decoding"][str(c)]
+            line += f"{d['ms_per_token']:>16.2f}{_bytes(d['state_bytes']):>15}"
+        print(line)
+
+
+def plot_decoding(rows: list[dict], path: Path) -> None:
+    """Decoding ms per token and state bytes against the context length, one line a model."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print(f"(no plot: matplotlib is not installed; the figures are in {path.parent / 'summary.json'})")
+        return
+    fig, (ax_t, ax_s) = plt.subplots(1, 2, figsize=(10, 3.8))
+    for r in rows:
+        cs = sorted(int(c) for c in r["decoding"])
+        ax_t.plot(cs, [r["decoding"][str(c)]["ms_per_token"] for c in cs], marker="o", label=r["attention"])
+        ax_s.plot(cs, [r["decoding"][str(c)]["state_bytes"] / 2**20 for c in cs], marker="o", label=r["attention"])
+    for ax, title in ((ax_t, "decoding: ms per token"), (ax_s, "decoding state: MiB")):
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("context length (tokens)")
+        ax.set_title(title)
+        ax.grid(alpha=0.3)
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    print(f"plot: {path}")

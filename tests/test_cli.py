@@ -94,10 +94,17 @@ def test_info_lists_every_mechanism_with_its_options(capsys):
     assert "softmax (causal, encoder, cross)" in out and "abc-workspace (encoder)" in out
 
 
-def test_demo_runs_twice_into_the_same_folder(text_file, tmp_path, capsys):
-    """`make demo` run again trains anew (the demo's folder is its own to replace)."""
+def test_demo_compares_a_memory_mechanism_and_runs_twice_into_the_same_folder(text_file, tmp_path):
+    """The demo trains softmax, starts abc-mlp from it, and shows the decoding state: growing
+    with the context for softmax, fixed for abc-mlp. Run again, it trains anew."""
     over = [o for o in tiny_overrides(text_file, tmp_path) if not o.startswith("train.out_dir")]
     argv = ["demo", "--config", "tiny", *over, "train.steps=3", "train.eval_every=3", "train.save_every=3",
-            "--out-dir", str(tmp_path / "demo"), "--attention", "softmax"]
+            "--out-dir", str(tmp_path / "demo"), "--warm-steps", "2", "--contexts", "16", "64"]
     assert main(argv) == 0 and main(argv) == 0
-    assert json.loads((tmp_path / "demo" / "summary.json").read_text())[0]["attention"] == "softmax"
+    soft, abc = json.loads((tmp_path / "demo" / "summary.json").read_text())
+    assert (soft["attention"], abc["attention"]) == ("softmax", "abc-mlp")
+    assert abc["trained"] == "from softmax, +2 steps"
+    state = {r["attention"]: [r["decoding"][c]["state_bytes"] for c in ("16", "64")] for r in (soft, abc)}
+    assert state["softmax"][1] == 4 * state["softmax"][0]  # one key and value per token
+    assert state["abc-mlp"][0] == state["abc-mlp"][1] > 0  # a fixed-size memory
+    assert (tmp_path / "demo" / "decoding.png").exists()
