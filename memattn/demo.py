@@ -97,14 +97,14 @@ def _bytes(n: float) -> str:
 def print_table(rows: list[dict], shown: list[int]) -> None:
     base = rows[0]
     head = (f"{'attention':<12}{'trained':<26}{'params':>9}{'val bpc':>9}{'test bpc':>9}{'vs ' + base['attention']:>12}"
-            f"{'train tok/s':>12}" + "".join(f"{'ms/token @' + f'{c:,}':>16}{'state @' + f'{c:,}':>15}" for c in shown))
+            f"{'train tok/s':>12}" + "".join(f"{'ms/token @' + f'{c:,}':>18}{'state @' + f'{c:,}':>16}" for c in shown))
     print("\n" + head)
     for r in rows:
         line = (f"{r['attention']:<12}{r['trained']:<26}{r['params']:>9,}{r['val_bpc']:>9.3f}{r['test_bpc']:>9.3f}"
                 f"{r['test_bpc'] - base['test_bpc']:>+12.3f}{r['train_tokens_per_s']:>12,.0f}")
         for c in shown:
             d = r["decoding"][str(c)]
-            line += f"{d['ms_per_token']:>16.2f}{_bytes(d['state_bytes']):>15}"
+            line += f"{d['ms_per_token']:>18.2f}{_bytes(d['state_bytes']):>16}"
         print(line)
 
 
