@@ -87,14 +87,14 @@ def chosen_mechanisms(s: BenchSettings) -> list[Choice]:
 def model_config(name: str, options: dict, shape: LMShape, max_len: int) -> ModelConfig:
     return ModelConfig(vocab_size=shape.vocab_size, d_model=shape.d_model, n_layers=shape.n_layers,
                        n_heads=shape.n_heads, ff_mult=shape.ff_mult, max_len=max_len,
-                       attention=AttentionConfig(name, dict(options)))
+                       positions=shape.positions, attention=AttentionConfig(name, dict(options)))
 
 
 def describe_lm(shape: LMShape) -> str:
     d = asdict(shape)
     return (f"{d['n_layers']} layers, d_model {d['d_model']}, {d['n_heads']} heads of "
             f"{d['d_model'] // d['n_heads']}, feed-forward {d['ff_mult']:g}·d, vocabulary "
-            f"{d['vocab_size']}, rotary positions")
+            f"{d['vocab_size']}, {'rotary positions' if d['positions'] == 'rotary' else 'no positions'}")
 
 
 def measure(row: Row, fn: Callable[[], dict[str, float]], s: BenchSettings,

@@ -223,7 +223,7 @@ class PrefixCache:
 class XTransformersMemoryLM(nn.Module):
     """x-transformers `TransformerWrapper(num_memory_tokens=M, memory_tokens_interspersed_every=C)`
     over a `Decoder` of memattn's LM shape (pre-norm, feed-forward ff_mult·d, rotary over the
-    whole head, tied embeddings, SDPA): a fresh block of M learned tokens before every chunk
+    whole head when the LM has rotary positions, tied embeddings, SDPA): a fresh block of M learned tokens before every chunk
     of C tokens, as memattn's causal gmat places them, but read by full causal attention
     (gmat: each chunk reads only the block before it). idx [B, T] -> logits [B, T, vocab]."""
 
@@ -232,7 +232,7 @@ class XTransformersMemoryLM(nn.Module):
         xt = _import("x_transformers", "x-transformers")
         D = shape.d_model // shape.n_heads
         decoder = xt.Decoder(dim=shape.d_model, depth=shape.n_layers, heads=shape.n_heads,
-                             attn_dim_head=D, rotary_pos_emb=True, rotary_emb_dim=D,
+                             attn_dim_head=D, rotary_pos_emb=shape.positions == "rotary", rotary_emb_dim=D,
                              attn_flash=True, ff_mult=shape.ff_mult)
         self.net = xt.TransformerWrapper(num_tokens=shape.vocab_size, max_seq_len=0,
                                          num_memory_tokens=num_memory,
@@ -405,8 +405,13 @@ def peer_lm(peer: Peer, lm_shape, options: dict, model: nn.Module) -> nn.Module:
     the compared mechanism) with every block's attention replaced by the peer layer."""
     if peer.lm is not None:
         return peer.lm(lm_shape, options)
-    for block in model.blocks:
-        block.attn = peer.layer(block.attn.spec, options)
+    layers = [peer.layer(block.attn.spec, options) for block in model.blocks]
+    if lm_shape.positions != "none":
+        raise PeerUnavailable(f"the peer's layers apply no positions while this LM rotates q and k in "
+                              f"every layer (lm.positions={lm_shape.positions}); run with lm.positions=none "
+                              "for a like-for-like comparison")
+    for block, layer in zip(model.blocks, layers):
+        block.attn = layer
     return model
 
 

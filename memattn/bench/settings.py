@@ -8,7 +8,7 @@ import dataclasses
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import ClassVar
+from typing import ClassVar, Literal
 
 import torch
 
@@ -36,7 +36,7 @@ def _check_heads(owner: str, d_model: int, n_heads: int) -> None:
 
 @dataclass
 class LMShape:
-    """The small causal LM of the decode and train benchmarks (rotary positions, tied embeddings)."""
+    """The small causal LM of the decode and train benchmarks (tied embeddings)."""
 
     section: ClassVar[str] = "lm"  # the overrides' prefix, named in errors
     d_model: int = 128
@@ -44,6 +44,9 @@ class LMShape:
     n_heads: int = 4
     ff_mult: float = 4.0
     vocab_size: int = 256
+    # rotary: rotated q / k in every layer (memattn's default); none: no positions, the
+    # like-for-like setting for peers, whose layers apply none
+    positions: Literal["rotary", "none"] = "rotary"
 
     def __post_init__(self) -> None:
         _check_positive(self.section, self)
