@@ -1,0 +1,36 @@
+"""`memattn experiment abc-warmstart --quick`: pretrain, convert, train on, compare."""
+
+import json
+
+import pytest
+from conftest import run_quick_lm_experiment
+
+from memattn.experiments.abc_warmstart import findings
+
+
+@pytest.mark.slow
+def test_quick_run_pretrains_then_starts_every_conversion_from_it(text_file, tmp_path):
+    out, result = run_quick_lm_experiment("abc-warmstart", text_file, tmp_path)
+    names = [m["model"] for m in result["models"]]
+    assert names == ["softmax, pretrained", "softmax, trained on", "abc-mlp, M=4, from softmax",
+                     "abc-mlp, M=4, from scratch", "abc-random, M=8, from softmax", "abc-random, M=8, from scratch"]
+    by = {m["model"]: m for m in result["models"]}
+    assert by["softmax, pretrained"]["steps"] == 12 and by["abc-mlp, M=4, from softmax"]["steps"] == 6
+    pretrained = out / "runs" / "softmax-pretrained"
+    for name in ("softmax-trained-on", "abc-mlp-m4-from-softmax"):
+        settings = json.loads((out / "runs" / name / "settings.json").read_text())
+        assert f"train.init_from={pretrained}" in settings
+    scratch = json.loads((out / "runs" / "abc-mlp-m4-from-scratch" / "settings.json").read_text())
+    assert not any(s.startswith("train.init_from") for s in scratch)
+    table = (out / "results.md").read_text()
+    assert "| abc-random, M=8, from scratch |" in table and "The paper found / we measured" in table
+
+
+def test_findings_compare_each_start():
+    def m(name, bpc):
+        return {"model": name, "test_bpc": bpc, "test_bpc_spread": 0.0, "seeds": 1}
+    by = {m_["model"]: m_ for m_ in (m("softmax, trained on", 2.0), m("abc-mlp, M=32, from softmax", 2.1),
+                                     m("abc-mlp, M=32, from scratch", 2.5))}
+    text = "\n".join(findings(by))
+    assert "abc-mlp, M=32, from softmax is ahead of abc-mlp, M=32, from scratch by 0.400" in text
+    assert "abc-mlp, M=32, from softmax +0.100 against softmax trained on" in text
