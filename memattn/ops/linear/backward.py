@@ -40,7 +40,7 @@ from memattn.ops.linear.chunked import (DEFAULT_CHUNK_SIZE, check_chunk_size,
                                         chunked_forward_heads, final_state_heads)
 from memattn.ops.linear.common import (accumulation_dtype, check_alpha_values, check_inputs,
                                        chunk_decays, from_chunks, heads_first, log_alpha,
-                                       resolve_scale, shift_down, suffix_decays, to_chunks)
+                                       no_decays, resolve_scale, shift_down, suffix_decays, to_chunks)
 
 ALPHA_MIN = 1e-3
 # Largest 1 / Π α allowed through an inversion, by accumulation dtype: about eps · 1e2
@@ -76,15 +76,15 @@ def causal_backward_heads(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     None, dS = ∂L/∂S_T [B, H, K, V]. mode "prefix": saved_state is S_0 [B, H, K, V] or
     None; "invert": S_T [B, H, K, V]; "checkpoint": chunk-start states [B, H, N, K, V].
     Returns dq [B, H, T, K], dk [B, H, T, K], dv [B, H, T, V], dα [B, H, T] or None,
-    dβ [B, H, T], dS_0 [B, H, K, V].
+    dβ [B, H, T] or None (without β), dS_0 [B, H, K, V].
     """
     B, H, T, K = q.shape
     V = v.shape[-1]
     qc, kc, vc, doc = (to_chunks(t, chunk_size) for t in (q, k, v, do))  # [B, H, N, C, *]
     N = qc.shape[2]
-    xc = q.new_zeros(B, H, N, chunk_size) if x is None else to_chunks(x, chunk_size)
     bc = to_chunks(q.new_ones(B, H, T) if beta is None else beta, chunk_size)  # [B, H, N, C]
-    dec = chunk_decays(xc)
+    dec = (no_decays(q, B, H, N, chunk_size) if x is None  # ungated: no exponentials
+           else chunk_decays(to_chunks(x, chunk_size)))
     write = dec.to_end * bc  # [B, H, N, C]: weight of k_i v_iᵀ in the chunk's end state
 
     # G at each chunk end, scanning back from dS: the reads of a chunk add scale · Σ g_t q_t do_tᵀ.
@@ -128,7 +128,7 @@ def causal_backward_heads(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     dk = P.mT @ qc + write[..., None] * vG
     dv = (reads * by_key).mT @ doc + write[..., None] * kG
     kGv = (kG * vc).sum(-1)  # [B, H, N, C]  k_iᵀ G_end v_i
-    dbeta = (reads * dov).sum(-2) + dec.to_end * kGv
+    dbeta = None if beta is None else (reads * dov).sum(-2) + dec.to_end * kGv
 
     dalpha = None
     if need_dalpha:
@@ -144,7 +144,7 @@ def causal_backward_heads(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         dalpha = from_chunks(reads_reads + reads_start + end_writes + end_start, T)
 
     return (from_chunks(dq, T), from_chunks(dk, T), from_chunks(dv, T), dalpha,
-            from_chunks(dbeta, T), dS0)
+            None if dbeta is None else from_chunks(dbeta, T), dS0)
 
 
 def exclusive_decayed_scan(x: torch.Tensor, u: torch.Tensor, r0: torch.Tensor,

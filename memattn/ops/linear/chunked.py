@@ -16,7 +16,7 @@ import torch
 
 from memattn.ops.linear.common import (accumulation_dtype, check_alpha_values, check_inputs,
                                        chunk_decays, from_chunks, heads_first, log_alpha,
-                                       resolve_scale, suffix_decays, to_chunks)
+                                       no_decays, resolve_scale, suffix_decays, to_chunks)
 
 DEFAULT_CHUNK_SIZE = 64
 
@@ -41,8 +41,8 @@ def chunked_forward_heads(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     V = v.shape[-1]
     qc, kc, vc = (to_chunks(t, chunk_size) for t in (q, k, v))  # [B, H, N, C, *]
     N = qc.shape[2]
-    xc = q.new_zeros(B, H, N, chunk_size) if x is None else to_chunks(x, chunk_size)
-    dec = chunk_decays(xc)
+    dec = (no_decays(q, B, H, N, chunk_size) if x is None  # ungated: no exponentials
+           else chunk_decays(to_chunks(x, chunk_size)))
     write = dec.to_end if beta is None else dec.to_end * to_chunks(beta, chunk_size)  # [B, H, N, C]
     increments = (kc * write[..., None]).mT @ vc  # [B, H, N, K, V]: each chunk's own writes
 

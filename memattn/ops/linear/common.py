@@ -119,6 +119,14 @@ class ChunkDecays(NamedTuple):
     total: torch.Tensor  # [B, H, N]     Π α over the whole chunk
 
 
+def no_decays(like: torch.Tensor, B: int, H: int, N: int, C: int) -> ChunkDecays:
+    """The decays of ungated chunks (every α = 1): D the causal 0/1 mask, every product 1;
+    broadcast views, nothing exponentiated (what `chunk_decays` of zeros gives, cheaply)."""
+    D = torch.ones(C, C, dtype=like.dtype, device=like.device).tril().expand(B, H, N, C, C)
+    ones = like.new_ones(()).expand(B, H, N, C)
+    return ChunkDecays(D, ones, ones, ones, ones[..., 0])
+
+
 def chunk_decays(x: torch.Tensor) -> ChunkDecays:
     """Decay products of one chunked log-gate tensor x [B, H, N, C] (see ChunkDecays)."""
     cum = x.cumsum(-1)
