@@ -29,14 +29,17 @@ def test_softmax_layer_is_multi_head_attention_by_hand():
 
 @pytest.mark.parametrize("name", [n for n, m in mechanisms().items() if m.causal and n != "gmat"])
 def test_every_causal_mechanism_builds_standalone_and_decodes_as_it_reads(name):
-    """Built with keywords alone, each layer gives token by token what it gives at once."""
+    """Built with keywords alone, each layer gives token by token what it gives at once,
+    with and without autograd."""
     torch.manual_seed(0)
     lay = attention_layer(name, 16, 2, positions="rotary").double().eval()
     x = torch.randn(2, 7, 16, dtype=torch.float64)
     full, _ = lay(x)
-    state = lay.init_state(2, dtype=torch.float64)
-    steps = [lay(x[:, t:t + 1], memory_state=state)[0] for t in range(7)]
-    torch.testing.assert_close(torch.cat(steps, 1), full)
+    for grad in (True, False):  # decoding without autograd may take its own path (in place)
+        state = lay.init_state(2, dtype=torch.float64)
+        with torch.set_grad_enabled(grad):
+            steps = [lay(x[:, t:t + 1], memory_state=state)[0] for t in range(7)]
+        torch.testing.assert_close(torch.cat(steps, 1), full)
 
 
 def test_options_are_keywords_and_checked():
@@ -51,3 +54,23 @@ def test_options_are_keywords_and_checked():
 def test_a_config_keeps_its_typed_options():
     cfg = AttentionConfig("abc-mlp", {"num_slots": 7})
     assert type(cfg.typed).__name__ == "ABCMLPOptions" and cfg.typed.num_slots == 7
+
+
+def test_window_decoding_without_autograd_wraps_its_ring_buffer():
+    """abc-window's in-place step: past n tokens each write replaces the one leaving the window;
+    a left-padded row reads as alone."""
+    torch.manual_seed(0)
+    lay = attention_layer("abc-window", 16, 2, window=3, positions="rotary").double().eval()
+    x = torch.randn(2, 10, 16, dtype=torch.float64)
+    mask = torch.ones(2, 10, dtype=torch.bool)
+    mask[1, :4] = False
+    positions = (mask.long().cumsum(1) - 1).clamp_min(0)
+    full, _ = lay(x, attention_mask=mask, positions=positions)
+    state = lay.init_state(2, dtype=torch.float64)
+    with torch.no_grad():
+        steps = [lay(x[:, t:t + 1], memory_state=state, attention_mask=mask[:, t:t + 1],
+                     positions=positions[:, t:t + 1])[0] for t in range(10)]
+    got = torch.cat(steps, 1)
+    torch.testing.assert_close(got[mask], full[mask])
+    alone, _ = lay(x[1:, 4:])
+    torch.testing.assert_close(got[1, 4:], alone[0])

@@ -16,6 +16,7 @@ import torch
 from memattn.errors import ConfigError
 from memattn.layers.abc.common import ABCLayer, check_positive
 from memattn.layers.base import AttentionState, LayerSpec, register
+from memattn.ops.softmax import softmax_attention
 from memattn.ops.window import counted_softmax, in_strided_queue, in_window, local_window_attention
 
 
@@ -164,6 +165,11 @@ class ABCWindowAttention(ABCLayer):
                 raise ConfigError(f"abc-dilated: its dilated queue holds positions 0, d, 2d, ... of the "
                                   f"batch; left-pad each row by a multiple of attention.dilation = "
                                   f"{self.options.dilation} tokens")
+        if memory_state is not None and T == 1 and not self.dilated and not (
+                torch.is_grad_enabled() and (k.requires_grad or v.requires_grad)):
+            o = self._decode_step(memory_state.queues[0], q, k, v, real, offset)
+            memory_state.seen += 1
+            return self.finish(o), memory_state
         if offset == 0 and T > n:  # from an empty state: in blocks
             o = local_window_attention(q, k, v, window=n, causal=self.spec.causal,
                                        dilation=self.options.dilation if self.dilated else 0,
@@ -203,6 +209,20 @@ class ABCWindowAttention(ABCLayer):
                                              torch.remainder(qpos[on] // d, n))
             memory_state.seen += T
         return self.finish(o), memory_state
+
+
+    def _decode_step(self, queue: RingBufferState, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                     real: torch.Tensor, position: int) -> torch.Tensor:
+        """One token at `position`, no gradient: written into its slot in place (it replaces
+        the token n back, which has left the window), then softmax over the held tokens."""
+        slot = position % self.options.window
+        queue.k[:, slot] = k[:, 0]
+        queue.v[:, slot] = v[:, 0]
+        queue.real[:, slot] = real[:, 0]
+        queue.pos[slot] = position
+        o, _ = softmax_attention(q, queue.k.to(q.dtype), queue.v.to(v.dtype), causal=False,
+                                 attention_mask=queue.real & (queue.pos >= 0)[None])
+        return o
 
 
 @register("abc-dilated", options=ABCDilatedOptions, bidirectional=False)
