@@ -30,7 +30,6 @@ other than the hidden size.
 from __future__ import annotations
 
 import dataclasses
-import json
 from pathlib import Path
 from typing import Any
 
@@ -287,6 +286,9 @@ def convert(model: nn.Module, attention: str, options: dict[str, Any] | None = N
     if attention in REFUSED:
         raise ConfigError(f"convert: {attention!r} cannot replace one attention module: {REFUSED[attention]}")
     typed = parse_options(attention, options or {})
+    if any(isinstance(m, ConvertedAttention) for m in model.modules()):
+        raise ConfigError("convert: the model was converted already; convert the original once, "
+                          "choosing its layers with layers=")
     config = model.config
     found = [(name, m, _kind(m)) for name, m in model.named_modules() if _kind(m) is not None]
     if not found:
@@ -346,8 +348,3 @@ def load_converted(folder: str | Path, auto_class=None) -> nn.Module:
     model.tie_weights()
     return model.eval()
 
-
-def conversion_of(folder: str | Path) -> dict[str, Any] | None:
-    """The recorded conversion of a saved model folder, or None."""
-    config = json.loads((Path(folder) / "config.json").read_text())
-    return config.get(CONFIG_KEY)

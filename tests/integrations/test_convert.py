@@ -114,6 +114,7 @@ def test_encoder_conversion_and_round_trip(tmp_path):
     (lambda m: convert(m, "abc-mlp", layers=[5]), r"layers \[5\] do not exist"),
     (lambda m: convert(m, "abc-mlp", {"slots": 3}), "not an option of 'abc-mlp'"),
     (lambda m: convert(m, "persistent", {"variant": "ff-attn", "n_persistent": 4}), "its own feed-forward"),
+    (lambda m: convert(convert(m, "abc-mlp", layers=[1]), "abc-mlp", layers=[0]), "converted already"),
 ])
 def test_what_cannot_be_converted_is_refused(change, message):
     with pytest.raises(ConfigError, match=message):
