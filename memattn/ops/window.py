@@ -133,10 +133,11 @@ def local_window_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
         strided = in_strided_queue(qpos[:, :, None], (j * d)[:, None, :], window, d) & exists
         seen = torch.cat([seen, strided[None] & real[:, pos][:, :, None, :]], dim=-1)
     scores = torch.einsum("bncht,bnwht->bnhcw", qb, kb) * scale
-    scores = scores.masked_fill(~seen[:, :, None], -torch.inf)
-    empty = ~seen.any(-1)[:, :, None, :, None]  # [B, nb, 1, c, 1]
-    p = torch.softmax(scores.masked_fill(empty, 0.0), dim=-1).masked_fill(empty, 0.0)
-    o = torch.einsum("bnhcw,bnwhv->bnchv", p, vb)
+    # the lowest finite score, not -inf: a query with no key softmaxes to finite weights
+    # (zeroed below), and one pass over the scores masks them
+    scores = scores.masked_fill(~seen[:, :, None], torch.finfo(scores.dtype).min)
+    o = torch.einsum("bnhcw,bnwhv->bnchv", torch.softmax(scores, dim=-1), vb)
+    o = o * seen.any(-1)[..., None, None].to(o.dtype)  # [B, nb, c, 1, 1]: no real key reads zeros
     return o.flatten(1, 2)[:, :T]
 
 
