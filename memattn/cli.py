@@ -239,6 +239,16 @@ def cmd_experiment(args) -> int:
     return 0
 
 
+def new_folder(path: str) -> Path:
+    """The `-o` folder of a command that writes a model: new or empty, else ConfigError."""
+    from memattn.errors import ConfigError
+
+    out = Path(path)
+    if out.exists() and any(out.iterdir()):
+        raise ConfigError(f"-o: {out} is not empty; choose a new folder")
+    return out
+
+
 def cmd_export_hf(args) -> int:
     import json
 
@@ -252,9 +262,7 @@ def cmd_export_hf(args) -> int:
     from memattn.warmstart import HF_VOCAB
 
     model, _, vocab = model_from_checkpoint(args.run)
-    out = Path(args.out)
-    if out.exists() and any(out.iterdir()):
-        raise ConfigError(f"-o: {out} is not empty; choose a new folder")
+    out = new_folder(args.out)
     MemattnForCausalLM.from_memattn(model).save_pretrained(out)
     (out / HF_VOCAB).write_text(json.dumps(vocab))
     print(f"memattn export-hf: wrote {out} (config.json, model.safetensors, {HF_VOCAB}); load it with "
@@ -284,9 +292,7 @@ def cmd_convert(args) -> int:
             layers = [int(i) for i in args.layers.split(",")]
         except ValueError:
             raise ConfigError(f"--layers: expected layer numbers like 0,2,5, got {args.layers!r}") from None
-    out = Path(args.out)
-    if out.exists() and any(out.iterdir()):
-        raise ConfigError(f"-o: {out} is not empty; choose a new folder")
+    out = new_folder(args.out)
     config = transformers.AutoConfig.from_pretrained(args.model)
     masked = any("MaskedLM" in a for a in (getattr(config, "architectures", None) or []))
     auto = transformers.AutoModelForMaskedLM if masked else transformers.AutoModelForCausalLM

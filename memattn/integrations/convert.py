@@ -38,14 +38,16 @@ from torch import nn
 
 from memattn.errors import ConfigError
 from memattn.layers.base import (AttentionState, LayerSpec, build_attention, build_feedforward,
-                                 get_mechanism, parse_options)
+                                 get_mechanism, parse_options, real_positions)
 from memattn.layers.positions import Rotary
 
 try:
     from transformers import AutoConfig
-    from transformers.cache_utils import CacheLayerMixin, EncoderDecoderCache
+    from transformers.cache_utils import EncoderDecoderCache
 except ImportError as e:  # pragma: no cover - exercised only without transformers
     raise ImportError("memattn.integrations.convert needs transformers 5: pip install 'memattn[hf]'") from e
+
+from memattn.integrations.hf import StatefulLayer  # noqa: E402  (after the check for transformers)
 
 LLAMA_LIKE = ("LlamaAttention", "MistralAttention", "Qwen2Attention", "Qwen3Attention")
 GPT2 = ("GPT2Attention",)
@@ -55,12 +57,9 @@ REFUSED = {"gmat": "its memory tokens are placed in the sequence by memattn's ow
            "abc-workspace": "it reads the previous layer's memory, which memattn's own models pass on"}
 
 
-class StateLayer(CacheLayerMixin):
+class StateLayer(StatefulLayer):
     """A converted layer's place in a transformers cache: its memattn state, the tokens seen
     and each row's count of real tokens (for positions under left padding)."""
-
-    is_compileable = False
-    is_croppable = False
 
     def __init__(self) -> None:
         super().__init__()
@@ -68,20 +67,8 @@ class StateLayer(CacheLayerMixin):
         self.seen = 0
         self.real: torch.Tensor | None = None  # [B] real tokens read per row, once a mask was given
 
-    def lazy_initialization(self, key_states, value_states) -> None:
-        pass
-
-    def update(self, key_states, value_states, *args, **kwargs):
-        raise NotImplementedError("a converted memattn layer keeps its own state, not keys and values")
-
     def get_seq_length(self) -> int:
         return self.seen
-
-    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
-        return self.seen + query_length, 0
-
-    def get_max_length(self) -> int:
-        return -1
 
     def _rows(self, pick) -> None:
         if self.state is not None:
@@ -106,12 +93,6 @@ class StateLayer(CacheLayerMixin):
 
     def reset(self) -> None:
         self.state, self.seen, self.real = None, 0, None
-
-    def offload(self) -> None:
-        pass
-
-    def prefetch(self) -> None:
-        pass
 
 
 def _key_padding(mask: torch.Tensor | None, T: int, causal: bool) -> torch.Tensor | None:
@@ -157,7 +138,13 @@ class ConvertedAttention(nn.Module):
                 slot = past_key_values.layers[self.layer_idx] = StateLayer()
             if slot.state is None:
                 slot.state = self.layer.init_state(B, device=hidden_states.device, dtype=hidden_states.dtype)
-        positions = position_ids if position_ids is not None else self._positions(slot, real, B, T, hidden_states)
+        positions = position_ids  # the model's own, when it passes them
+        if positions is None:  # counted over each row's real tokens, the count kept in the cache
+            positions, counted = real_positions(slot.real if slot is not None else None,
+                                                slot.seen if slot is not None else 0, real, B, T,
+                                                hidden_states.device)
+            if slot is not None and counted is not None:
+                slot.real = counted
         state = slot.state if slot is not None else None
         if slot is not None and real is None and slot.real is not None:
             real = torch.ones(B, T, dtype=torch.bool, device=hidden_states.device)
@@ -165,23 +152,6 @@ class ConvertedAttention(nn.Module):
         if slot is not None:
             slot.state, slot.seen = state, slot.seen + T
         return y, None
-
-    @staticmethod
-    def _positions(slot: StateLayer | None, real: torch.Tensor | None, B: int, T: int,
-                   x: torch.Tensor) -> torch.Tensor | None:
-        """Positions over each row's real tokens (None while no row was padded), moving the
-        cache's count on: what position-based control reads where the model passes none."""
-        before = slot.real if slot is not None else None
-        if real is None and before is None:
-            return None
-        if before is None:
-            seen = slot.seen if slot is not None else 0
-            before = torch.full((B,), seen, dtype=torch.long, device=x.device)
-        counted = (real.long().cumsum(1) if real is not None
-                   else torch.arange(1, T + 1, device=x.device).expand(B, T))
-        if slot is not None:
-            slot.real = before + counted[:, -1]
-        return (before[:, None] + counted - 1).clamp_min(0)
 
 
 def _linear_weights(module: nn.Module) -> tuple[torch.Tensor, torch.Tensor | None]:

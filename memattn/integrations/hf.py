@@ -82,31 +82,42 @@ class MemattnConfig(PreTrainedConfig):
         return from_dict(ModelConfig, self.memattn, "model")
 
 
-class _Position(CacheLayerMixin):
-    """One layer's entry in a MemattnCache: transformers asks layers how many tokens were seen;
-    the states themselves live in the cache's ModelCache."""
+class StatefulLayer(CacheLayerMixin):
+    """A layer of a transformers cache that holds no keys and values: a memattn layer writes
+    its own state. Subclasses say how many tokens were seen (`get_seq_length`)."""
 
     is_compileable = False
     is_croppable = False
-
-    def __init__(self, cache: MemattnCache) -> None:
-        super().__init__()
-        self.cache = cache
 
     def lazy_initialization(self, key_states, value_states) -> None:
         pass
 
     def update(self, key_states, value_states, *args, **kwargs):
-        raise NotImplementedError("a memattn layer writes its own state; MemattnCache.update is not used")
-
-    def get_seq_length(self) -> int:
-        return self.cache.model_cache.position if self.cache.model_cache is not None else 0
+        raise NotImplementedError("a memattn layer writes its own state, not keys and values")
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
         return self.get_seq_length() + query_length, 0
 
     def get_max_length(self) -> int:
         return -1
+
+    def offload(self) -> None:
+        pass
+
+    def prefetch(self) -> None:
+        pass
+
+
+class _Position(StatefulLayer):
+    """One layer's entry in a MemattnCache: transformers asks layers how many tokens were seen;
+    the states themselves live in the cache's ModelCache."""
+
+    def __init__(self, cache: MemattnCache) -> None:
+        super().__init__()
+        self.cache = cache
+
+    def get_seq_length(self) -> int:
+        return self.cache.model_cache.position if self.cache.model_cache is not None else 0
 
     # The cache reorders, selects and resets its ModelCache once for all layers.
     def reorder_cache(self, beam_idx) -> None:
@@ -119,12 +130,6 @@ class _Position(CacheLayerMixin):
         pass
 
     def reset(self) -> None:
-        pass
-
-    def offload(self) -> None:
-        pass
-
-    def prefetch(self) -> None:
         pass
 
 

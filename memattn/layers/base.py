@@ -134,6 +134,27 @@ class AttentionLayer(nn.Module):
         return self.dropout(self.out(o.reshape(B, T, -1)))
 
 
+def real_positions(before: torch.Tensor | None, offset: int, attention_mask: torch.Tensor | None,
+                   B: int, T: int, device) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """The padding contract's positions: (positions [B, T] of T new tokens counted over each
+    row's real tokens, real tokens per row [B] after them), both None while no row was ever
+    padded (tokens then sit at offset, offset + 1, ...).
+
+    before [B]: each row's real tokens so far (None: `offset` each, or no mask yet);
+    attention_mask [B, T] bool over the new tokens (None: all real). Padding before a row's
+    first real token sits at 0.
+    """
+    if attention_mask is None and before is None:
+        return None, None
+    if before is None:
+        before = torch.full((B,), offset, dtype=torch.long, device=device)
+    if attention_mask is None:
+        counted = torch.arange(1, T + 1, device=before.device).expand(B, T)
+    else:
+        counted = attention_mask.long().cumsum(1)  # [B, T] real tokens up to each token
+    return (before[:, None] + counted - 1).clamp_min(0), before + counted[:, -1]
+
+
 class AttentionState:
     """A layer's decoding state. `fixed_size` says whether it stays the same size as it reads."""
 

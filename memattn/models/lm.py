@@ -29,6 +29,7 @@ from memattn.layers.base import (
     check_mask,
     get_mechanism,
     memory_layout,
+    real_positions,
 )
 from memattn.layers.cross import build_cross_attention
 
@@ -269,23 +270,16 @@ class Transformer(nn.Module):
         """Each token's position [B, T] counted over its row's real tokens (a padded row is
         placed as if alone), and the cache's count of real tokens moved on; None when no row was
         ever padded (every token then sits at offset, offset + 1, ...)."""
-        before = cache.real if cache is not None else None
-        if attention_mask is None and before is None:
-            return None
         if self.memory is not None and self.memory_layout.every and attention_mask is not None \
                 and not bool(attention_mask.all()):
             raise ConfigError("attention_mask: a causal gmat model places its memory blocks at the same "
                               "positions in every row of a batch, so it cannot read left-padded rows; "
                               "give it rows of one length (or one row at a time)")
-        if before is None:
-            before = torch.full((B,), offset, dtype=torch.long, device=self.embed.weight.device)
-        if attention_mask is None:
-            counted = torch.arange(1, T + 1, device=before.device).expand(B, T)
-        else:
-            counted = attention_mask.long().cumsum(1)  # [B, T] real tokens up to each token
-        if cache is not None:
-            cache.real = before + counted[:, -1]
-        return (before[:, None] + counted - 1).clamp_min(0)  # padding before the first real token: 0
+        before = cache.real if cache is not None else None
+        positions, real = real_positions(before, offset, attention_mask, B, T, self.embed.weight.device)
+        if cache is not None and real is not None:
+            cache.real = real
+        return positions
 
     def hidden(self, idx: torch.Tensor, *, cache: ModelCache | None = None,
                attention_mask: torch.Tensor | None = None,
