@@ -7,6 +7,7 @@ import torch
 
 from memattn.errors import ConfigError, ShapeError
 from memattn.layers import LayerSpec, mechanisms
+from memattn.layers.abc import random_slots
 from memattn.layers.cross import (ABCCrossAttention, SoftmaxCrossAttention,
                                   build_cross_attention, cross_mechanisms)
 
@@ -23,8 +24,39 @@ def cross(name, **options):
     return m
 
 
-def by_hand(m, x, src, mask=None):
-    """The layer's output written out: memory from the source, softmax read per query."""
+def phi_by_hand(m, name, h_src, k):
+    """The write weights φ [S', M] of one head over the real source tokens h_src [S', d]
+    (keys k [S', D]), as each strategy defines them; None for the memories of tokens."""
+    S = h_src.shape[0]
+    pos = torch.arange(S)
+    o = m.options
+    if name == "abc-mlp":
+        z = (h_src @ m.phi.weight.T).view(S, HEADS, -1)[:, m._head]
+        a = {"exp": z.exp(), "relu": z.relu().clamp_min(1e-12), "sigmoid": z.sigmoid()}[o.activation]
+        return a / a.sum(0)  # normalised over the real source tokens, per slot
+    if name == "abc-linformer":
+        return torch.nn.functional.softplus(m.columns[:S])
+    if name == "abc-random":
+        return torch.nn.functional.one_hot(random_slots(pos, HEADS, o.num_slots, o.seed)[:, m._head],
+                                           o.num_slots).double()
+    if name == "abc-meanpool":
+        return torch.stack([(pos // o.pool == j).double() / o.pool for j in range(o.num_slots)], 1)
+    if name == "abc-l2g":
+        return torch.stack([(pos == j * o.every).double() for j in range(o.num_slots)], 1)
+    if name == "abc-cluster":  # Lloyd's k-means from the keys of ranks ⌊jS/n⌋, written out
+        n = o.num_clusters
+        centres = k[[j * S // n for j in range(n)]]
+        for _ in range(o.iters + 1):
+            assign = torch.cdist(k, centres).argmin(1)
+            member = torch.nn.functional.one_hot(assign, n).double()
+            centres = torch.where(member.sum(0)[:, None] > 0, member.T @ k / member.sum(0).clamp(min=1)[:, None],
+                                  centres)
+        return member / member.sum(0).clamp(min=1)
+    return None
+
+
+def by_hand(m, name, x, src, mask=None):
+    """The layer's output written out: memory from the real source tokens, read per query."""
     B, S, _ = src.shape
     T = x.shape[1]
     q = (x @ m.q.weight.T).view(B, T, HEADS, HEAD)
@@ -34,27 +66,43 @@ def by_hand(m, x, src, mask=None):
     for b in range(B):
         idx = real[b].nonzero().squeeze(1)
         for h in range(HEADS):
-            if isinstance(m, ABCCrossAttention):
-                M = m.options.cross_slots
-                a = (src[b, idx] @ m.phi.weight.T).view(-1, HEADS, M)[:, h].exp()  # α [S', M]
-                phi = a / a.sum(0)  # normalised over the real source tokens, per slot
-                mem_k, mem_v = phi.T @ k[b, idx, h], phi.T @ v[b, idx, h]
-            else:
-                mem_k, mem_v = k[b, idx, h], v[b, idx, h]
-            p = torch.softmax(q[b, :, h] @ mem_k.T / HEAD ** 0.5, -1)
-            o[b, :, h] = p @ mem_v
+            kb, vb = k[b, idx, h], v[b, idx, h]
+            if name in ("linear", "gated-linear"):
+                fk, fq = (torch.nn.functional.elu(t) + 1 for t in (kb, q[b, :, h]))
+                if name == "gated-linear":
+                    g = torch.sigmoid(src[b, idx] @ m.gate.weight.T + m.gate.bias).view(-1, HEADS, HEAD)[:, h]
+                    fk, vb = g * fk, g * vb
+                o[b, :, h] = (fq @ fk.T @ vb) / (fq @ fk.sum(0))[:, None]
+                continue
+            m._head = h
+            phi = phi_by_hand(m, name, src[b, idx], kb)
+            if phi is not None:
+                kb, vb = phi.T @ kb, phi.T @ vb
+            elif name == "abc-window":
+                kb, vb = kb[-m.options.window:], vb[-m.options.window:]
+            p = torch.softmax(q[b, :, h] @ kb.T / HEAD ** 0.5, -1)
+            o[b, :, h] = p @ vb
     return o.reshape(B, T, D_MODEL) @ m.out.weight.T
 
 
-@pytest.mark.parametrize("name", ["softmax", "abc-mlp"])
-def test_cross_attention_reads_the_source_memory(name):
-    m = cross(name, cross_slots=3) if name == "abc-mlp" else cross(name)
+CROSS = {"softmax": {}, "abc-window": {"window": 4}, "abc-mlp": {"cross_slots": 3},
+         "abc-mlp-relu": {"cross_slots": 3, "activation": "relu"},
+         "abc-mlp-sigmoid": {"cross_slots": 3, "activation": "sigmoid"},
+         "abc-linformer": {"num_slots": 3}, "abc-random": {"num_slots": 3, "seed": 5},
+         "abc-meanpool": {"num_slots": 5, "pool": 2}, "abc-l2g": {"num_slots": 5, "every": 2},
+         "abc-cluster": {"num_clusters": 3, "iters": 2}, "linear": {}, "gated-linear": {}}
+
+
+@pytest.mark.parametrize("case", list(CROSS))
+def test_cross_attention_reads_the_source_memory(case):
+    name = case.split("-relu")[0].split("-sigmoid")[0]
+    m = cross(name, **CROSS[case])
     x, src = torch.randn(2, 5, D_MODEL, dtype=F64), torch.randn(2, 9, D_MODEL, dtype=F64)
     mask = torch.ones(2, 9, dtype=torch.bool)
-    mask[1, 6:] = False
-    torch.testing.assert_close(m(x, m.memory(src, mask)), by_hand(m, x, src, mask))
+    mask[1, :3] = False  # left padding: the real tokens count their positions from 0
+    torch.testing.assert_close(m(x, m.memory(src, mask)), by_hand(m, name, x, src, mask))
     # padding writes nothing: the same as the source without it
-    torch.testing.assert_close(m(x[1:], m.memory(src[1:, :6])), m(x, m.memory(src, mask))[1:])
+    torch.testing.assert_close(m(x[1:], m.memory(src[1:, 3:])), m(x, m.memory(src, mask))[1:])
 
 
 def test_abc_cross_memory_has_cross_slots_and_a_fixed_size():
@@ -69,10 +117,10 @@ def test_abc_cross_memory_has_cross_slots_and_a_fixed_size():
 
 
 def test_cross_attention_comes_from_the_registry_and_is_refused_where_there_is_none():
-    assert cross_mechanisms() == ["abc-mlp", "softmax"]
+    assert sorted(cross_mechanisms()) == sorted(n for n in CROSS if "-relu" not in n and "-sigmoid" not in n)
     assert isinstance(build_cross_attention("softmax", {}, LayerSpec(D_MODEL, HEADS)), SoftmaxCrossAttention)
     for name in [n for n in mechanisms() if n not in cross_mechanisms()]:
-        with pytest.raises(ConfigError, match="cannot serve as cross attention.*abc-mlp, softmax"):
+        with pytest.raises(ConfigError, match="cannot serve as cross attention.*abc-cluster, .*softmax"):
             build_cross_attention(name, {}, LayerSpec(D_MODEL, HEADS))
 
 
@@ -81,8 +129,8 @@ def test_an_encoder_decoder_picks_its_cross_attention_apart():
     from memattn.models import EncoderDecoder
 
     cfg = ModelConfig(vocab_size=20, d_model=D_MODEL, n_layers=1, n_heads=HEADS,
-                      attention=AttentionConfig("abc-window", {"window": 4}))
-    with pytest.raises(ConfigError, match="'abc-window' cannot serve as cross attention"):
+                      attention=AttentionConfig("persistent", {}))
+    with pytest.raises(ConfigError, match="'persistent' cannot serve as cross attention"):
         EncoderDecoder(cfg)
     cfg.cross_attention = AttentionConfig("abc-mlp", {"cross_slots": 3})
     model = EncoderDecoder(cfg)

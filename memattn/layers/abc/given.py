@@ -102,11 +102,15 @@ class ABCLinformerAttention(GivenPhiLayer):
         self.columns = nn.Parameter(torch.randn(spec.max_len, options.num_slots))
 
     def write_weights(self, pos: torch.Tensor, last: int, x: torch.Tensor) -> torch.Tensor:
-        if last >= self.max_len:
-            raise ShapeError(f"x: a Linformer model given a longer sequence than it was built "
-                             f"for: positions up to {last + 1} exceed model.max_len="
-                             f"{self.max_len}")
-        return F.softplus(self.columns[pos])[:, :, None, :]  # [1 or B, T, 1, M]
+        return linformer_phi(self.columns, pos, last)
+
+
+def linformer_phi(columns: torch.Tensor, pos: torch.Tensor, last: int) -> torch.Tensor:
+    """φ [1 or B, T, 1, M] = softplus(W^LF[pos]) for W^LF [max_len, M], pos [1 or B, T]."""
+    if last >= columns.shape[0]:
+        raise ShapeError(f"x: a Linformer model given a longer sequence than it was built "
+                         f"for: positions up to {last + 1} exceed model.max_len={columns.shape[0]}")
+    return F.softplus(columns[pos])[:, :, None, :]
 
 
 # ------------------------------------------------------------------------------ abc-random
@@ -156,8 +160,12 @@ class ABCRandomAttention(GivenPhiLayer):
         self.num_slots = options.num_slots
 
     def write_weights(self, pos: torch.Tensor, last: int, x: torch.Tensor) -> torch.Tensor:
-        ids = random_slots(pos, self.spec.n_heads, self.num_slots, self.options.seed)
-        return F.one_hot(ids, self.num_slots).to(x.dtype)  # [1 or B, T, H, M]
+        return random_phi(pos, self.spec.n_heads, self.num_slots, self.options.seed).to(x.dtype)
+
+
+def random_phi(pos: torch.Tensor, heads: int, slots: int, seed: int) -> torch.Tensor:
+    """φ [1 or B, T, H, M] one-hot on each token's pseudo-random slot (`random_slots`)."""
+    return F.one_hot(random_slots(pos, heads, slots, seed), slots)
 
 
 # ---------------------------------------------------------------------------- abc-meanpool
@@ -196,12 +204,16 @@ class ABCMeanPoolAttention(GivenPhiLayer):
         self.num_slots = options.num_slots
 
     def write_weights(self, pos: torch.Tensor, last: int, x: torch.Tensor) -> torch.Tensor:
-        c, M = self.options.pool, self.num_slots
-        if last >= c * M:
-            raise ShapeError(f"x: positions up to {last + 1} exceed what abc-meanpool can hold, "
-                             f"attention.num_slots * attention.pool = {M} * {c} = {M * c}")
-        phi = F.one_hot(pos // c, M).to(x.dtype) / c  # [1 or B, T, M]
-        return phi[:, :, None, :]
+        return meanpool_phi(pos, last, self.options.pool, self.num_slots, x.dtype)
+
+
+def meanpool_phi(pos: torch.Tensor, last: int, pool: int, slots: int,
+                 dtype: torch.dtype) -> torch.Tensor:
+    """φ [1 or B, T, 1, M] = e_{⌊pos/c⌋} / c; ShapeError past slots · pool tokens."""
+    if last >= pool * slots:
+        raise ShapeError(f"x: positions up to {last + 1} exceed what abc-meanpool can hold, "
+                         f"attention.num_slots * attention.pool = {slots} * {pool} = {slots * pool}")
+    return (F.one_hot(pos // pool, slots).to(dtype) / pool)[:, :, None, :]
 
 
 # --------------------------------------------------------------------------------- abc-l2g
@@ -247,9 +259,13 @@ class ABCL2GAttention(GivenPhiLayer):
         self.num_slots = options.num_slots
 
     def write_weights(self, pos: torch.Tensor, last: int, x: torch.Tensor) -> torch.Tensor:
-        c, M = self.options.every, self.num_slots
-        if last >= c * M:
-            raise ShapeError(f"x: positions up to {last + 1} exceed what abc-l2g can hold, "
-                             f"attention.num_slots * attention.every = {M} * {c} = {M * c}")
-        phi = F.one_hot(pos // c, M).to(x.dtype) * (pos % c == 0)[..., None].to(x.dtype)
-        return phi[:, :, None, :]  # [1 or B, T, 1, M]
+        return l2g_phi(pos, last, self.options.every, self.num_slots).to(x.dtype)
+
+
+def l2g_phi(pos: torch.Tensor, last: int, every: int, slots: int) -> torch.Tensor:
+    """φ [1 or B, T, 1, M] = e_{pos/c} on the global tokens (pos a multiple of c), else 0;
+    ShapeError past slots · every tokens."""
+    if last >= every * slots:
+        raise ShapeError(f"x: positions up to {last + 1} exceed what abc-l2g can hold, "
+                         f"attention.num_slots * attention.every = {slots} * {every} = {slots * every}")
+    return (F.one_hot(pos // every, slots) * (pos % every == 0)[..., None])[:, :, None, :]
