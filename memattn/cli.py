@@ -34,9 +34,10 @@ def cmd_train(args) -> int:
         print(f"{cfg.train.out_dir}: the run is complete at step {summary['checkpoint_step']} "
               f"(train.steps={cfg.train.steps}); nothing to train. Give a larger train.steps to go on.")
     elif summary.get("val"):
+        val = summary["val"]
+        score = f"val bpc {val['bpc']:.3f}" if "bpc" in val else f"val perplexity {val['ppl']:.2f}"
         print(f"{summary['attention']}: {summary['params']:,} parameters, {summary['steps']} steps, "
-              f"val bpc {summary['val']['bpc']:.3f}, {summary['tokens_per_s']:,.0f} tokens/s, "
-              f"checkpoint {summary['checkpoint']}")
+              f"{score}, {summary['tokens_per_s']:,.0f} tokens/s, checkpoint {summary['checkpoint']}")
     return 0
 
 
@@ -51,6 +52,8 @@ def cmd_eval(args) -> int:
             raise ConfigError(f"{name}: expected a number >= {least}, got {value}")
     check_device(args.device)
     model, cfg, vocab = model_from_checkpoint(args.checkpoint, args.device)
+    if cfg.task == "translation":
+        return eval_translation(args, model, cfg, vocab)
     ids, note = checkpoint_split(args.checkpoint, cfg, vocab, args.split)
     if note:
         print(f"memattn eval: note: {note}", file=sys.stderr)
@@ -74,6 +77,61 @@ def cmd_eval(args) -> int:
     print(json.dumps(result) if args.json else
           f"{args.split}: loss {result['loss']:.4f} nats, {result['bpc']:.4f} bits/char, "
           f"perplexity {result['ppl']:.3f} over {result['tokens']:,} tokens ({reading})")
+    return 0
+
+
+def eval_translation(args, model, cfg, vocab_json) -> int:
+    """`memattn eval` of a translation run: loss and perplexity of the split's references,
+    then its sources translated (--beam) and scored with SacreBLEU and chrF."""
+    from memattn.data import Vocab
+    from memattn.translation import evaluate_pairs, load_parallel_corpus, score_translations, translate_texts
+
+    if args.stream or args.context or args.seq_len:
+        raise MemattnError("--stream / --context / --seq-len: for language models, not a translation run")
+    vocab = Vocab.from_json(vocab_json)
+    split = load_parallel_corpus(cfg, vocab).split(args.split)
+    n = min(len(split), args.batches * args.batch_size) if args.batches else len(split)
+    result = evaluate_pairs(model, split, vocab, batch_size=args.batch_size, max_batches=args.batches,
+                            device=args.device)
+    start = time.perf_counter()
+    hyps = translate_texts(model, vocab, split.source_text[:n], beam=args.beam,
+                           length_penalty=args.length_penalty, batch_size=args.batch_size,
+                           device=args.device, where=f"the {args.split} split")
+    seconds = time.perf_counter() - start
+    result.update(score_translations(hyps, split.target_text[:n]), split=args.split, sentences=n,
+                  beam=args.beam, length_penalty=args.length_penalty, translate_s=round(seconds, 2),
+                  checkpoint=str(args.checkpoint))
+    print(json.dumps(result) if args.json else
+          f"{args.split}: loss {result['loss']:.4f} nats, perplexity {result['ppl']:.3f} over "
+          f"{result['tokens']:,} target tokens; BLEU {result['bleu']:.2f}, chrF {result['chrf']:.2f} "
+          f"over {n:,} sentences (beam {args.beam}, {seconds:.1f} s)")
+    return 0
+
+
+def cmd_translate(args) -> int:
+    from memattn.data import Vocab
+    from memattn.errors import ConfigError
+    from memattn.train import model_from_checkpoint
+    from memattn.translation import translate_texts
+
+    if args.beam < 1:
+        raise ConfigError(f"--beam: expected a beam of at least 1, got {args.beam}")
+    check_device(args.device)
+    model, cfg, vocab_json = model_from_checkpoint(args.run, args.device)
+    if cfg.task != "translation":
+        raise ConfigError(f"{args.run}: a {cfg.task} run; `memattn translate` needs a translation run")
+    path = Path(args.input)
+    if not path.is_file():
+        raise ConfigError(f"--input: no such file {path}")
+    texts = path.read_text(encoding="utf-8").splitlines()
+    out = translate_texts(model, Vocab.from_json(vocab_json), texts, beam=args.beam,
+                          length_penalty=args.length_penalty, max_len=args.max_len or None,
+                          batch_size=args.batch_size, device=args.device, where=str(path))
+    text = "".join(line + "\n" for line in out)
+    if args.output:
+        Path(args.output).write_text(text, encoding="utf-8")
+    else:
+        sys.stdout.write(text)
     return 0
 
 
@@ -391,8 +449,9 @@ def build_parser() -> argparse.ArgumentParser:
                         help=f"preset name in configs/ or a YAML file (default: {default})")
         sp.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help=OVERRIDES_HELP)
 
-    t = sub.add_parser("train", help="train a causal LM (under torchrun: data-parallel)",
-                       description="Train a causal LM from a preset and overrides. Writes "
+    t = sub.add_parser("train", help="train a causal LM or a translation model (under torchrun: data-parallel)",
+                       description="Train a causal LM (or, with task=translation / --config translation, "
+                       "an encoder-decoder on parallel data) from a preset and overrides. Writes "
                        "checkpoint.safetensors, log.jsonl, config.yaml and summary.json to "
                        "train.out_dir. Data-parallel with `torchrun --nproc_per_node=N -m memattn train ...`.")
     with_config(t)
@@ -416,9 +475,26 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--stream", action="store_true",
                    help="read the split as --batch-size contiguous streams in one pass, each layer's "
                    "fixed-size state carried from segment to segment (bounded mechanisms only)")
+    e.add_argument("--beam", type=int, default=5, help="translation runs: beam size (1: greedy)")
+    e.add_argument("--length-penalty", type=float, default=0.6,
+                   help="translation runs: GNMT length penalty alpha (default: %(default)s)")
     e.add_argument("--device", default="cpu", help="torch device to run on")
     e.add_argument("--json", action="store_true", help="print one JSON object")
     e.set_defaults(fn=cmd_eval)
+
+    tr = sub.add_parser("translate", help="translate a file of sentences with a translation run",
+                        description="Translate each line of --input (batched greedy or beam search "
+                        "through the decoder's cache; bounded memories stay fixed in size).")
+    tr.add_argument("run", help="checkpoint file or run folder of a translation run")
+    tr.add_argument("--input", required=True, help="text file, one source sentence a line")
+    tr.add_argument("--output", help="write the translations here (default: standard output)")
+    tr.add_argument("--beam", type=int, default=5, help="beam size (1: greedy; default: %(default)s)")
+    tr.add_argument("--length-penalty", type=float, default=0.6,
+                    help="GNMT length penalty alpha, ((5 + length) / 6) ** alpha (default: %(default)s)")
+    tr.add_argument("--max-len", type=int, default=0, help="longest output in tokens (default: model.max_len - 1)")
+    tr.add_argument("--batch-size", type=int, default=32, help="sentences decoded together")
+    tr.add_argument("--device", default="cpu", help="torch device to run on")
+    tr.set_defaults(fn=cmd_translate)
 
     g = sub.add_parser("generate", help="stream a sample from a checkpoint",
                        description="Continue a prompt, streaming characters as they are sampled; "

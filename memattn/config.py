@@ -77,6 +77,9 @@ class ModelConfig:
     # cross attention of an encoder-decoder's decoder (None: `attention` itself), a mechanism
     # that can serve as cross attention (memattn.layers.cross), with its own options
     cross_attention: AttentionConfig | None = None
+    # self attention of an encoder-decoder's encoder (None: `attention` itself), e.g. softmax
+    # in the encoder with bounded memories in the decoder, as in ABC's translation models
+    encoder_attention: AttentionConfig | None = None
 
     def __post_init__(self) -> None:
         _positive("model.vocab_size", self.vocab_size, zero_ok=True)
@@ -99,15 +102,47 @@ class ModelConfig:
 
 @dataclass
 class DataConfig:
-    corpus: Literal["shakespeare", "text", "enwik8", "text8"] = "shakespeare"
-    path: str | None = None  # file or folder for text / enwik8 / text8
-    level: Literal["char", "byte"] = "char"
+    # parallel: translation pairs (memattn.data.parallel) for task=translation
+    corpus: Literal["shakespeare", "text", "enwik8", "text8", "parallel"] = "shakespeare"
+    path: str | None = None  # file or folder for text / enwik8 / text8; a TSV or a folder of them for parallel
+    # bpe: a byte-pair vocabulary of bpe_size tokens trained on the training split (joint
+    # over source and target for parallel data)
+    level: Literal["char", "byte", "bpe"] = "char"
+    bpe_size: int = 8000
+    # parallel data as two aligned files (one sentence a line) instead of `path`
+    source: str | None = None
+    target: str | None = None
+    # parallel data as a Hugging Face dataset of translation pairs (a name, or a folder saved
+    # with save_to_disk) and the two languages to read from it
+    name: str | None = None
+    source_lang: str | None = None
+    target_lang: str | None = None
     cache_dir: str = ".cache/memattn"
 
     def __post_init__(self) -> None:
-        _one_of("data.corpus", self.corpus, ("shakespeare", "text", "enwik8", "text8"))
-        _one_of("data.level", self.level, ("char", "byte"))
-        if self.corpus != "shakespeare" and not self.path:
+        _one_of("data.corpus", self.corpus, ("shakespeare", "text", "enwik8", "text8", "parallel"))
+        _one_of("data.level", self.level, ("char", "byte", "bpe"))
+        if self.bpe_size < 260:
+            raise ConfigError(f"data.bpe_size: a byte-level BPE vocabulary holds 4 special tokens and the "
+                              f"256 bytes before any merge, so at least 260; got {self.bpe_size}")
+        if self.level == "bpe" and self.corpus in ("enwik8", "text8"):
+            raise ConfigError(f"data.level: {self.corpus} is read at its own level (enwik8: bytes, text8: "
+                              "characters), not bpe")
+        given = [f"data.{k}" for k in ("path", "source", "name") if getattr(self, k)]
+        if self.corpus == "parallel":
+            if len(given) != 1:
+                raise ConfigError("data.corpus=parallel: give one of data.path (a TSV of pairs or a folder of "
+                                  "train/val/test TSVs), data.source with data.target (two aligned files), or "
+                                  f"data.name (a Hugging Face dataset); got {', '.join(given) or 'none'}")
+            if bool(self.source) != bool(self.target):
+                raise ConfigError("data.source, data.target: parallel files come in pairs; give both")
+            if self.level != "bpe":
+                raise ConfigError(f"data.level: parallel data is read with a joint subword vocabulary "
+                                  f"(data.level=bpe), got {self.level!r}")
+        elif self.source or self.target or self.name:
+            raise ConfigError(f"data.source / data.target / data.name: only for data.corpus=parallel, "
+                              f"not {self.corpus!r}")
+        if self.corpus not in ("shakespeare", "parallel") and not self.path:
             raise ConfigError(f"data.path: corpus {self.corpus!r} needs a path to a file or folder")
 
 
@@ -137,6 +172,9 @@ class TrainConfig:
     # every tensor shared by name and shape is copied, the mechanism's own ones stay new
     # (memattn.warmstart); the corpus is read with that model's vocabulary.
     init_from: str | None = None
+    # translation: the target distribution is (1 - ε) on the reference token and ε spread
+    # uniformly over the vocabulary (0: plain cross-entropy)
+    label_smoothing: float = 0.0
     # > 0: add distill_weight · KL(teacher ‖ model) per token to the loss, the teacher being
     # the init_from model, frozen (uptraining a converted model towards the original)
     distill_weight: float = 0.0
@@ -151,6 +189,8 @@ class TrainConfig:
             raise ConfigError(f"train.min_lr_ratio: expected a value in [0, 1], got {self.min_lr_ratio}")
         if not all(0.0 <= b < 1.0 for b in self.betas):
             raise ConfigError(f"train.betas: expected two values in [0, 1), got {list(self.betas)}")
+        if not 0.0 <= self.label_smoothing < 1.0:
+            raise ConfigError(f"train.label_smoothing: expected a value in [0, 1), got {self.label_smoothing}")
         if not math.isfinite(self.distill_weight) or self.distill_weight < 0:
             raise ConfigError(f"train.distill_weight: expected a weight >= 0, got {self.distill_weight}")
         if self.distill_weight > 0 and not self.init_from:
@@ -164,9 +204,19 @@ class TrainConfig:
 
 @dataclass
 class RunConfig:
+    # lm: a causal language model on a corpus; translation: an encoder-decoder on parallel data
+    task: Literal["lm", "translation"] = "lm"
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
+
+    def __post_init__(self) -> None:
+        _one_of("task", self.task, ("lm", "translation"))
+        if (self.task == "translation") != (self.data.corpus == "parallel"):
+            raise ConfigError(f"task={self.task}: translation reads parallel data (data.corpus=parallel) "
+                              f"and only it does; got data.corpus={self.data.corpus!r}")
+        if self.task == "translation" and (self.train.segments or self.train.init_from):
+            raise ConfigError("task=translation: train.segments and train.init_from are for language models")
 
 
 def to_dict(cfg) -> dict[str, Any]:

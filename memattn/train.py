@@ -25,7 +25,7 @@ import socket
 import sys
 import time
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -37,7 +37,7 @@ from memattn.fileio import atomic_write
 from memattn.config import RunConfig, TrainConfig, from_dict, to_dict
 from memattn.errors import CheckpointError, ConfigError, TrainingError
 from memattn.evaluate import as_tensor, evaluate, segment_window
-from memattn.models import CausalLM, ModelCache
+from memattn.models import CausalLM, EncoderDecoder, ModelCache
 from memattn.warmstart import distill_loss
 
 # Train fields a resumed run may change without changing what it computes up to the
@@ -300,6 +300,9 @@ def _train(cfg: RunConfig, ddp: Distributed, resume: bool, progress: bool, on_st
         torch.set_num_threads(threads)
     if tc.batch_size % ddp.world:
         raise ConfigError(f"train.batch_size: {tc.batch_size} does not split over {ddp.world} processes")
+    if cfg.task == "translation":
+        return _train_loop(cfg, ddp, resume, progress, on_step, device,
+                           translation_task(cfg, ddp, resume))
     corpus = load_run_corpus(cfg, ddp)
     source = None
     if tc.init_from:  # read on resume too: the run reads the corpus with the source's vocabulary
@@ -309,22 +312,65 @@ def _train(cfg: RunConfig, ddp: Distributed, resume: bool, progress: bool, on_st
         source = read_source(tc.init_from)
         if source.vocab is not None:
             corpus = corpus.encoded_with(Vocab.from_json(source.vocab))
-    if cfg.model.vocab_size not in (0, corpus.vocab.size):
-        raise ConfigError(f"model.vocab_size: {cfg.model.vocab_size} does not match the corpus "
-                          f"vocabulary of {corpus.vocab.size}")
-    cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, vocab_size=corpus.vocab.size))
+    cfg = with_vocab_size(cfg, corpus.vocab.size)
     train_ids, val_ids = as_tensor(corpus.train), as_tensor(corpus.val)
     for split, ids in (("training", train_ids), ("validation", val_ids)):
         if len(ids) < tc.seq_len + 2:
             raise ConfigError(f"train.seq_len: the {split} split of {cfg.data.corpus!r} holds {len(ids):,} "
                               f"tokens, fewer than one window of seq_len + 1 = {tc.seq_len + 1} (and one "
                               "to start from); use a larger corpus or a smaller train.seq_len")
+    return _train_loop(cfg, ddp, resume, progress, on_step, device,
+                       LanguageModelData(corpus, source, train_ids, val_ids))
 
+
+def with_vocab_size(cfg: RunConfig, size: int) -> RunConfig:
+    """cfg with model.vocab_size set to the data's vocabulary (ConfigError if it says otherwise)."""
+    if cfg.model.vocab_size not in (0, size):
+        raise ConfigError(f"model.vocab_size: {cfg.model.vocab_size} does not match the corpus "
+                          f"vocabulary of {size}")
+    return dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, vocab_size=size))
+
+
+def translation_task(cfg: RunConfig, ddp: Distributed, resume: bool):
+    """The TranslationTask of cfg; resumed, the corpus is read with the checkpoint's vocabulary."""
+    from memattn.data import Vocab
+    from memattn.translation import TranslationTask, load_parallel_corpus
+
+    vocab = None
+    if resume:
+        vocab = Vocab.from_json(load_checkpoint(Path(cfg.train.out_dir) / "checkpoint.safetensors").meta["vocab"])
+
+    def load():
+        return load_parallel_corpus(cfg, vocab)
+
+    corpus = load() if not ddp.enabled or ddp.main else None
+    ddp.barrier()
+    corpus = corpus if corpus is not None else load()
+    return TranslationTask(with_vocab_size(cfg, corpus.vocab.size), corpus)
+
+
+class LanguageModelData(NamedTuple):
+    corpus: Any
+    source: Any  # the train.init_from model (memattn.warmstart), or None
+    train_ids: torch.Tensor
+    val_ids: torch.Tensor
+
+
+def _train_loop(cfg: RunConfig, ddp: Distributed, resume: bool, progress: bool, on_step, device,
+                data) -> dict[str, Any]:
+    """The loop shared by the tasks: `data` is a LanguageModelData or a TranslationTask."""
+    tc = cfg.train
+    task = data if cfg.task == "translation" else None
+    if task is not None:
+        cfg = task.cfg
+        corpus, source = task.corpus, None
+    else:
+        corpus, source, train_ids, val_ids = data
     out = Path(tc.out_dir)
     ckpt_path = out / "checkpoint.safetensors"
     log = JsonlLog(out / "log.jsonl", ddp.main)
     torch.manual_seed(tc.seed)
-    model = CausalLM(cfg.model)
+    model = (EncoderDecoder if task is not None else CausalLM)(cfg.model)
     teacher = None
     if tc.distill_weight > 0:
         from memattn.warmstart import teacher_model
@@ -370,7 +416,8 @@ def _train(cfg: RunConfig, ddp: Distributed, resume: bool, progress: bool, on_st
             model, device_ids=[device.index] if device.type == "cuda" else None)
 
     meta = {"config": to_dict(cfg), "vocab": corpus.vocab.to_json(), "corpus": corpus.name,
-            "data": {split: fingerprint(corpus.split(split)) for split in ("train", "val", "test")}}
+            "data": {split: fingerprint(corpus.split(split)) for split in ("train", "val", "test")}
+            if task is None else {}}
     n_params = model.num_parameters()
     bar = None
     if progress and ddp.main:
@@ -388,31 +435,42 @@ def _train(cfg: RunConfig, ddp: Distributed, resume: bool, progress: bool, on_st
         lr = lr_at(step, tc)
         for group in optimizer.param_groups:
             group["lr"] = lr
-        if tc.segments:
-            segment = step % n_segments
-            window = segment_window(train_ids, tc.batch_size, tc.seq_len, segment).chunk(ddp.world)[ddp.rank]
-            x, y = window[:, :-1], window[:, 1:]
-            if segment == 0:  # the streams (re)start: an empty memory
-                carry = model.init_cache(x.shape[0], device=device)
+        aux = None
+        if task is not None:
+            batch = task.batch(step, ddp.rank, ddp.world).to(device)
+            torch.manual_seed(step_seed(tc.seed, step, ddp.rank))  # dropout of this step
+            loss_sum, tokens = task.loss(wrapped, batch)
+            # the mean over the global batch's target tokens, whatever rank holds them: DDP
+            # averages the ranks' gradients of loss_sum / (tokens per rank on average)
+            per_rank = ddp.mean(float(tokens))
+            loss, step_tokens = loss_sum / per_rank, per_rank
         else:
-            x, y = sample_batch(train_ids, step, tc, ddp.rank, ddp.world)
-        x, y = x.to(device), y.to(device)
-        torch.manual_seed(step_seed(tc.seed, step, ddp.rank))  # dropout of this step
-        logits = wrapped(x) if carry is None else wrapped(x, cache=carry)
-        loss = F.cross_entropy(logits.float().flatten(0, 1), y.flatten())
-        aux = model.aux_loss()  # e.g. adaptive-span penalties; None for most mechanisms
-        if teacher is not None:
-            with torch.no_grad():
-                teacher_logits = teacher(x)
-            distill = distill_loss(logits, teacher_logits)
-            aux = tc.distill_weight * distill if aux is None else aux + tc.distill_weight * distill
+            if tc.segments:
+                segment = step % n_segments
+                window = segment_window(train_ids, tc.batch_size, tc.seq_len, segment).chunk(ddp.world)[ddp.rank]
+                x, y = window[:, :-1], window[:, 1:]
+                if segment == 0:  # the streams (re)start: an empty memory
+                    carry = model.init_cache(x.shape[0], device=device)
+            else:
+                x, y = sample_batch(train_ids, step, tc, ddp.rank, ddp.world)
+            x, y = x.to(device), y.to(device)
+            torch.manual_seed(step_seed(tc.seed, step, ddp.rank))  # dropout of this step
+            logits = wrapped(x) if carry is None else wrapped(x, cache=carry)
+            loss = F.cross_entropy(logits.float().flatten(0, 1), y.flatten())
+            step_tokens = x.numel()  # per rank
+            aux = model.aux_loss()  # e.g. adaptive-span penalties; None for most mechanisms
+            if teacher is not None:
+                with torch.no_grad():
+                    teacher_logits = teacher(x)
+                distill = distill_loss(logits, teacher_logits)
+                aux = tc.distill_weight * distill if aux is None else aux + tc.distill_weight * distill
         (loss if aux is None else loss + aux).backward()
         if tc.grad_clip > 0:
             torch.nn.utils.clip_grad_norm_(model.parameters(), tc.grad_clip)
         optimizer.step()
         project_parameters(model)
         optimizer.zero_grad(set_to_none=True)
-        tokens_since += x.numel() * ddp.world
+        tokens_since += step_tokens * ddp.world
         done = step + 1
         record: dict[str, Any] = {}
         saving = done % tc.save_every == 0 or done == tc.steps
@@ -432,15 +490,19 @@ def _train(cfg: RunConfig, ddp: Distributed, resume: bool, progress: bool, on_st
             if teacher is not None:
                 record.update(distill=ddp.mean(distill.item()))
         if done % tc.eval_every == 0 or done == tc.steps:
-            last_val = evaluate(model, val_ids, seq_len=tc.seq_len, batch_size=tc.batch_size,
-                                max_batches=tc.eval_batches, device=device, segments=tc.segments)
-            record.update(step=done, val_loss=last_val["loss"], val_bpc=last_val["bpc"])
+            if task is not None:
+                last_val = task.evaluate(model, device)
+                record.update(step=done, val_loss=last_val["loss"], val_ppl=last_val["ppl"])
+            else:
+                last_val = evaluate(model, val_ids, seq_len=tc.seq_len, batch_size=tc.batch_size,
+                                    max_batches=tc.eval_batches, device=device, segments=tc.segments)
+                record.update(step=done, val_loss=last_val["loss"], val_bpc=last_val["bpc"])
             clock = time.perf_counter()  # evaluation time is not training throughput
         if record:
             log.write(record)
             if bar is not None:
-                bar.set_postfix(loss=f"{train_loss:.3f}", tok_s=f"{tok_per_s:,.0f}",
-                                **({"val_bpc": f"{last_val['bpc']:.3f}"} if last_val else {}))
+                shown = {k: f"{last_val[k]:.3f}" for k in ("bpc", "ppl") if k in last_val}
+                bar.set_postfix(loss=f"{train_loss:.3f}", tok_s=f"{tok_per_s:,.0f}", **{f"val_{k}": v for k, v in shown.items()})
             if on_step is not None:
                 on_step(done, record)
         extra, segments_meta = carried_memory(carry, ddp) if saving and carry is not None else ({}, None)
@@ -504,6 +566,6 @@ def model_from_checkpoint(path: str | os.PathLike, device: str = "cpu"):
         raise CheckpointError(f"checkpoint {ckpt.path}: its metadata lacks {' and '.join(missing)}; "
                               "not a language-model checkpoint written by `memattn train`")
     cfg = from_dict(RunConfig, ckpt.meta["config"])
-    model = CausalLM(cfg.model)
+    model = (EncoderDecoder if cfg.task == "translation" else CausalLM)(cfg.model)
     restore(ckpt, model)
     return model.to(device).eval(), cfg, ckpt.meta["vocab"]

@@ -12,7 +12,7 @@ from memattn.cli import build_parser, main
 from memattn.train import model_from_checkpoint
 
 COMMANDS = ["train", "eval", "generate", "info", "demo", "experiment", "export-hf", "convert",
-            "compress", "decompress", "bench"]
+            "compress", "decompress", "bench", "translate"]
 
 
 def run(*args, timeout=120):

