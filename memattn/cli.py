@@ -54,7 +54,7 @@ def cmd_eval(args) -> int:
     model, cfg, vocab = model_from_checkpoint(args.checkpoint, args.device)
     if cfg.task == "translation":
         return eval_translation(args, model, cfg, vocab)
-    ids, note = checkpoint_split(args.checkpoint, cfg, vocab, args.split)
+    ids, chars_per_token, note = checkpoint_split(args.checkpoint, cfg, vocab, args.split)
     if note:
         print(f"memattn eval: note: {note}", file=sys.stderr)
     ids = as_tensor(ids)
@@ -69,7 +69,7 @@ def cmd_eval(args) -> int:
         check_streamable(model)
     result = evaluate(model, ids, seq_len=seq_len, batch_size=args.batch_size,
                       max_batches=args.batches, device=args.device, segments=stream,
-                      context=args.context)
+                      context=args.context, chars_per_token=chars_per_token)
     result.update(split=args.split, seq_len=seq_len, context=args.context, stream=stream,
                   checkpoint=str(args.checkpoint))
     reading = ("one stream per row, state carried" if stream else

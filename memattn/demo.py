@@ -68,7 +68,7 @@ def run_demo(preset: str, overrides: list[str], mechanisms: list[str], out_dir: 
         summary = train(cfg, overwrite=True)  # the demo always trains anew
         model, cfg, vocab_json = model_from_checkpoint(summary["checkpoint"])
         test = evaluate(model, as_tensor(corpus.test), seq_len=cfg.train.seq_len,
-                        batch_size=cfg.train.batch_size)
+                        batch_size=cfg.train.batch_size, chars_per_token=corpus.chars_per_token("test"))
         vocab = Vocab.from_json(vocab_json)
         prompt = torch.as_tensor(vocab.encode(PROMPT), dtype=torch.long)[None]
         tokens = [t.item() for t in generate(model, prompt, 300, temperature=0.8, seed=0)]

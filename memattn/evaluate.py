@@ -31,7 +31,7 @@ def segment_window(ids: torch.Tensor, streams: int, seq_len: int, segment: int) 
 @torch.no_grad()
 def evaluate(model: torch.nn.Module, ids: torch.Tensor, *, seq_len: int, batch_size: int,
              max_batches: int = 0, device: str | torch.device = "cpu",
-             segments: bool = False, context: int = 0) -> dict[str, float]:
+             segments: bool = False, context: int = 0, chars_per_token: float = 1.0) -> dict[str, float]:
     """Loss over consecutive non-overlapping segments of `seq_len` scored tokens.
 
     ids: int64 [N]. max_batches > 0 evaluates only the first batches (deterministic).
@@ -42,15 +42,19 @@ def evaluate(model: torch.nn.Module, ids: torch.Tensor, *, seq_len: int, batch_s
     segments: read the split as batch_size contiguous streams, segment after segment, with
     the model's cache carrying each layer's memory from one segment to the next (as
     `train.segments` trains); max_batches > 0 then reads the first segments of each stream.
-    Returns {"loss": nats/token, "bpc": bits/token, "ppl": perplexity, "tokens": count}.
+    chars_per_token: the split's characters per token (`Corpus.chars_per_token`): 1 for
+    character and byte vocabularies, more for BPE, where bits per character are bits per
+    token over it (the split's average, also when only part of it is scored).
+    Returns {"loss": nats/token, "bpc": bits/character, "bits_per_token", "ppl": perplexity,
+    "tokens": count}.
     """
     if context < 0:
         raise ValueError(f"evaluate: context must be >= 0, got {context}")
     if segments:
         if context:
             raise ValueError("evaluate: a stream carries its whole past; context applies to windows only")
-        return _evaluate_segments(model, ids, seq_len=seq_len, streams=batch_size,
-                                  max_segments=max_batches, device=device)
+        return _scores(*_evaluate_segments(model, ids, seq_len=seq_len, streams=batch_size,
+                                           max_segments=max_batches, device=device), chars_per_token)
     n_windows = (len(ids) - 1 - context) // seq_len
     if n_windows <= 0:
         raise ValueError(f"evaluate: split of {len(ids)} tokens is shorter than context + seq_len + 1 = "
@@ -70,8 +74,15 @@ def evaluate(model: torch.nn.Module, ids: torch.Tensor, *, seq_len: int, batch_s
         total += loss.item()
         count += targets.numel()
     model.train(was_training)
+    return _scores(total, count, chars_per_token)
+
+
+def _scores(total: float, count: int, chars_per_token: float) -> dict[str, float]:
+    """The figures of `total` nats over `count` tokens."""
     loss = total / count
-    return {"loss": loss, "bpc": loss / math.log(2), "ppl": math.exp(min(loss, 50.0)), "tokens": count}
+    bits = loss / math.log(2)
+    return {"loss": loss, "bpc": bits / chars_per_token, "bits_per_token": bits,
+            "ppl": math.exp(min(loss, 50.0)), "tokens": count}
 
 
 def check_streamable(model: torch.nn.Module) -> None:
@@ -87,7 +98,8 @@ def check_streamable(model: torch.nn.Module) -> None:
                           "linear mechanism, or persistent with attention.context=window)")
 
 
-def _evaluate_segments(model, ids, *, seq_len, streams, max_segments, device):
+def _evaluate_segments(model, ids, *, seq_len, streams, max_segments, device) -> tuple[float, int]:
+    """(nats summed, tokens scored) of the split read as `streams` streams."""
     streams = min(streams, (len(ids) - 1) // seq_len)
     if streams == 0:
         raise ValueError(f"evaluate: split of {len(ids)} tokens is shorter than seq_len + 1 = {seq_len + 1}")
@@ -104,5 +116,4 @@ def _evaluate_segments(model, ids, *, seq_len, streams, max_segments, device):
         total += F.cross_entropy(logits.float().flatten(0, 1), window[:, 1:].flatten(), reduction="sum").item()
         count += window[:, 1:].numel()
     model.train(was_training)
-    loss = total / count
-    return {"loss": loss, "bpc": loss / math.log(2), "ppl": math.exp(min(loss, 50.0)), "tokens": count}
+    return total, count

@@ -495,7 +495,8 @@ def _train_loop(cfg: RunConfig, ddp: Distributed, resume: bool, progress: bool, 
                 record.update(step=done, val_loss=last_val["loss"], val_ppl=last_val["ppl"])
             else:
                 last_val = evaluate(model, val_ids, seq_len=tc.seq_len, batch_size=tc.batch_size,
-                                    max_batches=tc.eval_batches, device=device, segments=tc.segments)
+                                    max_batches=tc.eval_batches, device=device, segments=tc.segments,
+                                    chars_per_token=corpus.chars_per_token("val"))
                 record.update(step=done, val_loss=last_val["loss"], val_bpc=last_val["bpc"])
             clock = time.perf_counter()  # evaluation time is not training throughput
         if record:
@@ -528,23 +529,24 @@ def _train_loop(cfg: RunConfig, ddp: Distributed, resume: bool, progress: bool, 
 
 
 def checkpoint_split(path: str | os.PathLike, cfg: RunConfig, vocab_json: dict[str, Any], split: str):
-    """(ids, note): split `split` of the checkpoint's corpus encoded with the checkpoint's
-    vocabulary (never the corpus's own, which follows the text as it is now), and a note when
-    that split differs from the one the checkpoint recorded at training (None when equal)."""
+    """(ids, characters per token, note): split `split` of the checkpoint's corpus encoded
+    with the checkpoint's vocabulary (never the corpus's own, which follows the text as it is
+    now), and a note when that split differs from the one the checkpoint recorded at
+    training (None when equal)."""
     from memattn.data import Vocab
 
     corpus = load_run_corpus(cfg)
     vocab = Vocab.from_json(vocab_json)
-    ids = corpus.split(split)
     if corpus.vocab != vocab:
         try:
-            ids = vocab.encode(corpus.vocab.decode(ids))
-        except ValueError as e:
+            corpus = corpus.encoded_with(vocab)
+        except ConfigError as e:
             raise ConfigError(f"{split} split of {cfg.data.corpus!r}: {e}") from None
+    ids = corpus.split(split)
     recorded = load_checkpoint(path).meta.get("data", {}).get(split)
     if recorded is None or recorded == fingerprint(ids):
-        return ids, None
-    return ids, (f"the {split} split of {cfg.data.corpus!r} is not the one this checkpoint was trained "
+        return ids, corpus.chars_per_token(split), None
+    return ids, corpus.chars_per_token(split), (f"the {split} split of {cfg.data.corpus!r} is not the one this checkpoint was trained "
                  "with (its text changed); the figures are of the text as it is now, read with the "
                  "checkpoint's vocabulary")
 

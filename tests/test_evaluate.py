@@ -1,6 +1,7 @@
 """memattn.evaluate: windows with an unscored context, streams with carried state, and
 `memattn eval --context / --stream`, each against a by-hand computation."""
 
+import json
 import math
 
 import pytest
@@ -104,3 +105,26 @@ def test_eval_command_context_and_stream(text_file, tmp_path, capsys):
     assert result["stream"] and result["tokens"] == 3 * 4 * 16
     assert main(["eval", run, "--stream", "--context", "8"]) == 2
     assert "--context" in capsys.readouterr().err
+
+
+def test_a_bpe_run_reports_bits_per_character_of_its_text(text_file, tmp_path, capsys):
+    pytest.importorskip("tokenizers")
+    from conftest import tiny_overrides
+
+    from memattn.cli import main
+    from memattn.config import load_config
+    from memattn.data import Vocab
+    from memattn.train import load_run_corpus, model_from_checkpoint, train
+
+    cfg = load_config("tiny", tiny_overrides(text_file, tmp_path, "data.level=bpe", "data.bpe_size=300",
+                                             "train.steps=4", "train.eval_batches=0"))
+    train(cfg, progress=False)
+    _, cfg, vocab = model_from_checkpoint(tmp_path / "run")
+    val = load_run_corpus(cfg).val
+    chars = len(Vocab.from_json(vocab).decode(val))  # the text itself, counted apart from the corpus
+    assert chars > 1.5 * len(val)  # merges: fewer tokens than characters
+    record = [json.loads(line) for line in (tmp_path / "run" / "log.jsonl").read_text().splitlines()][-1]
+    assert record["val_bpc"] == pytest.approx(record["val_loss"] / math.log(2) * len(val) / chars, rel=1e-9)
+    assert main(["eval", str(tmp_path / "run"), "--split", "val", "--json"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert result["bpc"] == pytest.approx(result["bits_per_token"] * len(val) / chars, rel=1e-9)

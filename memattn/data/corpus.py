@@ -111,6 +111,10 @@ class Corpus:
             raise ConfigError(f"split: corpus {self.name!r} has no character count for {split!r}")
         return int(self.split(split).size)
 
+    def chars_per_token(self, split: str) -> float:
+        """Characters (bytes at byte level) per token of split `split`: 1 but for BPE."""
+        return self.characters(split) / max(1, int(self.split(split).size))
+
     def encoded_with(self, vocab: Vocab | BPEVocab) -> Corpus:
         """The same text read with another vocabulary (e.g. the one of a model it continues);
         ConfigError when the text holds a character that vocabulary lacks (and has no unknown

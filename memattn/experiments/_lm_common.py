@@ -55,18 +55,19 @@ def measure(model, cfg, run_dir: Path, *, test_tokens: int, decode_prompt: int,
     from memattn.models import CausalLM
     from memattn.train import load_run_corpus
 
-    test = as_tensor(load_run_corpus(cfg).test)
+    corpus = load_run_corpus(cfg)
+    test, ratio = as_tensor(corpus.test), corpus.chars_per_token("test")
     seq_len, batch = cfg.train.seq_len, cfg.train.batch_size
-    short = evaluate(model, test, seq_len=seq_len, batch_size=batch,
+    short = evaluate(model, test, seq_len=seq_len, batch_size=batch, chars_per_token=ratio,
                      max_batches=-(-test_tokens // (seq_len * batch)))
     if cfg.train.segments:
         context = -1
-        long = evaluate(model, test, seq_len=seq_len, batch_size=batch, segments=True)
+        long = evaluate(model, test, seq_len=seq_len, batch_size=batch, segments=True, chars_per_token=ratio)
     else:
         context = seq_len - min(SCORED, seq_len // 4)
         scored = seq_len - context
         long = evaluate(model, test, seq_len=scored, batch_size=batch, context=context,
-                        max_batches=-(-test_tokens // (scored * batch)))
+                        chars_per_token=ratio, max_batches=-(-test_tokens // (scored * batch)))
     prompt = test[:decode_prompt]
     start = time.perf_counter()
     produced = sum(1 for _ in generate(model, prompt[None], decode_tokens, temperature=0))
