@@ -102,8 +102,9 @@ class ModelConfig:
 
 @dataclass
 class DataConfig:
-    # parallel: translation pairs (memattn.data.parallel) for task=translation
-    corpus: Literal["shakespeare", "text", "enwik8", "text8", "parallel"] = "shakespeare"
+    # parallel: translation pairs (memattn.data.parallel) for task=translation; hf: the text
+    # of a Hugging Face dataset (data.name, data.split, data.text_field)
+    corpus: Literal["shakespeare", "text", "enwik8", "text8", "parallel", "hf"] = "shakespeare"
     path: str | None = None  # file or folder for text / enwik8 / text8; a TSV or a folder of them for parallel
     # bpe: a byte-pair vocabulary of bpe_size tokens trained on the training split (joint
     # over source and target for parallel data)
@@ -112,15 +113,22 @@ class DataConfig:
     # parallel data as two aligned files (one sentence a line) instead of `path`
     source: str | None = None
     target: str | None = None
-    # parallel data as a Hugging Face dataset of translation pairs (a name, or a folder saved
-    # with save_to_disk) and the two languages to read from it
+    # a Hugging Face dataset (a name, or a folder saved with save_to_disk): translation pairs
+    # (corpus=parallel, with the two languages to read) or text (corpus=hf: the column
+    # text_field; its own train / validation / test splits, or the one named by `split` cut
+    # 90 / 5 / 5)
     name: str | None = None
     source_lang: str | None = None
     target_lang: str | None = None
+    split: str | None = None
+    text_field: str = "text"
+    # a pretrained tokenizer (a Hugging Face name or folder) as the vocabulary, instead of
+    # data.level's; saved with the run
+    tokenizer: str | None = None
     cache_dir: str = ".cache/memattn"
 
     def __post_init__(self) -> None:
-        _one_of("data.corpus", self.corpus, ("shakespeare", "text", "enwik8", "text8", "parallel"))
+        _one_of("data.corpus", self.corpus, ("shakespeare", "text", "enwik8", "text8", "parallel", "hf"))
         _one_of("data.level", self.level, ("char", "byte", "bpe"))
         if self.bpe_size < 260:
             raise ConfigError(f"data.bpe_size: a byte-level BPE vocabulary holds 4 special tokens and the "
@@ -139,10 +147,19 @@ class DataConfig:
             if self.level != "bpe":
                 raise ConfigError(f"data.level: parallel data is read with a joint subword vocabulary "
                                   f"(data.level=bpe), got {self.level!r}")
+        elif self.corpus == "hf":
+            if not self.name or self.path or self.source:
+                raise ConfigError("data.corpus=hf: give data.name (a Hugging Face dataset name or a folder "
+                                  "saved with save_to_disk), and neither data.path nor data.source")
         elif self.source or self.target or self.name:
-            raise ConfigError(f"data.source / data.target / data.name: only for data.corpus=parallel, "
+            raise ConfigError(f"data.source / data.target / data.name: only for data.corpus=parallel or hf, "
                               f"not {self.corpus!r}")
-        if self.corpus not in ("shakespeare", "parallel") and not self.path:
+        if self.split is not None and self.corpus != "hf":
+            raise ConfigError(f"data.split: names a split of a Hugging Face dataset (data.corpus=hf), "
+                              f"not of {self.corpus!r}")
+        if self.tokenizer and self.corpus in ("enwik8", "text8", "parallel"):
+            raise ConfigError(f"data.tokenizer: {self.corpus} is read with its own vocabulary")
+        if self.corpus not in ("shakespeare", "parallel", "hf") and not self.path:
             raise ConfigError(f"data.path: corpus {self.corpus!r} needs a path to a file or folder")
 
 
