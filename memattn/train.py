@@ -224,8 +224,9 @@ def load_run_corpus(cfg: RunConfig, ddp: Distributed | None = None):
     from memattn.data import load_corpus
 
     def load():
-        return load_corpus(corpus=cfg.data.corpus, path=cfg.data.path, level=cfg.data.level,
-                           cache_dir=cfg.data.cache_dir)
+        d = cfg.data
+        return load_corpus(corpus=d.corpus, path=d.path, level=d.level, cache_dir=d.cache_dir,
+                           bpe_size=d.bpe_size)
 
     if ddp is None or not ddp.enabled:
         return load()
