@@ -48,12 +48,14 @@ class Checkpoint:
 
 def save_checkpoint(path: str | os.PathLike, model: torch.nn.Module, *, step: int,
                     meta: dict[str, Any], optimizer: torch.optim.Optimizer | None = None,
-                    extra: dict[str, torch.Tensor] | None = None) -> None:
-    """Write model (+ optimiser, + `extra` tensors) state and `meta` (JSON-able) atomically to `path`."""
+                    extra: dict[str, torch.Tensor] | None = None,
+                    state: dict[str, torch.Tensor] | None = None) -> None:
+    """Write model (+ optimiser, + `extra` tensors) state and `meta` (JSON-able) atomically to
+    `path`; `state`: the model's weights when not its own state_dict (e.g. gathered shards)."""
     tensors: dict[str, torch.Tensor] = {}
     aliases: dict[str, str] = {}
     seen: dict[int, str] = {}
-    for name, t in model.state_dict().items():
+    for name, t in (state if state is not None else model.state_dict()).items():
         key = seen.get(t.data_ptr()) if t.numel() else None
         if key is not None and t.shape == tensors[f"model.{key}"].shape:
             aliases[name] = key  # tied weight: stored once

@@ -192,6 +192,9 @@ class TrainConfig:
     # translation: the target distribution is (1 - ε) on the reference token and ε spread
     # uniformly over the vocabulary (0: plain cross-entropy)
     label_smoothing: float = 0.0
+    # under torchrun: ddp (every rank a whole replica) or fsdp (parameters, gradients and
+    # optimiser state sharded over the ranks, sharded checkpoints: memattn.sharded)
+    parallel: Literal["ddp", "fsdp"] = "ddp"
     # > 0: add distill_weight · KL(teacher ‖ model) per token to the loss, the teacher being
     # the init_from model, frozen (uptraining a converted model towards the original)
     distill_weight: float = 0.0
@@ -206,6 +209,10 @@ class TrainConfig:
             raise ConfigError(f"train.min_lr_ratio: expected a value in [0, 1], got {self.min_lr_ratio}")
         if not all(0.0 <= b < 1.0 for b in self.betas):
             raise ConfigError(f"train.betas: expected two values in [0, 1), got {list(self.betas)}")
+        _one_of("train.parallel", self.parallel, ("ddp", "fsdp"))
+        if self.parallel == "fsdp" and self.segments:
+            raise ConfigError("train.parallel=fsdp: not with train.segments (the carried memory is saved "
+                              "with the replicated checkpoint only); use ddp")
         if not 0.0 <= self.label_smoothing < 1.0:
             raise ConfigError(f"train.label_smoothing: expected a value in [0, 1), got {self.label_smoothing}")
         if not math.isfinite(self.distill_weight) or self.distill_weight < 0:

@@ -110,7 +110,8 @@ class Distributed:
         """Whether every rank holds bit-identical parameters (compared by checksums)."""
         if not self.enabled:
             return True
-        flat = torch.cat([p.detach().double().flatten() for p in model.parameters()])
+        full = [p.full_tensor() if hasattr(p, "full_tensor") else p for p in model.parameters()]  # fsdp shards
+        flat = torch.cat([p.detach().double().flatten() for p in full])
         sums = torch.stack([flat.sum(), (flat * torch.arange(len(flat), dtype=torch.float64, device=flat.device)).sum()])
         gathered = [torch.empty_like(sums) for _ in range(self.world)]
         dist.all_gather(gathered, sums)
@@ -386,6 +387,11 @@ def _train_loop(cfg: RunConfig, ddp: Distributed, resume: bool, progress: bool, 
             print(f"memattn train: started from {source.path}: {len(started['copied'])} tensors copied, "
                   f"{len(started['new'])} new{': ' + new if new else ''}", file=sys.stderr)
     model = model.to(device)
+    sharded = ddp.enabled and tc.parallel == "fsdp"
+    if sharded:
+        from memattn import sharded as fsdp
+
+        fsdp.shard(model)
     optimizer = torch.optim.AdamW(param_groups(model, tc.weight_decay), lr=tc.lr, betas=tc.betas)
     carry: ModelCache | None = None  # train.segments: the memory carried from step to step
     if tc.segments:
@@ -402,7 +408,10 @@ def _train_loop(cfg: RunConfig, ddp: Distributed, resume: bool, progress: bool, 
         seconds_before = float(ckpt.meta.get("train_seconds", 0.0))
         if start >= tc.steps and (out / "summary.json").exists():  # complete: nothing to add
             return dict(json.loads((out / "summary.json").read_text()), complete=True, checkpoint_step=start)
-        restore(ckpt, model, optimizer)
+        if sharded:
+            fsdp.load_shards(out, ckpt.meta, model, optimizer)
+        else:
+            restore(ckpt, model, optimizer)
         log.truncate_after(start)
         if tc.segments:
             carry = restore_carried_memory(ckpt, model, tc.batch_size // ddp.world, ddp, device)
@@ -412,7 +421,7 @@ def _train_loop(cfg: RunConfig, ddp: Distributed, resume: bool, progress: bool, 
     if ddp.main:
         (out / "config.yaml").write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))
     wrapped = model
-    if ddp.enabled:
+    if ddp.enabled and not sharded:
         wrapped = torch.nn.parallel.DistributedDataParallel(
             model, device_ids=[device.index] if device.type == "cuda" else None)
 
@@ -508,11 +517,19 @@ def _train_loop(cfg: RunConfig, ddp: Distributed, resume: bool, progress: bool, 
             if on_step is not None:
                 on_step(done, record)
         extra, segments_meta = carried_memory(carry, ddp) if saving and carry is not None else ({}, None)
-        if saving and ddp.main:
-            save_checkpoint(ckpt_path, model, step=done, optimizer=optimizer, extra=extra,
-                            meta=dict(meta, segments=segments_meta,
-                                      train_seconds=seconds_before + time.perf_counter() - wall_start,
-                                      metrics={"train_loss": train_loss, **{f"val_{k}": v for k, v in last_val.items()}}))
+        if saving:
+            shards = weights = None
+            if sharded:  # every rank writes its shards and joins in gathering the weights
+                shards = fsdp.save_shards(out, done, model, optimizer, ddp.main)
+                weights = fsdp.full_weights(model)
+            if ddp.main:
+                save_checkpoint(ckpt_path, model, step=done, optimizer=None if sharded else optimizer,
+                                extra=extra, state=weights,
+                                meta=dict(meta, segments=segments_meta, sharded=shards,
+                                          train_seconds=seconds_before + time.perf_counter() - wall_start,
+                                          metrics={"train_loss": train_loss, **{f"val_{k}": v for k, v in last_val.items()}}))
+                if sharded:
+                    fsdp.drop_old_shards(out, shards)
         if done % tc.save_every == 0:
             ddp.barrier()
         if bar is not None:

@@ -151,3 +151,56 @@ def test_killed_at_random_points_the_run_ends_as_an_uninterrupted_one(text_file,
     mb, _, _ = model_from_checkpoint(tmp_path / "cut" / "run")
     for (name, p), q in zip(ma.state_dict().items(), mb.state_dict().values()):
         assert torch.equal(p, q), name
+
+
+def torchrun(*args, timeout=300, wait=True):
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+           "-m", "memattn", "train", "--config", "tiny", "--quiet", *args]
+    if not wait:
+        return subprocess.Popen(cmd, env=env, start_new_session=True, stdout=subprocess.DEVNULL,
+                                stderr=subprocess.PIPE)
+    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
+    assert done.returncode == 0, done.stderr[-3000:]
+
+
+@pytest.mark.slow
+def test_fully_sharded_run_matches_one_process_and_resumes_from_its_shards(text_file, tmp_path):
+    import signal
+    import time
+
+    extra = ("train.steps=8", "train.log_every=1", "train.eval_every=4", "train.batch_size=8",
+             "train.save_every=2")  # no dropout: its masks are drawn per rank
+    train(load_config("tiny", tiny_overrides(text_file, tmp_path / "one", *extra)), progress=False)
+    torchrun(*tiny_overrides(text_file, tmp_path / "fsdp", *extra), "train.parallel=fsdp")
+    one, fsdp = read_log(tmp_path / "one" / "run"), read_log(tmp_path / "fsdp" / "run")
+    assert [r["step"] for r in one] == [r["step"] for r in fsdp]
+    for r1, r2 in zip(one, fsdp):
+        for key in ("loss", "val_loss"):
+            if key in r1:
+                assert r2[key] == pytest.approx(r1[key], rel=1e-5)
+    run = tmp_path / "fsdp" / "run"
+    assert [p.name for p in run.glob("checkpoint.dcp.*")] == ["checkpoint.dcp.8"]  # one sharded step kept
+    ma, _, _ = model_from_checkpoint(tmp_path / "one" / "run")
+    mb, _, _ = model_from_checkpoint(run)  # the full weights, read like any run's
+    for (name, p), q in zip(ma.state_dict().items(), mb.state_dict().values()):
+        torch.testing.assert_close(p, q, rtol=1e-4, atol=1e-5, msg=name)
+
+    # stopped after a sharded checkpoint, resumed: the same losses as the run never stopped
+    cut = tiny_overrides(text_file, tmp_path / "cut", *extra, "train.parallel=fsdp")
+    log = tmp_path / "cut" / "run" / "log.jsonl"
+    proc = torchrun(*cut, wait=False)
+    deadline = time.monotonic() + 240
+    while proc.poll() is None and time.monotonic() < deadline:
+        if log.exists() and len(log.read_text().splitlines()) >= 5:
+            break
+        time.sleep(0.01)
+    assert proc.poll() is None, "the run ended before it could be stopped"
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+    torchrun(*cut, "--resume")
+    again = read_log(tmp_path / "cut" / "run")
+    assert losses(again) == losses(fsdp)
+    with pytest.raises(CheckpointError, match="made with train.parallel='fsdp', this run has 'ddp'"):
+        train(load_config("tiny", tiny_overrides(text_file, tmp_path / "cut", *extra)), resume=True,
+              progress=False)
