@@ -164,12 +164,26 @@ def cmd_generate(args) -> int:
     prompt = torch.as_tensor(vocab.encode(args.prompt), dtype=torch.long, device=args.device)
     if prompt.numel() == 0:
         raise MemattnError("--prompt: needs at least one character")
+    ids = prompt.tolist()
+    shown = vocab.decode(ids)  # the text written so far, as the vocabulary reads it
+    if vocab.kind == "pretrained" and shown != args.prompt:  # a tokenizer that normalises, or <unk>
+        print(f"memattn generate: note: the model's tokenizer reads the prompt as {shown!r}", file=sys.stderr)
     sys.stdout.write(args.prompt)
     start = time.perf_counter()
     for token in generate(model, prompt[None], args.tokens, temperature=args.temperature,
                           top_k=args.top_k, seed=args.seed):
-        sys.stdout.write(vocab.decode(token.tolist()))
+        ids.extend(token.tolist())
+        # Decoded after what precedes it, a subword keeps its leading space and a byte joins
+        # the character it belongs to; an unfinished character (U+FFFD last) waits a token.
+        text = vocab.decode(ids)
+        if text.endswith("\ufffd"):
+            continue
+        sys.stdout.write(text[len(shown):] if text.startswith(shown) else vocab.decode(token.tolist()))
         sys.stdout.flush()
+        shown = text
+    text = vocab.decode(ids)
+    if text != shown:
+        sys.stdout.write(text[len(shown):] if text.startswith(shown) else "")
     elapsed = time.perf_counter() - start
     sys.stdout.write("\n")
     print(f"[{args.tokens} tokens in {elapsed:.2f}s, {args.tokens / elapsed:,.1f} tokens/s]", file=sys.stderr)
@@ -357,8 +371,13 @@ def cmd_convert(args) -> int:
     model = auto.from_pretrained(args.model)
     convert(model, args.attention, options, layers=layers)
     save_converted(model, out)
-    print(f"memattn convert: wrote {out}; load it with memattn.integrations.convert.load_converted",
-          file=sys.stderr)
+    try:  # the folder carries the tokenizer that `memattn train train.init_from=OUT` reads with
+        transformers.AutoTokenizer.from_pretrained(args.model).save_pretrained(out)
+        kept = "with its tokenizer"
+    except (OSError, ValueError):
+        kept = "without a tokenizer (none found; give data.tokenizer= to train it)"
+    print(f"memattn convert: wrote {out} {kept}; load it with memattn.integrations.convert.load_converted, "
+          f"or train on with `memattn train train.init_from={out}`", file=sys.stderr)
     return 0
 
 

@@ -227,7 +227,8 @@ def load_run_corpus(cfg: RunConfig, ddp: Distributed | None = None):
     def load():
         d = cfg.data
         return load_corpus(corpus=d.corpus, path=d.path, level=d.level, cache_dir=d.cache_dir,
-                           bpe_size=d.bpe_size)
+                           bpe_size=d.bpe_size, name=d.name, split=d.split, text_field=d.text_field,
+                           tokenizer=d.tokenizer)
 
     if ddp is None or not ddp.enabled:
         return load()
@@ -305,15 +306,18 @@ def _train(cfg: RunConfig, ddp: Distributed, resume: bool, progress: bool, on_st
     if cfg.task == "translation":
         return _train_loop(cfg, ddp, resume, progress, on_step, device,
                            translation_task(cfg, ddp, resume))
-    corpus = load_run_corpus(cfg, ddp)
     source = None
     if tc.init_from:  # read on resume too: the run reads the corpus with the source's vocabulary
-        from memattn.data import Vocab
         from memattn.warmstart import read_source
 
         source = read_source(tc.init_from)
-        if source.vocab is not None:
-            corpus = corpus.encoded_with(Vocab.from_json(source.vocab))
+        if source.converted:
+            cfg = converted_run(cfg, source)
+    corpus = load_run_corpus(cfg, ddp)
+    if source is not None and source.vocab is not None:
+        from memattn.data import Vocab
+
+        corpus = corpus.encoded_with(Vocab.from_json(source.vocab))
     cfg = with_vocab_size(cfg, corpus.vocab.size)
     train_ids, val_ids = as_tensor(corpus.train), as_tensor(corpus.val)
     for split, ids in (("training", train_ids), ("validation", val_ids)):
@@ -323,6 +327,16 @@ def _train(cfg: RunConfig, ddp: Distributed, resume: bool, progress: bool, on_st
                               "to start from); use a larger corpus or a smaller train.seq_len")
     return _train_loop(cfg, ddp, resume, progress, on_step, device,
                        LanguageModelData(corpus, source, train_ids, val_ids))
+
+
+def converted_run(cfg: RunConfig, source) -> RunConfig:
+    """cfg for training a converted transformers model (`memattn convert`): the model is that
+    folder's, the text is read with its tokenizer unless data.tokenizer names another."""
+    if cfg.train.segments:
+        raise ConfigError("train.segments: a converted transformers model reads whole windows")
+    if cfg.data.tokenizer:
+        return cfg
+    return dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, tokenizer=str(source.path)))
 
 
 def with_vocab_size(cfg: RunConfig, size: int) -> RunConfig:
@@ -372,13 +386,13 @@ def _train_loop(cfg: RunConfig, ddp: Distributed, resume: bool, progress: bool, 
     ckpt_path = out / "checkpoint.safetensors"
     log = JsonlLog(out / "log.jsonl", ddp.main)
     torch.manual_seed(tc.seed)
-    model = (EncoderDecoder if task is not None else CausalLM)(cfg.model)
+    model = build_model(cfg)
     teacher = None
     if tc.distill_weight > 0:
         from memattn.warmstart import teacher_model
 
         teacher = teacher_model(source).to(device)
-    if source is not None and not resume:
+    if source is not None and not source.converted and not resume:
         from memattn.warmstart import warm_start
 
         started = warm_start(model, source)
@@ -578,6 +592,22 @@ def fingerprint(ids) -> str:
     return hashlib.sha256(np.ascontiguousarray(ids, dtype=np.int64).tobytes()).hexdigest()[:16]
 
 
+def build_model(cfg: RunConfig) -> torch.nn.Module:
+    """The run's model as initialised: an EncoderDecoder (translation), the converted
+    transformers model that train.init_from names, or a CausalLM."""
+    if cfg.task == "translation":
+        return EncoderDecoder(cfg.model)
+    if cfg.train.init_from:
+        from memattn.warmstart import read_source
+
+        source = read_source(cfg.train.init_from)
+        if source.converted:
+            from memattn.integrations.convert import ConvertedLM, load_converted
+
+            return ConvertedLM(load_converted(source.path)).train()
+    return CausalLM(cfg.model)
+
+
 def model_from_checkpoint(path: str | os.PathLike, device: str = "cpu"):
     """(model in eval mode, RunConfig, vocab dict) from a checkpoint file or run folder."""
     ckpt = load_checkpoint(path)
@@ -586,6 +616,6 @@ def model_from_checkpoint(path: str | os.PathLike, device: str = "cpu"):
         raise CheckpointError(f"checkpoint {ckpt.path}: its metadata lacks {' and '.join(missing)}; "
                               "not a language-model checkpoint written by `memattn train`")
     cfg = from_dict(RunConfig, ckpt.meta["config"])
-    model = (EncoderDecoder if cfg.task == "translation" else CausalLM)(cfg.model)
+    model = build_model(cfg)
     restore(ckpt, model)
     return model.to(device).eval(), cfg, ckpt.meta["vocab"]

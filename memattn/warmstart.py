@@ -34,18 +34,23 @@ class Source:
     weights: dict[str, torch.Tensor]
     vocab: dict | None
     model: dict | None = None  # its memattn model config, as a mapping
+    # a transformers model converted by `memattn convert`: the run trains that model itself
+    # (built from the folder), read with its tokenizer
+    converted: bool = False
 
 
 def read_source(path: str | os.PathLike) -> Source:
     """The weights (and vocabulary) of a memattn run folder / checkpoint or an export-hf folder."""
     path = Path(path)
     config = path / "config.json"
+    if path.is_dir() and config.exists() and "memattn_conversion" in json.loads(config.read_text()):
+        return Source(path, {}, None, None, converted=True)
     if path.is_dir() and config.exists() and (path / "model.safetensors").exists():
         from safetensors.torch import load_file
 
         if json.loads(config.read_text()).get("model_type") != "memattn":
             raise CheckpointError(f"train.init_from: {path} is a Hugging Face folder of another model type; "
-                                  "convert it first (memattn reads its own models' folders)")
+                                  "convert it first (memattn convert), then train the converted folder")
         weights = {k[len(HF_PREFIX):]: t for k, t in load_file(path / "model.safetensors").items()
                    if k.startswith(HF_PREFIX)}
         vocab_file = path / HF_VOCAB
@@ -62,12 +67,33 @@ def teacher_model(source: Source) -> nn.Module:
     from memattn.config import ModelConfig, from_dict
     from memattn.models import CausalLM
 
+    if source.converted:
+        return converted_teacher(source)
     if not isinstance(source.model, dict):
         raise CheckpointError(f"train.distill_weight: {source.path} records no memattn model config to "
                               "rebuild the teacher from")
     teacher = CausalLM(from_dict(ModelConfig, source.model, "model"))
     teacher.load_state_dict(warm_start_weights(teacher, source))
     return teacher.eval().requires_grad_(False)
+
+
+def converted_teacher(source: Source) -> nn.Module:
+    """The transformers model a converted folder was made from (the conversion records its
+    name or folder), frozen, as a teacher."""
+    from transformers import AutoModelForCausalLM
+
+    from memattn.integrations.convert import CONFIG_KEY, ConvertedLM
+
+    original = json.loads((source.path / "config.json").read_text())[CONFIG_KEY].get("source")
+    if not original:
+        raise CheckpointError(f"train.distill_weight: {source.path} does not record the model it was "
+                              "converted from (convert a saved or hub model with memattn convert)")
+    try:
+        model = AutoModelForCausalLM.from_pretrained(original)
+    except OSError as e:
+        raise CheckpointError(f"train.distill_weight: the teacher {original}, which {source.path} was "
+                              f"converted from, cannot be loaded ({e})") from None
+    return ConvertedLM(model).eval().requires_grad_(False)
 
 
 def warm_start_weights(model: nn.Module, source: Source) -> dict[str, torch.Tensor]:

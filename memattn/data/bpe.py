@@ -46,13 +46,13 @@ _BATCH = 4096  # texts per call of the tokenizer's batch encoder
 _SAFE_CUT = re.compile(r"(?<=\S\n)(?=\S)")
 
 
-def require_tokenizers(arg: str = "vocab") -> Any:
-    """The `tokenizers` module; ConfigError naming `arg` and the install command when it
-    is missing."""
+def require_tokenizers(arg: str = "vocab", what: str = "a BPE vocabulary") -> Any:
+    """The `tokenizers` module; ConfigError naming `arg`, `what` needs it and the install
+    command when it is missing."""
     try:
         import tokenizers
     except ImportError:
-        raise ConfigError(f"{arg}: a BPE vocabulary needs the package tokenizers, which is not installed: "
+        raise ConfigError(f"{arg}: {what} needs the package tokenizers, which is not installed: "
                           f"{INSTALL_HINT}") from None
     return tokenizers
 
@@ -151,19 +151,7 @@ class BPEVocab:
     def encode_batch(self, texts: Sequence[str]) -> list[np.ndarray]:
         """`encode` of each of `texts` (short texts: each is encoded whole), in parallel.
         Returns one 1-D array of `self.dtype` per text."""
-        out: list[np.ndarray] = []
-        encode = getattr(self._tokenizer, "encode_batch_fast", self._tokenizer.encode_batch)
-        for start in range(0, len(texts), _BATCH):
-            batch = list(texts[start:start + _BATCH])
-            for i, t in enumerate(batch):
-                if not isinstance(t, str):
-                    raise TypeError(f"texts[{start + i}]: a BPE vocabulary encodes str, got {type(t).__name__}")
-            encodings = encode(batch, add_special_tokens=False)
-            lengths = [len(e.ids) for e in encodings]
-            flat = np.fromiter(itertools.chain.from_iterable(e.ids for e in encodings),
-                               dtype=self.dtype, count=sum(lengths))
-            out.extend(np.split(flat, np.cumsum(lengths)[:-1]))
-        return out
+        return encode_texts(self._tokenizer, texts, self.dtype, "a BPE vocabulary")
 
     def decode(self, ids: Any) -> str:
         """The text of token ids (a list, numpy array, torch tensor or int, any shape, read
@@ -229,6 +217,24 @@ class BPEVocab:
 
     def __repr__(self) -> str:
         return f"BPEVocab(size={self.size})"
+
+
+def encode_texts(tokenizer: Any, texts: Sequence[str], dtype: np.dtype, what: str) -> list[np.ndarray]:
+    """The ids of each of `texts` under the `tokenizers.Tokenizer` `tokenizer`, without the
+    special tokens its post-processor would add, encoded in parallel in batches. Returns
+    one 1-D array of `dtype` per text; TypeError naming `what` for a text that is not str."""
+    out: list[np.ndarray] = []
+    encode = getattr(tokenizer, "encode_batch_fast", tokenizer.encode_batch)
+    for start in range(0, len(texts), _BATCH):
+        batch = list(texts[start:start + _BATCH])
+        for i, t in enumerate(batch):
+            if not isinstance(t, str):
+                raise TypeError(f"texts[{start + i}]: {what} encodes str, got {type(t).__name__}")
+        encodings = encode(batch, add_special_tokens=False)
+        lengths = [len(e.ids) for e in encodings]
+        flat = np.fromiter(itertools.chain.from_iterable(e.ids for e in encodings), dtype=dtype, count=sum(lengths))
+        out.extend(np.split(flat, np.cumsum(lengths)[:-1]))
+    return out
 
 
 def _in_pieces(texts: Iterable[str]) -> Iterator[str]:

