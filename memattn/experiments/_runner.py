@@ -109,10 +109,15 @@ def _die_with_parent() -> None:
 
 def run_jobs(out_dir: Path, jobs: list[Job], measure: Measure, *, workers: int = 1,
              label: str = "experiment", interval: float = 60.0, out=None,
-             on_rows: Callable[[dict[str, dict[str, Any]]], None] | None = None) -> list[dict[str, Any]]:
+             on_rows: Callable[[dict[str, dict[str, Any]]], None] | None = None,
+             work: Callable[[Path, Job, Measure], dict[str, Any]] | None = None,
+             steps_of: Callable[[Job], int] | None = None) -> list[dict[str, Any]]:
     """Rows of every job, in order: reused where finished, trained (resumed) where not,
     `workers` at a time. Failed jobs are reported together after the others are done.
-    on_rows(rows by job name) runs whenever a job finishes (e.g. to write a partial table)."""
+    on_rows(rows by job name) runs whenever a job finishes (e.g. to write a partial table).
+    work(run_dir, job, measure) trains and measures one job in a worker (default: a
+    `memattn train` run, `train_and_measure`), steps_of(job) its most steps (default: its
+    train.steps); both module-level functions. A job's run folder logs its steps to log.jsonl."""
     if workers < 1:
         raise ConfigError(f"--jobs: expected a positive number of models at once, got {workers}")
     names = [job.name for job in jobs]
@@ -126,14 +131,14 @@ def run_jobs(out_dir: Path, jobs: list[Job], measure: Measure, *, workers: int =
         if row is not None:
             rows[job.name] = row
     todo = [job for job in jobs if job.name not in rows]
-    progress = Progress(out_dir, jobs, label, workers, out, interval)
+    progress = Progress(out_dir, jobs, label, workers, out, interval, steps_of)
     progress.report(rows, {}, force=True)
     errors: dict[str, str] = {}
     if todo:
         context = multiprocessing.get_context("spawn")
         with futures.ProcessPoolExecutor(max_workers=min(workers, len(todo)), mp_context=context,
                                          initializer=_die_with_parent) as pool:
-            running = {pool.submit(train_and_measure, run_dir_of(out_dir, job), job, measure): job
+            running = {pool.submit(work or train_and_measure, run_dir_of(out_dir, job), job, measure): job
                        for job in todo}
             pending = set(running)
             while pending:
@@ -159,11 +164,9 @@ class Progress:
     """One status line per change (and every `interval` seconds): done, running, left, time left."""
 
     def __init__(self, out_dir: Path, jobs: list[Job], label: str, workers: int, out,
-                 interval: float = 60.0) -> None:
-        from memattn.config import load_config
-
+                 interval: float = 60.0, steps_of: Callable[[Job], int] | None = None) -> None:
         self.out_dir, self.jobs, self.label, self.workers, self.out = out_dir, jobs, label, workers, out
-        self.steps = {job.name: load_config(None, list(job.settings)).train.steps for job in jobs}
+        self.steps = {job.name: (steps_of or train_steps_of)(job) for job in jobs}
         self.interval, self.last = interval, 0.0
         self.seen: dict[str, tuple[float, int]] = {}  # name -> (time, step) when first seen running
 
@@ -210,6 +213,13 @@ class Progress:
             seconds = remaining_steps * (sum(rates) / len(rates)) / min(self.workers, max(1, len(running)))
             parts.append(f"about {format_duration(seconds)} left")
         print(" · ".join(parts), file=self.out, flush=True)
+
+
+def train_steps_of(job: Job) -> int:
+    """The train.steps of a `memattn train` job."""
+    from memattn.config import load_config
+
+    return load_config(None, list(job.settings)).train.steps
 
 
 def format_duration(seconds: float) -> str:

@@ -21,6 +21,7 @@ Writes results.json, results.md and linear_qa.png to the output folder.
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 import platform
 import statistics
@@ -34,8 +35,9 @@ import torch.nn.functional as F
 from memattn.config import to_dict
 from memattn.data.reading import ReadingBatch, ReadingConfig, ReadingTask
 from memattn.errors import ConfigError
-from memattn.experiments import single_process
 from memattn.experiments._common import command_of, save_figure, write_results
+from memattn.experiments._runner import ROW_FILE, Job, finished_row, run_jobs
+from memattn.fileio import atomic_write
 from memattn.models.qa import ATTENTIONS, QAConfig, ReadingQA
 from memattn.ops.softmax import softmax_attention
 from memattn.representations import encode, lookup
@@ -50,7 +52,14 @@ class Settings:
     """What the experiment runs; every field can be overridden as key=value."""
 
     variants: tuple[str, ...] = ATTENTIONS  # which attentions to train
-    steps: int = 600  # training steps per variant
+    seeds: int = 2  # seeds per variant (init and batches)
+    # convergence: validation accuracy every eval_every steps; a model has converged when
+    # `patience` evaluations in a row fail to beat its best by min_delta; `steps` at most
+    steps: int = 8000
+    eval_every: int = 200
+    patience: int = 5
+    min_delta: float = 0.005
+    val_docs: int = 500
     batch: int = 32  # documents a step (each with `queries` queries)
     lr: float = 3e-3  # Adam, warm-up then cosine decay to a tenth
     hidden: int = 32  # GRU width per direction: k = 2·hidden
@@ -87,8 +96,9 @@ class Settings:
                 raise ConfigError(f"{name}: expected [shortest, longest], got {[lo, hi]}")
 
 
-QUICK = {"steps": 40, "batch": 16, "hidden": 16, "embed": 16, "doc_len": (100, 200),
-         "long_len": (300, 400), "test_docs": 64, "lookup_repeats": 5}
+QUICK = {"steps": 40, "eval_every": 10, "patience": 2, "val_docs": 32, "seeds": 1, "batch": 16,
+         "hidden": 16, "embed": 16, "doc_len": (100, 200), "long_len": (300, 400), "test_docs": 64,
+         "lookup_repeats": 5}
 
 
 def parse_settings(overrides: list[str], *, quick: bool) -> Settings:
@@ -97,35 +107,28 @@ def parse_settings(overrides: list[str], *, quick: bool) -> Settings:
 
 
 def run(out_dir: Path, *, quick: bool = False, overrides: list[str] = (), jobs: int = 1) -> dict:
-    """Train and evaluate the four variants, time lookups; write the results under out_dir."""
-    single_process("linear-qa", jobs)
+    """Train every (variant, seed) to convergence as a resumable run folder, `jobs` at a
+    time; time lookups; write the results under out_dir."""
     settings = parse_settings(list(overrides), quick=quick)
     out_dir = Path(out_dir)
+    pairs = jobs_of(settings, quick, list(overrides))
+    rows = run_jobs(out_dir, [job for _, job in pairs], None, workers=jobs, label="linear-qa",
+                    work=train_job, steps_of=lambda job: job_settings(job).steps)
+    variants = summarise([variant for variant, _ in pairs], rows)
     threads = torch.get_num_threads()
     torch.set_num_threads(settings.threads)
     try:
-        task = ReadingTask(ReadingConfig(n_entities=settings.entities, n_places=settings.places,
-                                         n_relations=settings.relations, doc_len=settings.doc_len,
-                                         queries_per_doc=settings.queries))
-        long_task = ReadingTask(dataclasses.replace(task.config, doc_len=settings.long_len))
-        test = task.batch(settings.test_docs, seed=f"{settings.seed}/test")
-        test_long = long_task.batch(max(settings.test_docs // 4, 8), seed=f"{settings.seed}/long")
-        variants = {}
-        for attention in settings.variants:
-            variants[attention] = train_and_evaluate(attention, task, test, test_long, settings)
-            print(f"linear-qa: {attention:13s} accuracy {100 * variants[attention]['accuracy']:.1f} %"
-                  f"  train {variants[attention]['train_seconds']:.0f} s", flush=True)
         costs = lookup_costs(settings)
     finally:
         torch.set_num_threads(threads)
-
     results = {
         "experiment": "linear-qa",
         "settings": to_dict(settings),
         "quick": quick,
-        "chance": task.chance,
-        "task": to_dict(task.config),
+        "chance": reading_task(settings).chance,
+        "task": to_dict(reading_task(settings).config),
         "variants": variants,
+        "runs": rows,
         "lookup": costs,
         "environment": {"torch": torch.__version__, "threads": settings.threads,
                         "machine": platform.machine(), "processor": platform.processor()},
@@ -136,12 +139,41 @@ def run(out_dir: Path, *, quick: bool = False, overrides: list[str] = (), jobs: 
     return results
 
 
-# Accuracy -----------------------------------------------------------------------------------
+def jobs_of(s: Settings, quick: bool, overrides: list[str]) -> list[tuple[str, Job]]:
+    """(variant, job) for every seed of every variant, seed 0 of each first; a job's settings
+    are the quick ones (if any), the overrides, then its own variant and seed."""
+    base = [*(f"{k}={list(v) if isinstance(v, tuple) else v}" for k, v in (QUICK if quick else {}).items()),
+            *overrides]
+    return [(variant, Job(variant if seed == 0 else f"{variant}, seed {seed}",
+                          (*base, f"variants=[{variant}]", f"seed={seed}")))
+            for seed in range(s.seeds) for variant in s.variants]
 
 
-def train_and_evaluate(attention: str, task: ReadingTask, test: ReadingBatch,
-                       test_long: ReadingBatch, s: Settings) -> dict:
-    """Train one variant from seed `s.seed` on fresh batches; evaluate on the test sets."""
+def job_settings(job: Job) -> Settings:
+    return parse_settings(list(job.settings), quick=False)
+
+
+def reading_task(s: Settings, doc_len: tuple[int, int] | None = None) -> ReadingTask:
+    return ReadingTask(ReadingConfig(n_entities=s.entities, n_places=s.places, n_relations=s.relations,
+                                     doc_len=doc_len or s.doc_len, queries_per_doc=s.queries))
+
+
+def train_job(run_dir: Path, job: Job, measure=None) -> dict:
+    """Train one variant from its seed on fresh batches until it converges (or `steps`), in
+    run_dir: checkpoint.safetensors (model, optimiser, step, evaluations) every evaluation,
+    best.safetensors (the weights of the best validation accuracy), log.jsonl; resumed from
+    the checkpoint when there is one. The row (row.json) is the best weights' test figures."""
+    from memattn.checkpoint import load_checkpoint, restore, save_checkpoint
+
+    row = finished_row(run_dir, job)
+    if row is not None:
+        return row
+    s = job_settings(job)
+    (attention,) = s.variants
+    torch.set_num_threads(s.threads)
+    task = reading_task(s)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    atomic_write(run_dir / "settings.json", lambda tmp: tmp.write_text(json.dumps(list(job.settings))))
     torch.manual_seed(s.seed)
     model = ReadingQA(QAConfig(task.vocab_size, task.n_answers, attention=attention,
                                embed=s.embed, hidden=s.hidden))
@@ -150,15 +182,26 @@ def train_and_evaluate(attention: str, task: ReadingTask, test: ReadingBatch,
 
     def lr_at(step: int) -> float:
         if step < warmup:
-            return (step + 1) / warmup
+            return s.lr * (step + 1) / warmup
         progress = (step - warmup) / max(1, s.steps - warmup)
-        return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress))
+        return s.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress)))
 
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_at)
+    ckpt, best_file, log = run_dir / "checkpoint.safetensors", run_dir / "best.safetensors", run_dir / "log.jsonl"
+    state = {"step": 0, "seconds": 0.0, "evals": [], "best": -1.0, "best_step": 0, "stale": 0}
+    if ckpt.exists():
+        saved = load_checkpoint(ckpt)
+        restore(saved, model, opt)
+        state = saved.meta["state"]
+        kept = [line for line in log.read_text().splitlines() if json.loads(line)["step"] <= state["step"]]
+        atomic_write(log, lambda tmp: tmp.write_text("".join(line + "\n" for line in kept)))
+    val = task.batch(s.val_docs, seed=f"{s.seed}/val")
     model.train()
-    seconds, losses = 0.0, []
-    for step in range(s.steps):
-        batch = task.batch(s.batch, seed=f"{s.seed}/train/{step}")  # same data for every variant
+    losses: list[float] = []
+    while state["step"] < s.steps and state["stale"] < s.patience:
+        step = state["step"]
+        batch = task.batch(s.batch, seed=f"{s.seed}/train/{step}")  # the same data for every variant
+        for group in opt.param_groups:
+            group["lr"] = lr_at(step)
         start = time.perf_counter()
         logits = model(batch.docs, batch.doc_lengths, batch.queries, batch.query_lengths)
         loss = F.cross_entropy(logits.flatten(0, 1), batch.answers.flatten())
@@ -166,24 +209,66 @@ def train_and_evaluate(attention: str, task: ReadingTask, test: ReadingBatch,
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
-        sched.step()
-        seconds += time.perf_counter() - start
+        state["seconds"] += time.perf_counter() - start
+        state["step"] = step + 1
         losses.append(loss.item())
-        if (step + 1) % max(1, s.steps // 6) == 0:
-            recent = statistics.fmean(losses[-max(1, s.steps // 6):])
-            print(f"linear-qa: {attention:13s} step {step + 1:5d}  loss {recent:.3f}  "
-                  f"{seconds:.0f} s", flush=True)
+        if state["step"] % s.eval_every and state["step"] < s.steps:
+            continue
+        model.eval()
+        acc = accuracy(model, val)
+        model.train()
+        improved = acc > state["best"] + s.min_delta
+        state["stale"] = 0 if improved else state["stale"] + 1
+        if acc > state["best"]:
+            state["best"], state["best_step"] = acc, state["step"]
+            save_checkpoint(best_file, model, step=state["step"], meta={"state": dict(state)})
+        record = {"step": state["step"], "loss": round(statistics.fmean(losses), 4), "val_accuracy": acc}
+        state["evals"].append(record)
+        losses = []
+        with open(log, "a") as f:
+            f.write(json.dumps(record) + "\n")
+        save_checkpoint(ckpt, model, step=state["step"], optimizer=opt, meta={"state": state})
+    restore(load_checkpoint(best_file), model)
     model.eval()
-    out = {
+    test = task.batch(s.test_docs, seed=f"{s.seed}/test")
+    test_long = reading_task(s, s.long_len).batch(max(s.test_docs // 4, 8), seed=f"{s.seed}/long")
+    row = {
+        "variant": attention, "seed": s.seed, "settings": list(job.settings),
         "accuracy": accuracy(model, test),
         "accuracy_long": accuracy(model, test_long),
-        "train_seconds": round(seconds, 2),
-        "seconds_per_step": round(seconds / s.steps, 4),
-        "final_loss": round(statistics.fmean(losses[-max(1, s.steps // 10):]), 4),
+        "val_accuracy": state["best"], "best_step": state["best_step"], "steps": state["step"],
+        "converged": state["stale"] >= s.patience,
+        "train_seconds": round(state["seconds"], 2),
+        "seconds_per_step": round(state["seconds"] / max(1, state["step"]), 4),
+        "final_loss": state["evals"][-1]["loss"],
         "parameters": sum(p.numel() for p in model.parameters()),
     }
     if attention in ("linear", "gated-linear"):
-        out["accuracy_from_representations"] = accuracy(model, test, stored=True)
+        row["accuracy_from_representations"] = accuracy(model, test, stored=True)
+    text = json.dumps(row, indent=2) + "\n"
+    atomic_write(run_dir / ROW_FILE, lambda tmp: tmp.write_text(text))
+    return row
+
+
+FIGURES = ("accuracy", "accuracy_long", "accuracy_from_representations", "train_seconds",
+           "seconds_per_step", "final_loss", "steps", "best_step")
+
+
+def summarise(variants: list[str], rows: list[dict]) -> dict[str, dict]:
+    """Per variant: the mean of its seeds' figures, their spread (max − min), and whether
+    every seed converged."""
+    out: dict[str, dict] = {}
+    for variant, row in zip(variants, rows):
+        out.setdefault(variant, {"seeds": 0, "runs": []})["runs"].append(row)
+    for variant, entry in out.items():
+        runs = entry.pop("runs")
+        entry.update(seeds=len(runs), parameters=runs[0]["parameters"],
+                     converged=all(r["converged"] for r in runs))
+        for key in FIGURES:
+            if key in runs[0]:
+                values = [r[key] for r in runs]
+                entry[key] = statistics.fmean(values)
+                entry[f"{key}_spread"] = max(values) - min(values)
     return out
 
 
@@ -281,28 +366,41 @@ def render_markdown(results: dict, command: str) -> str:
         f"document (\"entity_17 lives in @placeholder\"), answered by one of {s['places']} "
         f"places. Chance (any reader that ignores the document): "
         f"{100 * results['chance']:.1f} %. Each variant: the same model (bidirectional GRU, "
-        f"hidden {s['hidden']} per direction, so k = {2 * s['hidden']}), {s['steps']} steps "
-        f"of {s['batch']} documents, the same batches and seed; {s['test_docs']} test "
+        f"hidden {s['hidden']} per direction, so k = {2 * s['hidden']}), batches of "
+        f"{s['batch']} documents (the same batches for every variant of a seed), {s['seeds']} "
+        f"seed(s). Trained to convergence: validation accuracy ({s['val_docs']} documents) "
+        f"every {s['eval_every']} steps, stopped once {s['patience']} evaluations in a row "
+        f"fail to beat the best by {100 * s['min_delta']:g} points (at most {s['steps']:,} "
+        f"steps); the weights of the best validation accuracy are tested on {s['test_docs']} "
         f"documents ({s['test_docs'] * s['queries']} queries); \"longer\" are documents of "
-        f"{s['long_len'][0]}–{s['long_len'][1]} tokens, a length not trained on.",
+        f"{s['long_len'][0]}–{s['long_len'][1]} tokens, a length not trained on. ± is half "
+        "the spread over seeds.",
         "",
-        "| attention | test accuracy | longer documents | from stored C | training time (s) "
-        "| s / step | final loss | parameters |",
-        "|---|---|---|---|---|---|---|---|",
+        "| attention | seeds | test accuracy | longer documents | from stored C | converged | "
+        "best step | steps | training time (s) | s / step | parameters |",
+        "|---|---:|---:|---:|---:|---|---:|---:|---:|---:|---:|",
     ]
+
+    def pct(r: dict, key: str) -> str:
+        if key not in r:
+            return "—"
+        spread = f" ± {50 * r[f'{key}_spread']:.1f}" if r["seeds"] > 1 else ""
+        return f"{100 * r[key]:.1f}{spread} %"
+
     for name, r in v.items():
-        stored = r.get("accuracy_from_representations")
         lines.append(
-            f"| {name} | {100 * r['accuracy']:.1f} % | {100 * r['accuracy_long']:.1f} % | "
-            f"{'—' if stored is None else f'{100 * stored:.1f} %'} | {r['train_seconds']:.0f} | "
-            f"{r['seconds_per_step']:.3f} | {r['final_loss']:.3f} | {r['parameters']:,} |")
+            f"| {name} | {r['seeds']} | {pct(r, 'accuracy')} | {pct(r, 'accuracy_long')} | "
+            f"{pct(r, 'accuracy_from_representations')} | {'yes' if r['converged'] else 'no'} | "
+            f"{r['best_step']:,.0f} | {r['steps']:,.0f} | {r['train_seconds']:.0f} | "
+            f"{r['seconds_per_step']:.3f} | {r['parameters']:,} |")
     ranking = " > ".join(sorted(v, key=lambda n: -v[n]["accuracy"]))
     lines += [
         "",
         "Training time counts the model's steps only (forward, backward, update; not the data "
-        "generation), on a CPU that may be shared with other jobs: compare variants within "
-        "one run. \"From stored C\": the same test queries answered from the documents' "
-        "k×k representations alone (`ReadingQA.represent` then `ReadingQA.answer`).",
+        "generation), on a CPU that may be shared with other jobs. \"From stored C\": the same "
+        "test queries answered from the documents' k×k representations alone "
+        "(`ReadingQA.represent` then `ReadingQA.answer`). Each (variant, seed) is a run folder "
+        "under `runs/` (resumed where it stopped; `--jobs N` trains N at once).",
         "",
         f"Measured ranking by test accuracy: {ranking}. The paper (CNN QA) found softmax > "
         "gated linear > linear > none.",

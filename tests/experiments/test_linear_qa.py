@@ -20,7 +20,7 @@ def test_settings_overrides_are_typed_and_checked():
                        quick=False)
     assert (s.steps, s.lr, s.doc_len, s.lookup_lengths) == (12, 1e-3, (50, 80), (250, 500))
     assert parse_settings([], quick=True).steps == QUICK["steps"] < Settings().steps
-    with pytest.raises(ConfigError, match=r"stepz: unknown key of linear-qa \(known: variants, steps"):
+    with pytest.raises(ConfigError, match=r"stepz: unknown key of linear-qa \(known: variants, seeds, steps"):
         parse_settings(["stepz=3"], quick=False)
     with pytest.raises(ConfigError, match=r"steps: expected an integer, got 'many'"):
         parse_settings(["steps=many"], quick=False)
@@ -36,19 +36,65 @@ def test_settings_overrides_are_typed_and_checked():
 
 
 @pytest.mark.slow
-def test_quick_run_writes_its_results(tmp_path):
-    (tmp_path / "command.txt").write_text("memattn experiment linear-qa --quick steps=8\n")
-    results = get_experiment("linear-qa").run(
-        tmp_path, quick=True, overrides=["steps=8", "test_docs=16", "lookup_lengths=[250,1000]"])
+def test_quick_run_trains_to_convergence_resumably_and_writes_its_results(tmp_path):
+    (tmp_path / "command.txt").write_text("memattn experiment linear-qa --quick steps=30\n")
+    overrides = ["steps=30", "seeds=2", "test_docs=16", "lookup_lengths=[250,1000]"]
+    results = get_experiment("linear-qa").run(tmp_path, quick=True, overrides=overrides, jobs=2)
     assert set(results["variants"]) == {"none", "softmax", "linear", "gated-linear"}
+    assert len(results["runs"]) == 8
     for name, r in results["variants"].items():
-        assert 0.0 <= r["accuracy"] <= 1.0 and r["train_seconds"] > 0
+        assert r["seeds"] == 2 and 0.0 <= r["accuracy"] <= 1.0 and r["train_seconds"] > 0
         assert ("accuracy_from_representations" in r) == (name in ("linear", "gated-linear"))
+    for row in results["runs"]:
+        log = [json.loads(line) for line in
+               (tmp_path / "runs" / row["variant"].replace(" ", "-") if row["seed"] == 0 else
+                tmp_path / "runs" / f"{row['variant']}-seed-{row['seed']}").joinpath("log.jsonl").read_text().splitlines()]
+        # evaluated every 10 steps; stopped at the step budget or once 2 evaluations failed to improve
+        assert [r["step"] for r in log] == list(range(10, row["steps"] + 1, 10))
+        best = max(r["val_accuracy"] for r in log)
+        assert row["val_accuracy"] == best and row["best_step"] == next(r["step"] for r in log if r["val_accuracy"] == best)
+        assert row["converged"] == (row["steps"] < 30) or row["steps"] == 30
     rows = results["lookup"]
     assert [r["n"] for r in rows] == [250, 1000]
     assert all(r["linear_bytes"] == 100 * 100 * 4 and r["softmax_bytes"] == r["n"] * 100 * 4
                for r in rows)
     assert json.loads((tmp_path / "results.json").read_text()) == results
     text = (tmp_path / "results.md").read_text()
-    assert "memattn experiment linear-qa --quick steps=8" in text and "| gated-linear |" in text
+    assert "memattn experiment linear-qa --quick steps=30" in text and "| gated-linear | 2 |" in text
     assert (tmp_path / "linear_qa.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+    # run again: every run folder is finished and reused as it is
+    again = get_experiment("linear-qa").run(tmp_path, quick=True, overrides=overrides, jobs=1)
+    assert again["runs"] == results["runs"]
+
+
+def test_an_interrupted_run_resumes_to_the_same_figures(tmp_path, monkeypatch):
+    import memattn.checkpoint
+    from memattn.experiments._runner import Job
+    from memattn.experiments.linear_qa import train_job
+
+    settings = tuple(f"{k}={list(v) if isinstance(v, tuple) else v}" for k, v in QUICK.items()) + (
+        "steps=30", "patience=5", "test_docs=16", "variants=[linear]", "seed=0")
+    job = Job("linear", settings)
+    whole = train_job(tmp_path / "whole", job)
+
+    class Stop(Exception):
+        pass
+
+    save, saved = memattn.checkpoint.save_checkpoint, []
+
+    def save_then_stop(path, *args, **kwargs):
+        save(path, *args, **kwargs)
+        saved.append(path.name)
+        if saved.count("checkpoint.safetensors") == 2:  # stopped right after the step-20 checkpoint
+            raise Stop
+
+    monkeypatch.setattr(memattn.checkpoint, "save_checkpoint", save_then_stop)
+    with pytest.raises(Stop):
+        train_job(tmp_path / "cut", job)
+    monkeypatch.setattr(memattn.checkpoint, "save_checkpoint", save)
+    resumed = train_job(tmp_path / "cut", job)
+    log = [(tmp_path / d / "log.jsonl").read_text() for d in ("whole", "cut")]
+    assert log[0] == log[1] and [json.loads(line)["step"] for line in log[0].splitlines()] == [10, 20, 30]
+    keys = ("accuracy", "accuracy_long", "accuracy_from_representations", "val_accuracy", "best_step", "steps")
+    assert {k: resumed[k] for k in keys} == {k: whole[k] for k in keys}
