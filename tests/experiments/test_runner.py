@@ -89,5 +89,5 @@ def test_bad_job_lists_are_refused(tmp_path):
 def test_jobs_is_refused_by_single_process_experiments(tmp_path, capsys):
     from memattn.cli import main
 
-    assert main(["experiment", "linear-qa", "--quick", "--jobs", "2", "--out-dir", str(tmp_path)]) == 2
+    assert main(["experiment", "gmat-majority", "--quick", "--jobs", "2", "--out-dir", str(tmp_path)]) == 2
     assert "--jobs" in capsys.readouterr().err
