@@ -35,7 +35,9 @@ def cmd_train(args) -> int:
               f"(train.steps={cfg.train.steps}); nothing to train. Give a larger train.steps to go on.")
     elif summary.get("val"):
         val = summary["val"]
-        score = f"val bpc {val['bpc']:.3f}" if "bpc" in val else f"val perplexity {val['ppl']:.2f}"
+        score = (f"val bpc {val['bpc']:.3f}" if "bpc" in val else
+                 f"val masked accuracy {100 * val['accuracy']:.1f} %" if "accuracy" in val else
+                 f"val perplexity {val['ppl']:.2f}")
         print(f"{summary['attention']}: {summary['params']:,} parameters, {summary['steps']} steps, "
               f"{score}, {summary['tokens_per_s']:,.0f} tokens/s, checkpoint {summary['checkpoint']}")
     return 0
@@ -57,6 +59,8 @@ def cmd_eval(args) -> int:
     ids, chars_per_token, note = checkpoint_split(args.checkpoint, cfg, vocab, args.split)
     if note:
         print(f"memattn eval: note: {note}", file=sys.stderr)
+    if cfg.task == "mlm":
+        return eval_masked(args, model, cfg, ids)
     ids = as_tensor(ids)
     seq_len = args.seq_len or cfg.train.seq_len
     stream = args.stream or cfg.train.segments
@@ -108,6 +112,24 @@ def eval_translation(args, model, cfg, vocab_json) -> int:
     return 0
 
 
+def eval_masked(args, model, cfg, ids) -> int:
+    """`memattn eval` of a masked-LM run: loss, perplexity and accuracy at the masked positions
+    of the split's windows (masks drawn from the run's seed)."""
+    from memattn.evaluate import as_tensor
+    from memattn.masked import evaluate_masked, windows
+
+    if args.stream or args.context:
+        raise MemattnError("--stream / --context: for causal language models, not a masked-LM run")
+    seq_len = args.seq_len or cfg.train.seq_len
+    data = windows(as_tensor(ids), seq_len, args.batches * args.batch_size if args.batches else 1 << 62)
+    result = evaluate_masked(model, data, cfg.model.vocab_size - 1, args.batch_size, cfg.train.seed, args.device)
+    result.update(split=args.split, seq_len=seq_len, checkpoint=str(args.checkpoint))
+    print(json.dumps(result) if args.json else
+          f"{args.split}: loss {result['loss']:.4f} nats, perplexity {result['ppl']:.3f}, accuracy "
+          f"{100 * result['accuracy']:.2f} % over {result['tokens']:,} masked tokens (windows of {seq_len})")
+    return 0
+
+
 def cmd_translate(args) -> int:
     from memattn.data import Vocab
     from memattn.errors import ConfigError
@@ -152,6 +174,10 @@ def cmd_generate(args) -> int:
         raise ConfigError(f"--temperature: expected a finite number >= 0 (0: greedy), got {args.temperature}")
     check_device(args.device)
     model, cfg, vocab_json = model_from_checkpoint(args.checkpoint, args.device)
+    if cfg.task != "lm" or not hasattr(model, "init_cache"):
+        raise ConfigError(f"{args.checkpoint}: a {cfg.task} run{' of a converted model' if cfg.task == 'lm' else ''}; "
+                          "memattn generate continues memattn's causal language models (translate a "
+                          "translation run with memattn translate)")
     vocab = Vocab.from_json(vocab_json)
     if vocab.kind == "char":
         known = set(vocab.symbols) - ({vocab.symbols[vocab.unk_id]} if vocab.unk_id is not None else set())

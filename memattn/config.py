@@ -228,14 +228,17 @@ class TrainConfig:
 
 @dataclass
 class RunConfig:
-    # lm: a causal language model on a corpus; translation: an encoder-decoder on parallel data
-    task: Literal["lm", "translation"] = "lm"
+    # lm: a causal language model on a corpus; mlm: a bidirectional encoder restoring masked
+    # tokens (memattn.masked); translation: an encoder-decoder on parallel data
+    task: Literal["lm", "mlm", "translation"] = "lm"
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
 
     def __post_init__(self) -> None:
-        _one_of("task", self.task, ("lm", "translation"))
+        _one_of("task", self.task, ("lm", "mlm", "translation"))
+        if self.task == "mlm" and (self.train.segments or self.train.distill_weight):
+            raise ConfigError("task=mlm: train.segments and train.distill_weight are for causal language models")
         if (self.task == "translation") != (self.data.corpus == "parallel"):
             raise ConfigError(f"task={self.task}: translation reads parallel data (data.corpus=parallel) "
                               f"and only it does; got data.corpus={self.data.corpus!r}")

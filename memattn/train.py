@@ -318,6 +318,14 @@ def _train(cfg: RunConfig, ddp: Distributed, resume: bool, progress: bool, on_st
         from memattn.data import Vocab
 
         corpus = corpus.encoded_with(Vocab.from_json(source.vocab))
+    if cfg.task == "mlm":
+        from memattn.masked import MaskedLMTask
+
+        if source is not None and source.converted:
+            raise ConfigError("train.init_from: a converted transformers model trains as a causal LM "
+                              "(task=lm); a masked-LM run starts from a memattn masked-LM run")
+        cfg = with_vocab_size(cfg, corpus.vocab.size + 1)  # and the mask token
+        return _train_loop(cfg, ddp, resume, progress, on_step, device, MaskedLMTask(cfg, corpus, source))
     cfg = with_vocab_size(cfg, corpus.vocab.size)
     train_ids, val_ids = as_tensor(corpus.train), as_tensor(corpus.val)
     for split, ids in (("training", train_ids), ("validation", val_ids)):
@@ -374,12 +382,13 @@ class LanguageModelData(NamedTuple):
 
 def _train_loop(cfg: RunConfig, ddp: Distributed, resume: bool, progress: bool, on_step, device,
                 data) -> dict[str, Any]:
-    """The loop shared by the tasks: `data` is a LanguageModelData or a TranslationTask."""
+    """The loop shared by the tasks: `data` is a LanguageModelData, or the task's object
+    (TranslationTask, MaskedLMTask: batch, loss, evaluate)."""
     tc = cfg.train
-    task = data if cfg.task == "translation" else None
+    task = data if cfg.task != "lm" else None
     if task is not None:
         cfg = task.cfg
-        corpus, source = task.corpus, None
+        corpus, source = task.corpus, task.source
     else:
         corpus, source, train_ids, val_ids = data
     out = Path(tc.out_dir)
@@ -463,11 +472,10 @@ def _train_loop(cfg: RunConfig, ddp: Distributed, resume: bool, progress: bool, 
         if task is not None:
             batch = task.batch(step, ddp.rank, ddp.world).to(device)
             torch.manual_seed(step_seed(tc.seed, step, ddp.rank))  # dropout of this step
-            loss_sum, tokens = task.loss(wrapped, batch)
-            # the mean over the global batch's target tokens, whatever rank holds them: DDP
-            # averages the ranks' gradients of loss_sum / (tokens per rank on average)
-            per_rank = ddp.mean(float(tokens))
-            loss, step_tokens = loss_sum / per_rank, per_rank
+            loss_sum, scored = task.loss(wrapped, batch)
+            # the mean over the global batch's scored tokens, whatever rank holds them: DDP
+            # averages the ranks' gradients of loss_sum / (scored tokens per rank on average)
+            loss, step_tokens = loss_sum / ddp.mean(float(scored)), ddp.mean(float(task.tokens(batch)))
         else:
             if tc.segments:
                 segment = step % n_segments
@@ -516,7 +524,7 @@ def _train_loop(cfg: RunConfig, ddp: Distributed, resume: bool, progress: bool, 
         if done % tc.eval_every == 0 or done == tc.steps:
             if task is not None:
                 last_val = task.evaluate(model, device)
-                record.update(step=done, val_loss=last_val["loss"], val_ppl=last_val["ppl"])
+                record.update(step=done, **{f"val_{k}": last_val[k] for k in task.logged})
             else:
                 last_val = evaluate(model, val_ids, seq_len=tc.seq_len, batch_size=tc.batch_size,
                                     max_batches=tc.eval_batches, device=device, segments=tc.segments,
@@ -597,6 +605,10 @@ def build_model(cfg: RunConfig) -> torch.nn.Module:
     transformers model that train.init_from names, or a CausalLM."""
     if cfg.task == "translation":
         return EncoderDecoder(cfg.model)
+    if cfg.task == "mlm":
+        from memattn.models import Encoder
+
+        return Encoder(cfg.model)
     if cfg.train.init_from:
         from memattn.warmstart import read_source
 

@@ -93,6 +93,9 @@ def check_lengths(corpus, max_len: int) -> None:
 class TranslationTask:
     """Parallel data for the training loop: batch of step s, loss and validation."""
 
+    logged = ("loss", "ppl")  # the validation figures the training log keeps
+    source = None  # no train.init_from
+
     def __init__(self, cfg: RunConfig, corpus) -> None:
         self.cfg = cfg
         self.corpus = corpus
@@ -111,6 +114,10 @@ class TranslationTask:
         g = torch.Generator().manual_seed(step_seed(self.cfg.train.seed, step))
         rows = torch.randint(len(self.train_split), (self.cfg.train.batch_size,), generator=g)
         return pair_batch(self.train_split, rows.chunk(world)[rank].tolist(), self.vocab)
+
+    def tokens(self, batch: PairBatch) -> int:
+        """Tokens a batch trains on (for tokens/s): its real target tokens."""
+        return int((batch.tgt_out != self.vocab.pad_id).sum())
 
     def loss(self, model, batch: PairBatch) -> tuple[torch.Tensor, int]:
         """(summed label-smoothed loss, real target tokens) of a batch."""

@@ -44,6 +44,7 @@ import torch.nn.functional as F
 from memattn.config import AttentionConfig, ModelConfig
 from memattn.data import load_corpus
 from memattn.errors import ConfigError
+from memattn.masked import mask_tokens, windows
 from memattn.experiments import single_process
 from memattn.experiments._common import command_of, plot_curves, train_steps, write_results
 from memattn.models import Compressor, Encoder
@@ -52,7 +53,6 @@ from memattn.typed import parse_settings
 
 DESCRIPTION = "GMAT: masked LM with chunked attention, without and with memory, and compressed into M vectors"
 NAME = "gmat-mlm"
-MASK_RATE = 0.15
 
 
 @dataclass
@@ -103,25 +103,6 @@ class Settings:
 QUICK = dict(seq_len=128, chunk_size=32, num_memory=16, d_model=32, n_heads=2, n_layers=2,
              n_compress=1, n_memory_layers=1, n_decompress=1, steps=30, batch=8, warmup=5,
              compressor_warmup=5, eval_windows=8, compressor_out="")
-
-
-def mask_tokens(ids: torch.Tensor, mask_id: int, vocab: int, generator: torch.Generator
-                ) -> tuple[torch.Tensor, torch.Tensor]:
-    """BERT masking of ids [B, L]: (inputs [B, L], chosen bool [B, L]: the positions to predict)."""
-    chosen = torch.rand(ids.shape, generator=generator) < MASK_RATE
-    action = torch.rand(ids.shape, generator=generator)
-    random_ids = torch.randint(0, vocab, ids.shape, generator=generator)
-    inputs = torch.where(chosen & (action < 0.8), mask_id, ids)
-    inputs = torch.where(chosen & (action >= 0.8) & (action < 0.9), random_ids, inputs)
-    return inputs, chosen
-
-
-def windows(ids: torch.Tensor, seq_len: int, count: int) -> torch.Tensor:
-    """The first `count` consecutive windows of seq_len tokens: [count', seq_len]."""
-    n = min(count, len(ids) // seq_len)
-    if n == 0:
-        raise ConfigError(f"seq_len: the split holds {len(ids)} tokens, fewer than one window of {seq_len}")
-    return ids[: n * seq_len].view(n, seq_len)
 
 
 class Variant:

@@ -12,7 +12,6 @@ from memattn.errors import ConfigError
 from memattn.experiments import get_experiment
 from memattn.typed import parse_settings
 from memattn.experiments.gmat_majority import Settings, majority_batch
-from memattn.experiments.gmat_mlm import MASK_RATE, mask_tokens
 
 
 def test_both_are_registered_experiments():
@@ -52,15 +51,6 @@ def test_runs_segments_mislead_a_chunk_but_have_wide_margins():
     # |2·ones - n| ≈ 0.8·|2k - n| for a prefix of k uniform in 1 … n-1: mean ≈ 0.8 · n / 2
     margin = (2 * bits.sum(1) - 512).abs().float().mean().item()
     assert abs(margin - 0.8 * 256) < 8
-
-
-def test_bert_masking_rates():
-    ids = torch.randint(0, 50, (64, 512), generator=torch.Generator().manual_seed(0))
-    inputs, chosen = mask_tokens(ids, 50, 50, torch.Generator().manual_seed(1))
-    assert abs(chosen.float().mean().item() - MASK_RATE) < 0.01
-    assert (inputs[~chosen] == ids[~chosen]).all()
-    masked = (inputs == 50)
-    assert abs(masked[chosen].float().mean().item() - 0.8) < 0.03 and not masked[~chosen].any()
 
 
 def test_settings_are_typed_and_checked():
