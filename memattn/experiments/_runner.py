@@ -87,7 +87,7 @@ def train_and_measure(run_dir: Path, job: Job, measure: Measure) -> dict[str, An
     speeds = sorted(r["tokens_per_s"] for r in log if "tokens_per_s" in r)
     row = {"model": job.name, "settings": list(job.settings), "params": summary["params"],
            "steps": summary["steps"],
-           **{f"val_{k}": summary["val"][k] for k in ("bpc", "ppl") if k in summary["val"]},
+           **{f"val_{k}": summary["val"][k] for k in ("bpc", "ppl", "accuracy") if k in summary["val"]},
            "train_s": round(summary["train_seconds"], 1),
            "train_tokens_per_s": speeds[len(speeds) // 2] if speeds else 0.0,
            **measure(model, cfg, run_dir)}

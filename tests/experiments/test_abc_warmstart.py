@@ -25,6 +25,15 @@ def test_quick_run_pretrains_then_starts_every_conversion_from_it(text_file, tmp
     table = (out / "results.md").read_text()
     assert "| abc-random, M=8, from scratch |" in table and "The paper found / we measured" in table
 
+    # the masked-LM half: encoders, started from a pretrained softmax encoder or from scratch
+    masked = json.loads((out / "mlm" / "results.json").read_text())
+    assert [m["model"] for m in masked["models"]] == names
+    for m in masked["models"]:
+        assert 0.0 <= m["test_accuracy"] <= 1.0 and m["test_tokens"] > 0
+    encoder = json.loads((out / "mlm" / "runs" / "abc-mlp-m4-from-softmax" / "settings.json").read_text())
+    assert "task=mlm" in encoder and f"train.init_from={out / 'mlm' / 'runs' / 'softmax-pretrained'}" in encoder
+    assert "masked accuracy" in (out / "mlm" / "results.md").read_text()
+
 
 def test_findings_compare_each_start():
     def m(name, bpc):
