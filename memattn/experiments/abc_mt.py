@@ -7,8 +7,9 @@ book, `memattn.data.bible`), a joint BPE vocabulary, label smoothing. Every mode
 trunk and trains the same steps on the same batches; the encoder is softmax except in
 MLP-exp-all. Rows (cross / causal memory sizes): softmax BASE; ABC_MLP 32/32 and 32/8;
 Linformer, ABC_RD, window and cluster at 32/32; ABC_MLP with relu and sigmoid control at 32/8;
-MLP-exp-all (ABC_MLP everywhere, encoder 32); and Table 7's grid of cross ∈ {8, 16, 32, 64}
-× causal ≤ cross for ABC_MLP. BASE and ABC_MLP 32/8 run two seeds.
+MLP-exp-all (ABC_MLP everywhere, encoder 32); and of Table 7's grid of cross ∈ {8, 16, 32, 64}
+× causal ≤ cross for ABC_MLP the cells causal 8 and causal = cross (the others left out for
+the CPU budget). BASE and ABC_MLP 32/8 run two seeds.
 
 Each model is measured on the test split: loss and perplexity of the references, SacreBLEU
 and chrF of beam-search translations, and, for softmax and ABC_MLP (Figure 1), the time to
@@ -71,9 +72,10 @@ MODELS: list[Model] = [
     ("abc-mlp sigmoid 32/8", "abc-mlp", mlp(32, 8, activation="sigmoid"), 1, ()),
     ("MLP-exp-all 32/8", "abc-mlp", mlp(32, 8), 1,
      ("model.encoder_attention.name=abc-mlp", "model.encoder_attention.num_slots=32")),
+    # Table 7's grid, as far as a CPU budget goes: every cross size with causal 8 and with
+    # causal = cross (32/8 and 32/32 are rows above)
     *[(f"abc-mlp {cross}/{causal}", "abc-mlp", mlp(cross, causal), 1, ())
-      for cross in (8, 16, 32, 64) for causal in (8, 16, 32, 64)
-      if causal <= cross and (cross, causal) not in ((32, 32), (32, 8))],
+      for cross in (8, 16, 64) for causal in sorted({8, cross})],
 ]
 QUICK_MODELS: list[Model] = [
     ("softmax BASE", "softmax", {}, 2, ()),

@@ -34,9 +34,9 @@ def test_quick_run_writes_the_tables_and_the_decoding_figure(tmp_path):
 def test_the_full_experiment_plans_every_row_and_table_7s_grid():
     pairs = jobs_of(MODELS, FULL)
     names = [job.name for _, job in pairs]
-    assert len(names) == len(set(names)) == 20
+    assert len(names) == len(set(names)) == 17
     assert sum(name.endswith("seed 1") for name in names) == 2
-    sizes = {(c, k) for c in (8, 16, 32, 64) for k in (8, 16, 32, 64) if k <= c}
+    sizes = {(c, k) for c in (8, 16, 32, 64) for k in (8, c)}
     fake = [{"model": m[0], "test_bleu": 0.0} for m in MODELS]
     assert set(grid_cells(fake)) == sizes
     exp_all = next(job for _, job in pairs if job.name == "MLP-exp-all 32/8")
