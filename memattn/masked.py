@@ -56,7 +56,7 @@ class MaskedBatch(NamedTuple):
 
 def masked_loss(model, batch: MaskedBatch) -> tuple[torch.Tensor, torch.Tensor, int]:
     """(summed cross-entropy at the chosen positions, their logits [N, V], N)."""
-    logits = model.mlm_logits(model(batch.inputs))[batch.chosen]
+    logits = model(batch.inputs, mlm=True)[batch.chosen]
     return F.cross_entropy(logits.float(), batch.targets[batch.chosen], reduction="sum"), logits, len(logits)
 
 
@@ -91,7 +91,7 @@ class MaskedLMTask:
         return batch.inputs.numel()
 
     def loss(self, model, batch: MaskedBatch) -> tuple[torch.Tensor, int]:
-        total, _, count = masked_loss(model.module if hasattr(model, "module") else model, batch)
+        total, _, count = masked_loss(model, batch)
         return total, count
 
     def evaluate(self, model, device, ids: torch.Tensor | None = None,

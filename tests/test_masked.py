@@ -68,3 +68,22 @@ def test_an_encoder_learns_resumes_exactly_and_evaluates(text_file, tmp_path, ca
 def test_what_masked_lm_cannot_do_is_refused(text_file, tmp_path):
     with pytest.raises(ConfigError, match="task=mlm: train.segments and train.distill_weight"):
         load_config("tiny", tiny_overrides(text_file, tmp_path, "task=mlm", "train.segments=true"))
+
+
+@pytest.mark.slow
+def test_two_process_data_parallel_matches_one_process(text_file, tmp_path):
+    import os
+    import subprocess
+    import sys
+
+    extra = ("task=mlm", "train.steps=6", "train.log_every=1", "train.eval_every=6", "train.batch_size=8")
+    train(load_config("tiny", tiny_overrides(text_file, tmp_path / "one", *extra)), progress=False)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m", "memattn",
+           "train", "--config", "tiny", "--quiet", *tiny_overrides(text_file, tmp_path / "two", *extra)]
+    done = subprocess.run(cmd, env=dict(os.environ, OMP_NUM_THREADS="1"), capture_output=True, text=True,
+                          timeout=240)
+    assert done.returncode == 0, done.stderr[-3000:]
+    summary = json.loads((tmp_path / "two" / "run" / "summary.json").read_text())
+    assert summary["ranks_in_sync"] is True
+    for r1, r2 in zip(read_log(tmp_path / "one" / "run"), read_log(tmp_path / "two" / "run")):
+        assert r2["loss"] == pytest.approx(r1["loss"], rel=1e-4)

@@ -30,52 +30,49 @@ prepended "▁"): no cut passes the check.
 
 from __future__ import annotations
 
-import hashlib
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from memattn.data import bpe
-from memattn.data.vocab import checked_ids, id_dtype
 from memattn.errors import ConfigError
 
-_JSON_VERSION = 1
 _WINDOW = 256  # characters on each side of a cut encoded to check it
 
 
-class PretrainedVocab:
+class PretrainedVocab(bpe.TokenizerVocab):
     """The vocabulary of a pretrained `tokenizers` tokenizer (see the module docstring).
 
     `size`: one more than the largest id, added tokens included (the number of tokens when
     ids have no gaps, as `len(tokenizer)` in transformers). `name`: where the tokenizer came
     from (a folder or hub name), a label only: vocabularies are equal when their tokenizers
-    are.
+    are. `encode` gives the ids of transformers' `tokenizer(text, add_special_tokens=False)`;
+    `decode` writes special tokens too.
 
     Build one with `PretrainedVocab.load`; save it with `to_json` (which holds the whole
     tokenizer) and rebuild it with `PretrainedVocab.from_json` or `Vocab.from_json`.
     """
 
     kind = "pretrained"
+    _arg, _what, _saved_what = "tokenizer", "a pretrained tokenizer", "a pretrained vocabulary"
+    _size_counts = "ids"
 
     def __init__(self, tokenizer_json: str, name: str = "") -> None:
         """The vocabulary of a tokenizer saved as JSON (`tokenizers.Tokenizer.to_str()`);
         ValueError if it is not one."""
-        tokenizers = bpe.require_tokenizers("tokenizer", "a pretrained tokenizer")
-        try:
-            tok = tokenizers.Tokenizer.from_str(tokenizer_json)
-        except Exception as e:  # tokenizers raises its own Exception type for a bad JSON
-            raise ValueError(f"tokenizer_json: not a tokenizer saved by tokenizers ({e})") from None
+        self.name = name
+        super().__init__(tokenizer_json)
+
+    def _prepare(self, tok: Any) -> int:
         tok.no_truncation()
         tok.no_padding()
-        self._tokenizer = tok
-        self.tokenizer_json: str = tok.to_str()
-        self.name = name
-        ids = tok.get_vocab(with_added_tokens=True).values()
-        self.size: int = max(max(ids, default=-1) + 1, tok.get_vocab_size(with_added_tokens=True))
-        if self.size == 0:
-            raise ValueError("tokenizer_json: the tokenizer has no tokens")
         self._cuttable = tok.pre_tokenizer is not None  # else its model reads the text as one word
+        ids = tok.get_vocab(with_added_tokens=True).values()
+        size = max(max(ids, default=-1) + 1, tok.get_vocab_size(with_added_tokens=True))
+        if size == 0:
+            raise ValueError("tokenizer_json: the tokenizer has no tokens")
+        return size
 
     # -- construction ---------------------------------------------------------------------
 
@@ -89,7 +86,7 @@ class PretrainedVocab:
             raise ConfigError(f"{arg}: expected a tokenizer name or folder, got {name!r}")
         path = Path(name)
         if (path / "tokenizer.json").is_file():
-            bpe.require_tokenizers(arg, "a pretrained tokenizer")
+            bpe.require_tokenizers(arg, cls._what)
             try:
                 return cls((path / "tokenizer.json").read_text(encoding="utf-8"), name)
             except (OSError, UnicodeDecodeError, ValueError) as e:
@@ -101,32 +98,9 @@ class PretrainedVocab:
 
     # -- encoding -------------------------------------------------------------------------
 
-    @property
-    def dtype(self) -> np.dtype:
-        """dtype of encoded arrays: the smallest of uint8 / uint16 / int32 that fits."""
-        return id_dtype(self.size)
-
-    def encode(self, text: str) -> np.ndarray:
-        """Token ids of `text` as a 1-D array of `self.dtype`, without BOS / EOS: those of
-        transformers' `tokenizer(text, add_special_tokens=False)`. Long texts are encoded
-        in pieces, in parallel, to the same ids (see the module docstring)."""
-        if not isinstance(text, str):
-            raise TypeError(f"text: a pretrained tokenizer encodes str, got {type(text).__name__}")
-        return np.concatenate(bpe.encode_texts(self._tokenizer, self._pieces(text), self.dtype,
-                                               "a pretrained tokenizer"))
-
-    def encode_batch(self, texts: list[str]) -> list[np.ndarray]:
-        """`encode` of each of `texts`, each encoded whole, in parallel. Returns one 1-D
-        array of `self.dtype` per text."""
-        return bpe.encode_texts(self._tokenizer, texts, self.dtype, "a pretrained tokenizer")
-
-    def decode(self, ids: Any) -> str:
-        """The text of token ids (a list, numpy array, torch tensor or int, any shape, read
-        in row-major order), special tokens included. Returns a str."""
-        arr = checked_ids(ids, self.size)
-        if arr.size == 0:
-            return ""
-        return self._tokenizer.decode(arr.tolist(), skip_special_tokens=False)
+    def _decode(self, ids: np.ndarray) -> str:
+        """Every token is written, special ones included."""
+        return self._tokenizer.decode(ids.tolist(), skip_special_tokens=False)
 
     def _pieces(self, text: str) -> list[str]:
         """`text` in pieces whose ids, concatenated, are the ids of `text`."""
@@ -151,45 +125,18 @@ class PretrainedVocab:
     # -- saving ---------------------------------------------------------------------------
 
     def to_json(self) -> dict[str, Any]:
-        """A JSON-ready dict that `PretrainedVocab.from_json` (or `Vocab.from_json`) turns
-        back into an equal vocabulary, offline: the whole tokenizer is in it."""
-        return {"version": _JSON_VERSION, "kind": self.kind, "name": self.name, "size": self.size,
+        """The base's JSON with the `name` in it too."""
+        return {"version": self._json_version, "kind": self.kind, "name": self.name, "size": self.size,
                 "tokenizer": self.tokenizer_json}
 
     @classmethod
-    def from_json(cls, data: dict[str, Any]) -> PretrainedVocab:
-        """The PretrainedVocab saved by `to_json`. Raises ValueError for a dict it did not write."""
-        if not isinstance(data, dict) or data.get("kind") != cls.kind:
-            raise ValueError(f"vocab: expected a dict with kind {cls.kind!r}, got {data!r:.200}")
-        if data.get("version", _JSON_VERSION) > _JSON_VERSION:
-            raise ValueError(f"vocab: saved with format version {data['version']}, newer than {_JSON_VERSION}")
-        if not isinstance(data.get("tokenizer"), str):
-            raise ValueError("vocab: a pretrained vocabulary needs its 'tokenizer' JSON string")
-        vocab = cls(data["tokenizer"], str(data.get("name", "")))
-        if "size" in data and data["size"] != vocab.size:
-            raise ValueError(f"vocab: 'size' is {data['size']} but the tokenizer has {vocab.size} ids")
-        return vocab
-
-    @property
-    def fingerprint(self) -> str:
-        """Hex SHA-256 of the tokenizer's JSON: equal vocabularies have equal fingerprints."""
-        return hashlib.sha256(self.tokenizer_json.encode("utf-8")).hexdigest()
+    def _from_saved(cls, data: dict[str, Any]) -> PretrainedVocab:
+        return cls(data["tokenizer"], str(data.get("name", "")))
 
     # -- misc -----------------------------------------------------------------------------
 
-    def __len__(self) -> int:
-        return self.size
-
-    def __eq__(self, other: object) -> bool:
-        if not isinstance(other, PretrainedVocab):
-            return NotImplemented
-        return self.tokenizer_json == other.tokenizer_json
-
-    def __hash__(self) -> int:
-        return hash(self.tokenizer_json)
-
     def __reduce__(self) -> tuple[Any, ...]:
-        return (PretrainedVocab, (self.tokenizer_json, self.name))
+        return (type(self), (self.tokenizer_json, self.name))
 
     def __repr__(self) -> str:
         return f"PretrainedVocab({self.name!r}, size={self.size})"

@@ -24,8 +24,12 @@ class Encoder(Transformer):
         if cfg.tie_embeddings:
             self.mlm_head.weight = self.embed.weight
 
-    def forward(self, idx: torch.Tensor, *, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
-        return self.hidden(idx, attention_mask=attention_mask)
+    def forward(self, idx: torch.Tensor, *, attention_mask: torch.Tensor | None = None,
+                mlm: bool = False) -> torch.Tensor:
+        """Hidden states [B, T, d], or with `mlm` the masked-LM logits [B, T, vocab] (one call,
+        so that a data-parallel wrapper sees the head's use in its forward)."""
+        hidden = self.hidden(idx, attention_mask=attention_mask)
+        return self.mlm_logits(hidden) if mlm else hidden
 
     def mlm_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.mlm_head(hidden)
