@@ -283,15 +283,18 @@ def cmd_info(args) -> int:
         cfg = _run_config(args)
         vocab = cfg.model.vocab_size or 256
         model = CausalLM(dataclasses.replace(cfg.model, vocab_size=vocab)).eval()
-    fixed, per_token = state_memory(model, (min(64, cfg.model.max_len // 2), min(128, cfg.model.max_len)))
+    causal = cfg.task == "lm" and hasattr(model, "init_cache")  # a memattn causal LM decodes
+    fixed, per_token = (state_memory(model, (min(64, cfg.model.max_len // 2), min(128, cfg.model.max_len)))
+                        if causal else (None, None))
     m = cfg.model
     info = {
-        "attention": m.attention.name, "options": m.attention.options,
+        "task": cfg.task, "attention": m.attention.name, "options": m.attention.options,
         "parameters": model.num_parameters(), "layers": m.n_layers, "d_model": m.d_model,
-        "heads": m.n_heads, "positions": m.positions, "vocab_size": model.cfg.vocab_size,
+        "heads": m.n_heads, "positions": m.positions, "vocab_size": model.cfg.vocab_size if hasattr(model, "cfg") else m.vocab_size,
         "state_fixed_bytes": fixed, "state_bytes_per_token": per_token,
     }
-    spans = {i: b.attn.spans() for i, b in enumerate(model.blocks) if getattr(b.attn, "spans", None)}
+    blocks = getattr(model, "blocks", [])
+    spans = {i: b.attn.spans() for i, b in enumerate(blocks) if getattr(b.attn, "spans", None)}
     if any(spans.values()):  # adaptive attention span: z per head (tokens), per layer
         info["spans"] = {str(i): [round(z, 1) for z in zs] for i, zs in spans.items() if zs}
     if args.json:
@@ -299,10 +302,14 @@ def cmd_info(args) -> int:
         return 0
     print(f"attention      {info['attention']} {info['options'] or ''}")
     print(f"parameters     {info['parameters']:,}")
-    print(f"shape          {m.n_layers} layers, d_model {m.d_model}, {m.n_heads} heads, "
-          f"{m.positions} positions, vocabulary {info['vocab_size']}")
-    print(f"decoding state {fixed:,} bytes fixed + {per_token:,.0f} bytes per token of context"
-          f" (batch 1, fp32{'; constant in context length' if per_token == 0 else ''})")
+    if causal or cfg.task != "lm":  # a converted model's shape is its own config's
+        print(f"shape          {m.n_layers} layers, d_model {m.d_model}, {m.n_heads} heads, "
+              f"{m.positions} positions, vocabulary {info['vocab_size']}")
+    if causal:
+        print(f"decoding state {fixed:,} bytes fixed + {per_token:,.0f} bytes per token of context"
+              f" (batch 1, fp32{'; constant in context length' if per_token == 0 else ''})")
+    else:
+        print(f"task           {cfg.task}" + (" (a converted transformers model)" if cfg.task == "lm" else ""))
     for n, (i, zs) in enumerate(info.get("spans", {}).items()):
         print(f"{'learned spans' if n == 0 else '':<15}layer {i}: {', '.join(f'{z:g}' for z in zs)} tokens")
     if args.mechanisms:

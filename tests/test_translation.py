@@ -165,3 +165,10 @@ def test_two_process_data_parallel_matches_one_process(pairs, tmp_path):
         for key in ("loss", "val_loss"):
             if key in r1:
                 assert r2[key] == pytest.approx(r1[key], rel=1e-4), (r1, r2)
+
+
+def test_info_describes_translation_and_masked_runs(pairs, tmp_path, capsys):
+    train(load_config(None, settings(pairs, tmp_path, "train.steps=2")), progress=False)
+    assert main(["info", "--checkpoint", str(tmp_path / "run"), "--json"]) == 0
+    info = json.loads(capsys.readouterr().out)
+    assert info["task"] == "translation" and info["state_bytes_per_token"] is None and info["parameters"] > 0
