@@ -543,7 +543,7 @@ def build_parser() -> argparse.ArgumentParser:
     tr.add_argument("--beam", type=int, default=5, help="beam size (1: greedy; default: %(default)s)")
     tr.add_argument("--length-penalty", type=float, default=0.6,
                     help="GNMT length penalty alpha, ((5 + length) / 6) ** alpha (default: %(default)s)")
-    tr.add_argument("--max-len", type=int, default=0, help="longest output in tokens (default: model.max_len - 1)")
+    tr.add_argument("--max-len", type=int, default=0, help="longest output in tokens (default: twice the longest source of its batch plus 10, at most model.max_len - 1)")
     tr.add_argument("--batch-size", type=int, default=32, help="sentences decoded together")
     tr.add_argument("--device", default="cpu", help="torch device to run on")
     tr.set_defaults(fn=cmd_translate)

@@ -158,11 +158,11 @@ def translate_texts(model, vocab, texts: list[str], *, beam: int = 1, length_pen
                     where: str = "input") -> list[str]:
     """Each source text translated: greedy (beam=1) or beam search, in batches of batch_size
     sources sorted by length. A source longer than model.max_len is a ConfigError naming its
-    line in `where`; outputs stop at </s> or max_len tokens (default: model.max_len - 1)."""
+    line in `where`; outputs stop at </s> or at max_len tokens (default: twice the batch's
+    longest source plus 10, at most model.max_len - 1)."""
     from memattn.decoding import beam_search, greedy
 
     limit = model.cfg.max_len
-    max_len = min(max_len or limit - 1, limit - 1)
     encoded = []
     for i, text in enumerate(texts):
         ids = vocab.encode(text)
@@ -178,7 +178,8 @@ def translate_texts(model, vocab, texts: list[str], *, beam: int = 1, length_pen
     for start in range(0, len(order), batch_size):
         rows = order[start:start + batch_size]
         src = pad_rows([encoded[i] for i in rows], vocab.pad_id).to(device)
-        how = dict(src_mask=src != vocab.pad_id, bos=vocab.bos_id, eos=vocab.eos_id, max_len=max_len)
+        longest = min(max_len or 2 * src.shape[1] + 10, limit - 1)
+        how = dict(src_mask=src != vocab.pad_id, bos=vocab.bos_id, eos=vocab.eos_id, max_len=longest)
         hyps = (greedy(model, src, **how) if beam == 1 else
                 beam_search(model, src, beam=beam, length_penalty=length_penalty, **how))
         for i, ids in zip(rows, hyps):
