@@ -12,6 +12,13 @@
 #   bash benchmarks/gpu_session.sh kernels   benchmarks/gpu_kernels.py: memattn's Triton kernels
 #                                            against fla's chunk_abc and FlashAttention
 #   bash benchmarks/gpu_session.sh bench     memattn bench all --device cuda --dtype bf16
+#   bash benchmarks/gpu_session.sh experiment NAME [key=value ...]
+#                                            `memattn experiment NAME` on the GPU for at most
+#                                            9 minutes, its run folders under runs/gpu-NAME
+#                                            (kept on a warm machine: call again to go on),
+#                                            then its tables to $OUT. Data the machine cannot
+#                                            prepare travels in .data/ (e.g. the Bible pairs of
+#                                            abc-mt: data.path=.data/bible-en-es)
 #
 # $OUT (the device tool's) collects the logs and results; device.txt names the GPU, driver,
 # torch and Triton versions.
@@ -28,5 +35,10 @@ case "$phase" in
   tests) python3 -m pytest -q -n 8 -p no:cacheprovider --durations=10 2>&1 | tee "$OUT/tests.log" ;;
   kernels) python3 benchmarks/gpu_kernels.py --out "$OUT/kernels" 2>&1 | tee "$OUT/kernels.log" ;;
   bench) python3 -m memattn bench all --device cuda --dtype bf16 --out "$OUT/bench" 2>&1 | tee "$OUT/bench.log" ;;
-  *) echo "usage: $0 tests|kernels|bench" >&2; exit 2 ;;
+  experiment)
+    name=${2:?experiment name}; shift 2
+    timeout 540 python3 -m memattn experiment "$name" --jobs 1 --out-dir "runs/gpu-$name" train.device=cuda "$@" \
+      2>&1 | tee "$OUT/$name.log" || true
+    cp runs/gpu-"$name"/results.md runs/gpu-"$name"/results.json "$OUT/" 2>/dev/null || true ;;
+  *) echo "usage: $0 tests|kernels|bench|experiment NAME [key=value ...]" >&2; exit 2 ;;
 esac
