@@ -197,7 +197,7 @@ def cmd_generate(args) -> int:
     sys.stdout.write(args.prompt)
     start = time.perf_counter()
     for token in generate(model, prompt[None], args.tokens, temperature=args.temperature,
-                          top_k=args.top_k, seed=args.seed):
+                          top_k=args.top_k, seed=args.seed, compile=args.compile):
         ids.extend(token.tolist())
         # Decoded after what precedes it, a subword keeps its leading space and a byte joins
         # the character it belongs to; an unfinished character (U+FFFD last) waits a token.
@@ -557,6 +557,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--temperature", type=float, default=0.8, help="0 for greedy")
     g.add_argument("--top-k", type=int, default=0, help="sample among the k likeliest (0: all)")
     g.add_argument("--seed", type=int, default=0, help="sampling seed")
+    g.add_argument("--compile", action="store_true",
+                   help="decode through torch.compile (compiles first: tens of seconds on a CPU)")
     g.add_argument("--device", default="cpu", help="torch device to run on")
     g.set_defaults(fn=cmd_generate)
 
