@@ -33,6 +33,7 @@ from memattn.bench.timing import failure, synchronize
 from memattn.models import CausalLM
 
 NAME = "decode"
+COMPILE_WARMUP = 3  # untimed compiled steps: the first compiles, the next may once more for dynamic shapes
 
 
 def _section(s: BenchSettings) -> Section:
@@ -42,7 +43,8 @@ def _section(s: BenchSettings) -> Section:
         metrics.append(Metric("peak_bytes", "CUDA peak while decoding", fmt_bytes))
     d = s.sizes.decode
     return Section(NAME, "Greedy decoding against context length",
-                   f"Batch {d.batch}; the median of {d.steps} greedy steps at each context, after "
+                   ("Every model's one-token step compiled (torch.compile, dynamic shapes). " if d.compile else "")
+                   + f"Batch {d.batch}; the median of {d.steps} greedy steps at each context, after "
                    f"{s.warmup} untimed. ms per token: one step, which gives a token to each "
                    "sequence. State bytes: the decoding state's tensors at that context, per "
                    "sequence." + (" CUDA peak: `max_memory_allocated` over the timed steps above "
@@ -86,7 +88,7 @@ def run(s: BenchSettings, progress: Progress) -> Result:
 
 def _lm(choice: Choice, s: BenchSettings) -> CausalLM:
     torch.manual_seed(0)
-    max_len = max(s.sizes.decode.contexts) + s.warmup + s.sizes.decode.steps + 1
+    max_len = max(s.sizes.decode.contexts) + s.warmup + s.sizes.decode.steps + COMPILE_WARMUP + 1
     return CausalLM(model_config(choice.name, choice.options, s.sizes.lm, max_len))
 
 
@@ -130,7 +132,12 @@ def decode_model(build, like: Row, s: BenchSettings, progress: Progress, strict:
         return [row_at(c, status=status, reason=reason) for c in contexts]
     weights = torch.cuda.memory_allocated(s.device) if s.device.type == "cuda" else 0
     gen = torch.Generator(device=s.device).manual_seed(0)
-    held = {"cache": None, "position": 0, "logits": None}
+    held = {"cache": None, "position": 0, "logits": None, "compiled": 0}
+    step = model
+    if d.compile:
+        from memattn.generate import decoding_step
+
+        step = decoding_step(model)
 
     def at(c: int) -> dict[str, float]:
         if held["cache"] is None or held["position"] > c:  # start over from an empty cache
@@ -145,17 +152,20 @@ def decode_model(build, like: Row, s: BenchSettings, progress: Progress, strict:
             state = cache.nbytes()
             token = held["logits"].argmax(-1, keepdim=True)  # [B, 1]
             times = []
-            for i in range(steps):
+            warm = COMPILE_WARMUP if d.compile and not held["compiled"] else 0
+            for i in range(-warm, steps):
                 if i == s.warmup and s.device.type == "cuda":
                     torch.cuda.reset_peak_memory_stats(s.device)
                 synchronize(s.device)
                 start = time.perf_counter()
-                logits = model(token, cache=cache)[:, -1]
+                logits = step(token, cache=cache)[:, -1]
                 token = logits.argmax(-1, keepdim=True)
                 synchronize(s.device)
-                times.append(time.perf_counter() - start)
+                if i >= 0:
+                    times.append(time.perf_counter() - start)
             held["logits"] = logits
-            held["position"] += steps
+            held["position"] += steps + warm
+            held["compiled"] = 1
         out = {"seconds_per_token": statistics.median(times[s.warmup:]), "state_bytes": state,
                "state_bytes_per_sequence": state / d.batch,
                "tokens_per_s": d.batch / statistics.median(times[s.warmup:])}

@@ -59,6 +59,9 @@ class DecodeSizes:
     batch: int = 4
     steps: int = 32  # timed greedy steps at each context, after --warmup untimed ones
     prefill_chunk: int = 1024  # the context is read through the cache this many tokens at a time
+    # decode every model's one-token steps through torch.compile (memattn.generate.decoding_step),
+    # compiled in COMPILE_WARMUP untimed steps before the first context's
+    compile: bool = False
 
     def __post_init__(self) -> None:
         _check_positive("decode", self)
