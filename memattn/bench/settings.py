@@ -24,7 +24,7 @@ def _check_positive(owner: str, obj) -> None:
         values = value if isinstance(value, tuple) else (value,)
         if isinstance(value, tuple) and not value:
             raise ConfigError(f"{owner}.{f.name}: expected at least one value, got []")
-        if any(isinstance(v, (int, float)) and v <= 0 for v in values):
+        if any(isinstance(v, (int, float)) and not isinstance(v, bool) and v <= 0 for v in values):
             raise ConfigError(f"{owner}.{f.name}: expected positive values, got {value!r}")
 
 
