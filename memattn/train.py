@@ -230,11 +230,17 @@ def load_run_corpus(cfg: RunConfig, ddp: Distributed | None = None):
                            bpe_size=d.bpe_size, name=d.name, split=d.split, text_field=d.text_field,
                            tokenizer=d.tokenizer)
 
+    return main_rank_first(load, ddp)
+
+
+def main_rank_first(load: Callable[[], Any], ddp: Distributed | None) -> Any:
+    """load() in this process; under torchrun rank 0 first (it writes the data cache) and the
+    other ranks after it, reading that cache."""
     if ddp is None or not ddp.enabled:
         return load()
-    corpus = load() if ddp.main else None
+    result = load() if ddp.main else None
     ddp.barrier()
-    return corpus if corpus is not None else load()
+    return result if result is not None else load()
 
 
 @contextlib.contextmanager
@@ -364,12 +370,7 @@ def translation_task(cfg: RunConfig, ddp: Distributed, resume: bool):
     if resume:
         vocab = Vocab.from_json(load_checkpoint(Path(cfg.train.out_dir) / "checkpoint.safetensors").meta["vocab"])
 
-    def load():
-        return load_parallel_corpus(cfg, vocab)
-
-    corpus = load() if not ddp.enabled or ddp.main else None
-    ddp.barrier()
-    corpus = corpus if corpus is not None else load()
+    corpus = main_rank_first(lambda: load_parallel_corpus(cfg, vocab), ddp)
     return TranslationTask(with_vocab_size(cfg, corpus.vocab.size), corpus)
 
 
@@ -609,14 +610,12 @@ def build_model(cfg: RunConfig) -> torch.nn.Module:
         from memattn.models import Encoder
 
         return Encoder(cfg.model)
-    if cfg.train.init_from:
-        from memattn.warmstart import read_source
+    from memattn.warmstart import is_converted
 
-        source = read_source(cfg.train.init_from)
-        if source.converted:
-            from memattn.integrations.convert import ConvertedLM, load_converted
+    if cfg.train.init_from and is_converted(cfg.train.init_from):  # not read_source: no weights to load
+        from memattn.integrations.convert import ConvertedLM, load_converted
 
-            return ConvertedLM(load_converted(source.path)).train()
+        return ConvertedLM(load_converted(cfg.train.init_from)).train()
     return CausalLM(cfg.model)
 
 

@@ -39,11 +39,17 @@ class Source:
     converted: bool = False
 
 
+def is_converted(path: str | os.PathLike) -> bool:
+    """Whether `path` is a folder saved by `memattn convert` (its config records the conversion)."""
+    config = Path(path) / "config.json"
+    return config.is_file() and "memattn_conversion" in json.loads(config.read_text())
+
+
 def read_source(path: str | os.PathLike) -> Source:
     """The weights (and vocabulary) of a memattn run folder / checkpoint or an export-hf folder."""
     path = Path(path)
     config = path / "config.json"
-    if path.is_dir() and config.exists() and "memattn_conversion" in json.loads(config.read_text()):
+    if is_converted(path):
         return Source(path, {}, None, None, converted=True)
     if path.is_dir() and config.exists() and (path / "model.safetensors").exists():
         from safetensors.torch import load_file

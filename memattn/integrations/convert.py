@@ -309,14 +309,6 @@ class ConvertedLM(nn.Module):
         return None
 
 
-def is_converted(folder: str | Path) -> bool:
-    """Whether `folder` holds a model saved by `save_converted` (its config records the conversion)."""
-    import json
-
-    config = Path(folder) / "config.json"
-    return config.is_file() and CONFIG_KEY in json.loads(config.read_text())
-
-
 def save_converted(model: nn.Module, folder: str | Path) -> None:
     """`save_pretrained` of a converted model; its config records the conversion."""
     if not hasattr(model.config, CONFIG_KEY):
