@@ -5,8 +5,8 @@ into them, reads them with q_t and stores the new state and o_t. Grid (B·H,); t
 and M×V tiles are held whole (M, K, V padded to powers of two and masked).
 
     ABC_MLP (normalised):  log_z' = logaddexp(log_z, s_t)
-                           K̃' = K̃ + w (k_t − K̃), w = exp(s_t − log_z')   (Ṽ alike;
-                           the two weights exp(log_z − log_z') and w sum to 1)
+                           K̃' = K̃ + w (k_t − K̃), w = exp(s_t − log_z') = sigmoid(s_t − log_z)
+                           (Ṽ alike; the two weights exp(log_z − log_z') and w sum to 1)
     general ABC:           K̃' = K̃ + φ_t ⊗ k_t,  Ṽ' = Ṽ + φ_t ⊗ v_t
     read:                  o_t = softmax_M(scale · K̃' q_t)ᵀ Ṽ'
 
@@ -94,7 +94,9 @@ if triton is not None:
             top = tl.maximum(log_z, w)
             top = tl.where(top == float("-inf"), 0.0, top)  # both -inf: keep exp finite
             new_log_z = top + tl.log(tl.exp(log_z - top) + tl.exp(w - top))
-            write = tl.exp(w - new_log_z)  # ≤ 1; the old memory keeps 1 - write
+            # ≤ 1; the old memory keeps 1 - write. As a sigmoid of the old normaliser, not
+            # exp(w - new_log_z): new_log_z is rounded at its own magnitude
+            write = tl.sigmoid(w - log_z)
             mem_k = mem_k + write[:, None] * (k[None, :] - mem_k)
             mem_v = mem_v + write[:, None] * (v[None, :] - mem_v)
             tl.store(lz_out + bh * M + om, new_log_z, mask=m_m)

@@ -99,46 +99,54 @@ def local_window_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
     real key reads zeros.
     """
     B, T = _check(q, k, v, window, causal, dilation, attention_mask)
-    D = q.shape[-1]
-    scale = D ** -0.5 if scale is None else scale
-    real = (attention_mask if attention_mask is not None
-            else torch.ones(B, T, dtype=torch.bool, device=q.device))
+    H, V = q.shape[2], v.shape[-1]
     c = window if causal else window // 2 + 1
     nb = -(-T // c)
     pad = nb * c - T
     before, after = 1, (0 if causal else 1)
+    # heads first, [B, H, T, *]: block i of queries reads keys of blocks i - 1 .. i + after,
+    # one fused softmax attention per (row, head, block) with the window as its mask
+    q, k, v = (x.transpose(1, 2) for x in (q, k, v))
 
-    def blocks(x: torch.Tensor, fill=0.0) -> torch.Tensor:  # [B, T, ...] -> [B, nb + pads, c, ...]
-        x = F.pad(x.movedim(1, -1), (before * c, pad + after * c), value=fill).movedim(-1, 1)
-        return x.unflatten(1, (nb + before + after, c))
+    def neighbours(x: torch.Tensor, dim: int) -> torch.Tensor:
+        """[..., T, *] with T at `dim` -> [..., nb, w, *]: each block's keys and its neighbours'."""
+        x = F.pad(x.movedim(dim, -1), (before * c, pad + after * c)).movedim(-1, dim)
+        x = x.unflatten(dim, (nb + before + after, c))
+        return torch.cat([x.narrow(dim, i, nb) for i in range(before + after + 1)], dim=dim + 1)
 
-    def neighbours(x: torch.Tensor) -> torch.Tensor:  # [B, nb + pads, c, ...] -> [B, nb, (1 + before + after) c, ...]
-        return torch.cat([x[:, i:i + nb] for i in range(before + after + 1)], dim=2)
-
-    qb = blocks(q)[:, before:before + nb]  # [B, nb, c, H, D]
-    kb, vb = neighbours(blocks(k)), neighbours(blocks(v))  # [B, nb, w, H, *]
-    keep = neighbours(blocks(real, False))  # [B, nb, w]
+    qb = F.pad(q, (0, 0, 0, pad)).unflatten(2, (nb, c))  # [B, H, nb, c, D]
+    kb, vb = neighbours(k, 2), neighbours(v, 2)  # [B, H, nb, w, *]
     qpos = torch.arange(nb * c, device=q.device).view(nb, c)  # [nb, c]
-    kpos = qpos[:, :1] - before * c + torch.arange(kb.shape[2], device=q.device)  # [nb, w]
-    seen = in_window(qpos[:, :, None], kpos[:, None, :], window, causal)  # [nb, c, w]
-    seen = seen[None] & keep[:, :, None, :]  # [B, nb, c, w]
+    kpos = qpos[:, :1] - before * c + torch.arange(kb.shape[3], device=q.device)  # [nb, w]
+    seen = in_window(qpos[:, :, None], kpos[:, None, :], window, causal)[None]  # [1, nb, c, w]
+    if attention_mask is None:  # only the keys outside the sequence are hidden
+        seen = seen & ((kpos >= 0) & (kpos < T))[None, :, None, :]
+    else:
+        seen = seen & neighbours(attention_mask, 1)[:, :, None, :]  # [B, nb, c, w]
     if dilation:  # the strided keys j·d of block i: j in [i c // d - n + 1, ((i + 1) c - 1) // d]
         d = dilation
         first = qpos[:, 0] // d - window + 1  # [nb]
         j = first[:, None] + torch.arange(window + c // d + 1, device=q.device)  # [nb, s]
         pos = (j * d).clamp(0, T - 1)
-        kb = torch.cat([kb, k[:, pos]], dim=2)
-        vb = torch.cat([vb, v[:, pos]], dim=2)
-        exists = ((j >= 0) & (j * d < T))[:, None, :]
-        strided = in_strided_queue(qpos[:, :, None], (j * d)[:, None, :], window, d) & exists
-        seen = torch.cat([seen, strided[None] & real[:, pos][:, :, None, :]], dim=-1)
-    scores = torch.einsum("bncht,bnwht->bnhcw", qb, kb) * scale
-    # the lowest finite score, not -inf: a query with no key softmaxes to finite weights
-    # (zeroed below), and one pass over the scores masks them
-    scores = scores.masked_fill(~seen[:, :, None], torch.finfo(scores.dtype).min)
-    o = torch.einsum("bnhcw,bnwhv->bnchv", torch.softmax(scores, dim=-1), vb)
-    o = o * seen.any(-1)[..., None, None].to(o.dtype)  # [B, nb, c, 1, 1]: no real key reads zeros
-    return o.flatten(1, 2)[:, :T]
+        kb = torch.cat([kb, k[:, :, pos]], dim=3)
+        vb = torch.cat([vb, v[:, :, pos]], dim=3)
+        strided = in_strided_queue(qpos[:, :, None], (j * d)[:, None, :], window, d)
+        strided = strided & ((j >= 0) & (j * d < T))[:, None, :]  # [nb, c, s]
+        if attention_mask is not None:
+            strided = strided & attention_mask[:, pos][:, :, None, :]
+        seen = torch.cat([seen, strided.expand(seen.shape[0], -1, -1, -1)], dim=-1)
+    reads = None
+    if attention_mask is not None:  # without padding every query reads at least itself
+        # a query with no real key reads its whole block (finite everywhere, backward too),
+        # then zeros
+        reads = seen.any(-1, keepdim=True)  # [B, nb, c, 1]
+        seen = (seen | ~reads)[:, None].expand(-1, H, -1, -1, -1).flatten(0, 1)
+    o = F.scaled_dot_product_attention(qb.flatten(0, 1), kb.flatten(0, 1), vb.flatten(0, 1),
+                                       attn_mask=seen, scale=scale)  # [B H, nb, c, V]
+    o = o.view(B, H, nb, c, V)
+    if reads is not None:
+        o = o * reads[:, None].to(o.dtype)
+    return o.flatten(2, 3)[:, :, :T].transpose(1, 2)
 
 
 def local_window_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, window: int,

@@ -173,7 +173,7 @@ class ABCWindowAttention(ABCLayer):
         if offset == 0 and T > n:  # from an empty state: in blocks
             o = local_window_attention(q, k, v, window=n, causal=self.spec.causal,
                                        dilation=self.options.dilation if self.dilated else 0,
-                                       attention_mask=real)
+                                       attention_mask=attention_mask)
         elif not self.dilated and memory_state is not None and T > n:
             # a long continuation: the held queue, in position order, then the new tokens, in
             # blocks as from an empty state (its slots hold positions offset - n .. offset - 1)

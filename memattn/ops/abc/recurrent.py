@@ -5,7 +5,8 @@ The ABC_MLP update keeps a log-normaliser per slot, so every factor it applies i
 
     log_z' = logaddexp(log_z, s_t)
     K̃'     = exp(log_z - log_z') K̃ + exp(s_t - log_z') k_t          (likewise Ṽ)
-           = K̃ + w (k_t - K̃),  w = exp(s_t - log_z')               (the weights sum to 1)
+           = K̃ + w (k_t - K̃),  w = exp(s_t - log_z') = sigmoid(s_t - log_z)
+                                                                   (the weights sum to 1)
 """
 
 from __future__ import annotations
@@ -28,27 +29,29 @@ def _read(q: torch.Tensor, mem_k: torch.Tensor, mem_v: torch.Tensor, scale: floa
     """q [B, H, K], mem_k [B, H, M, K], mem_v [B, H, M, V] -> o [B, H, V].
 
     Both products are a row times a matrix, which CPU kernels run several times faster
-    than a matrix times a column at these sizes."""
-    scores = scale * (q[..., None, :] @ mem_k.transpose(-1, -2)).squeeze(-2)  # [B, H, M]
-    p = torch.softmax(scores, dim=-1)
-    return (p[..., None, :] @ mem_v).squeeze(-2)
+    than a matrix times a column at these sizes; the scores are scaled in place (a step is
+    a handful of small ops, so each allocation counts)."""
+    scores = torch.matmul(q.unsqueeze(-2), mem_k.transpose(-1, -2)).mul_(scale)  # [B, H, 1, M]
+    return torch.matmul(torch.softmax(scores, dim=-1), mem_v).squeeze(-2)
 
 
 def _abc_update(state: ABCState, k: torch.Tensor, v: torch.Tensor, s: torch.Tensor,
                 inplace: bool = False) -> ABCState:
     """Write one token, k [B, H, K], v [B, H, V], s [B, H, M], into the state.
 
-    The old memory keeps exp(log_z - log_z') and the token gets w = exp(s - log_z'), which
-    sum to 1: the update is one interpolation K̃' = K̃ + w (k - K̃) (`lerp`)."""
-    log_z = torch.logaddexp(state.log_z, s)  # [B, H, M]
-    write = torch.exp(s - log_z)[..., None]  # [B, H, M, 1], ≤ 1
+    The old memory keeps exp(log_z - log_z') and the token gets w = exp(s - log_z') =
+    sigmoid(s - log_z), which sum to 1: the update is one interpolation K̃' = K̃ + w (k - K̃)
+    (`lerp`). The sigmoid of the old normaliser is exact where s and log_z are large and
+    close (exp(s - log_z') would carry log_z''s rounding at that magnitude)."""
+    write = torch.sigmoid(s - state.log_z)[..., None]  # [B, H, M, 1], ≤ 1
     k, v = k[:, :, None, :].expand_as(state.k), v[:, :, None, :].expand_as(state.v)
     if inplace:
-        state.log_z.copy_(log_z)
+        torch.logaddexp(state.log_z, s, out=state.log_z)
         state.k.lerp_(k, write)
         state.v.lerp_(v, write)
         return state
-    return ABCState(log_z, torch.lerp(state.k, k, write), torch.lerp(state.v, v, write))
+    return ABCState(torch.logaddexp(state.log_z, s), torch.lerp(state.k, k, write),
+                    torch.lerp(state.v, v, write))
 
 
 def abc_attention_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, s: torch.Tensor,
@@ -75,7 +78,8 @@ def abc_attention_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, s: tor
         check_inplace_state(state, ABCState, dt)
     if state is None:
         state = ABCState.empty(B, H, M, K, V, device=q.device, dtype=dt)
-    state = ABCState(*(t.to(dt) for t in state))
+    elif not inplace:  # an in-place state is in dt already
+        state = ABCState(*(t.to(dt) for t in state))
     state = _abc_update(state, k.to(dt), v.to(dt), s.to(dt), inplace)
     o = _read(q.to(dt), state.k, state.v, default_scale(scale, K))
     return o.to(out_dtype), state
