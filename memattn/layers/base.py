@@ -126,7 +126,8 @@ class AttentionLayer(nn.Module):
         are without rotary positions."""
         if self.rotary is None:
             return q, k
-        return self.rotary(q, at), self.rotary(k, at)
+        q, k = self.rotary.rotate((q, k), at)
+        return q, k
 
     def finish(self, o: torch.Tensor) -> torch.Tensor:
         """o [B, T, H, D] -> y [B, T, d]: output projection and dropout."""
