@@ -282,7 +282,7 @@ class KVCache(AttentionState):
         """Unbounded decoding: amortised O(1) per token (the storage doubles when full)."""
         need = self._len + new["k"].shape[1]
         if not self._t:
-            self._t = {name: t.new_empty(t.shape) for name, t in new.items()}
+            self._t = {name: _storage(t, t.shape[1]) for name, t in new.items()}
         elif need > self._t["k"].shape[1]:
             cap = max(need, 2 * self._t["k"].shape[1])
             self._t = {name: _grow(t, cap, self._len) for name, t in self._t.items()}
@@ -317,8 +317,18 @@ class KVCache(AttentionState):
         self.masked = True
 
 
+def _storage(like: torch.Tensor, capacity: int) -> torch.Tensor:
+    """Empty storage for `capacity` tokens of `like` [B, T, ...]. Keys and values [B, T, H, D]
+    are laid out heads first ([B, H, T, D] in memory, seen as [B, T, H, D]): a head's
+    tokens are then one matrix, which attention reads for every (row, head) without a copy."""
+    if like.dim() == 4:
+        B, _, H, D = like.shape
+        return like.new_empty((B, H, capacity, D)).transpose(1, 2)
+    return like.new_empty((like.shape[0], capacity, *like.shape[2:]))
+
+
 def _grow(t: torch.Tensor, capacity: int, used: int) -> torch.Tensor:
-    out = t.new_empty((t.shape[0], capacity, *t.shape[2:]))
+    out = _storage(t, capacity)
     out[:, :used] = t[:, :used]
     return out
 
