@@ -29,6 +29,7 @@ from memattn.ops.abc import (
     bounded_memory_recurrent,
     bounded_memory_reference,
 )
+from memattn.ops.abc.recurrent import abc_step_
 
 F64 = {"atol": 1e-9, "rtol": 1e-9}
 
@@ -172,6 +173,13 @@ def test_step_functions_match_reference():
     for t in range(9):
         o_t, state = abc_attention_step(q[:, t], k[:, t], v[:, t], s[:, t], state)
         torch.testing.assert_close(o_t, o_ref[:, t], **F64)
+    for a, b in zip(state, st_ref, strict=True):
+        torch.testing.assert_close(a, b, **F64)
+    state = ABCState.empty(2, 2, 4, 5, 3, dtype=torch.float64)  # the unchecked in-place step
+    given = list(state)
+    for t in range(9):
+        torch.testing.assert_close(abc_step_(q[:, t], k[:, t], v[:, t], s[:, t], state), o_ref[:, t], **F64)
+    assert all(a is b for a, b in zip(state, given))
     for a, b in zip(state, st_ref, strict=True):
         torch.testing.assert_close(a, b, **F64)
     phi = s.exp()

@@ -12,7 +12,8 @@ import torch
 
 from memattn.errors import ConfigError
 from memattn.layers.base import AttentionLayer, AttentionState, LayerSpec
-from memattn.ops.abc import ABCState, BoundedMemoryState, abc_attention, abc_attention_step
+from memattn.ops.abc import ABCState, BoundedMemoryState, abc_attention
+from memattn.ops.abc.recurrent import abc_step_
 
 # Slot logit given to padding: exp(PAD_LOGIT - s) underflows to exactly 0 next to a real
 # token's logit s > -9000 (abc-mlp's relu / sigmoid give s ≥ log(RELU_FLOOR) ≈ -27.6), and
@@ -79,9 +80,10 @@ class ABCLayer(AttentionLayer):
         initial = memory_state.inner if memory_state is not None else None
         if initial is not None and q.shape[1] == 1 and not torch.is_grad_enabled():
             # decoding without autograd: the state is written in place, as a KVCache grows
-            initial = ABCState(*(t.contiguous() for t in initial))
-            o, state = abc_attention_step(q[:, 0], k[:, 0], v[:, 0], s[:, 0], initial, inplace=True)
-            memory_state.update(state, 1)
+            if not all(t.is_contiguous() for t in initial):
+                initial = ABCState(*(t.contiguous() for t in initial))
+            o = abc_step_(q[:, 0], k[:, 0], v[:, 0], s[:, 0], initial)
+            memory_state.update(initial, 1)
             return self.finish(o[:, None])
         o, state = abc_attention(q, k, v, s, causal=self.spec.causal, initial_state=initial,
                                  output_final_state=memory_state is not None)

@@ -85,6 +85,21 @@ def abc_attention_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, s: tor
     return o.to(out_dtype), state
 
 
+def abc_step_(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, s: torch.Tensor, state: ABCState,
+              scale: float | None = None) -> torch.Tensor:
+    """`abc_attention_step(..., inplace=True)` without its checks, for a caller that built the
+    inputs itself (a layer decoding without autograd, where a step is a few small ops and
+    the checks cost as much): q [B, H, K], k, v, s as there; state an ABCState of
+    contiguous tensors in float32 (float64 for float64 inputs), written in place. On CUDA
+    the fused kernel. Returns o [B, H, V] in q's dtype."""
+    if use_kernels("auto", (q, k, v, s, *state), differentiable=False):
+        from memattn.kernels.abc_decode import abc_step_triton
+        return abc_step_triton(q, k, v, s, state, scale=scale, inplace=True)[0]
+    dt = state.k.dtype
+    _abc_update(state, k.to(dt), v.to(dt), s.to(dt), inplace=True)
+    return _read(q.to(dt), state.k, state.v, default_scale(scale, q.shape[-1])).to(q.dtype)
+
+
 def bounded_memory_attention_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                                   phi: torch.Tensor, state: BoundedMemoryState | None = None, *,
                                   scale: float | None = None, inplace: bool = False,
