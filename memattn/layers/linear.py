@@ -161,6 +161,9 @@ class LinearAttention(AttentionLayer):
             if alpha is not None:
                 alpha = torch.where(attention_mask[:, :, None], alpha, torch.ones_like(alpha))
 
+        at = positions if positions is not None else offset
+        if memory_state is not None and T == 1 and not torch.is_grad_enabled():
+            return self.finish(self._decode_in_place(memory_state, q, k, v, alpha, at)), memory_state
         memory = normalizer = None
         if memory_state is not None:
             memory, normalizer = memory_state.memory, memory_state.normalizer
@@ -175,7 +178,6 @@ class LinearAttention(AttentionLayer):
             o, den = o[..., :D], o[..., D:]
             memory, normalizer = state[..., :D], state[..., D:]
         else:
-            at = positions if positions is not None else offset
             qr, kr = self.rotate(q, k, at)
             o, memory = linear_attention(qr, kr, v, causal=causal, alpha=alpha,
                                          initial_state=memory, output_final_state=True)
@@ -188,6 +190,26 @@ class LinearAttention(AttentionLayer):
         if memory_state is not None:
             memory_state.update(memory, normalizer, T)
         return self.finish(o), memory_state
+
+    def _decode_in_place(self, state: LinearState, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                         alpha: torch.Tensor | None, at: torch.Tensor | int) -> torch.Tensor:
+        """One token [B, 1, H, *] without autograd: the memory (and normaliser) written in
+        place, as a KVCache grows, then read; the op's step without its checks and copies."""
+        dt, out_dtype = state.memory.dtype, v.dtype
+        qr, kr = self.rotate(q, k, at)
+        qr, kr, q, k, v = (t[:, 0].to(dt) for t in (qr, kr, q, k, v))  # [B, H, D]
+        if alpha is not None:
+            decay = alpha[:, 0, :, None, None].to(dt)
+            state.memory.mul_(decay)
+            if state.normalizer is not None:
+                state.normalizer.mul_(decay)
+        state.memory.add_(kr[..., :, None] * v[..., None, :])
+        o = (qr[..., None, :] @ state.memory).squeeze(-2)  # [B, H, V]
+        if state.normalizer is not None:
+            state.normalizer.add_(k[..., None])
+            o = o / (q[..., None, :] @ state.normalizer).squeeze(-2).clamp_min(NORMALIZER_EPS)
+        state.seen += 1
+        return o[:, None].to(out_dtype)
 
 
 @register("gated-linear", options=GatedLinearOptions)
