@@ -79,6 +79,21 @@ def test_causal_forms_equal_the_dense_masked_reference(pattern, M, C, Tq):
                 with_grads(gmat_attention_reference, inputs, **kw))
 
 
+@pytest.mark.parametrize("pattern", ["chunked", "window"])
+@pytest.mark.parametrize("M, C", [(0, 4), (3, 5), (2, 1)])
+@pytest.mark.parametrize("mask", [False, True])
+def test_one_query_row_at_every_offset_of_a_block_equals_the_reference(pattern, M, C, mask):
+    """A decoding step (a main row reads only the rows its pattern reaches), at each offset of
+    the first and third block, memory rows included."""
+    S = M + C
+    for T in [*range(1, S + 1), *range(2 * S + 1, 3 * S + 1)]:
+        inputs, _ = make(T=T, mask=mask, untied=True, seed=T)
+        inputs["q"] = inputs["q"][:, T - 1:]
+        kw = dict(num_memory=M, pattern=pattern, chunk_size=C, window=min(C, 3), causal=True)
+        assert_same(with_grads(gmat_attention, inputs, **kw),
+                    with_grads(gmat_attention_reference, inputs, **kw))
+
+
 def test_the_reference_masks_follow_the_definitions():
     M, L = 2, 7
     chunked = bidirectional_mask(M, L, "chunked", chunk_size=3)

@@ -13,7 +13,8 @@ a recurrent state. Every row reads at most two blocks, so a call costs O(T·S) a
 decoder keeps only the last two blocks of keys and values: a fixed-size state.
 
 Queries are the last Tq of the T positions of the keys, and the keys start at a block
-boundary (a decoder passes its cached blocks followed by the new rows).
+boundary (a decoder passes its cached blocks followed by the new rows). One main-row query
+(a decoding step) attends over the rows it can read and nothing else.
 """
 
 from __future__ import annotations
@@ -28,6 +29,37 @@ def _previous(t: torch.Tensor) -> torch.Tensor:
     return torch.cat((torch.zeros_like(t[:, :, :1]), t[:, :, :-1]), dim=2)
 
 
+def main_reads(r: torch.Tensor, c: torch.Tensor, *, num_memory: int, pattern: str, window: int,
+               S: int) -> torch.Tensor:
+    """Whether the main row at offset r (M <= r < S) of its block reads the key at offset c
+    from its block's start (negative: the block before), broadcast: its block's memory
+    slots, and its pattern's past main keys."""
+    M = num_memory
+    if pattern == "chunked":
+        return (c >= 0) & ((c < M) | (c <= r))
+    own_memory = (c >= 0) & (c < M)
+    main_key = (c % S) >= M
+    distance = (r - M) - torch.where(c >= 0, c - M, c)  # i - j in main positions
+    return own_memory | (main_key & (distance >= 0) & (distance <= window))
+
+
+def _one_main_row(q, k, v, *, num_memory, pattern, window, scale, valid, S, dtype):
+    """A decoding step: q [B, 1, H, K] the main row at position T - 1 -> o [B, 1, H, V], reading
+    only the rows its pattern can reach (its block, and the one before for window)."""
+    T = k.shape[1]
+    r = (T - 1) % S
+    start = T - 1 - r  # its block's first row
+    lo = start if pattern == "chunked" else max(0, start - S)
+    c = torch.arange(lo - start, r + 1, device=q.device)
+    seen = main_reads(torch.tensor(r, device=q.device), c, num_memory=num_memory, pattern=pattern,
+                      window=window, S=S)[None]  # [1, J]
+    if valid is not None:
+        seen = seen & valid[:, lo:]
+    o = attend(*(t.transpose(1, 2).to(dtype) for t in (q, k[:, lo:], v[:, lo:])),
+               seen[:, None, None, :], scale)  # [B, H, 1, V]
+    return o.transpose(1, 2)
+
+
 def gmat_causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, num_memory: int,
                 chunk_size: int, pattern: str, window: int, scale: float,
                 valid: torch.Tensor | None, memory_k: torch.Tensor | None,
@@ -40,6 +72,9 @@ def gmat_causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, num_memory
     T = k.shape[1]
     N = -(-T // S)
     device = q.device
+    if Tq == 1 and (T - 1) % S >= M:  # one main row (a decoding step): the rows it reads alone
+        return _one_main_row(q, k, v, num_memory=M, pattern=pattern, window=window, scale=scale,
+                             valid=valid, S=S, dtype=dtype)
 
     def blocks(t):  # [B, T', H, D] -> [B, H, N, S, D], rows aligned with the keys
         t = t.transpose(1, 2).to(dtype)
@@ -64,17 +99,13 @@ def gmat_causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, num_memory
     r = torch.arange(M, S, device=device)[:, None]  # main query offsets
     if pattern == "chunked":
         c = torch.arange(S, device=device)[None, :]
-        allowed = (c < M) | (c <= r)  # [C, S]
         local_k, local_v, ok = kb, vb, key_ok
     else:
         c = torch.arange(2 * S, device=device)[None, :] - S  # key offset from the block start
-        own_memory = (c >= 0) & (c < M)
-        main_key = (c % S) >= M
-        distance = (r - M) - torch.where(c >= 0, c - M, c)  # i - j in main positions
-        allowed = own_memory | (main_key & (distance >= 0) & (distance <= window))  # [C, 2S]
         local_k = torch.cat((_previous(kb), kb), dim=3)
         local_v = torch.cat((_previous(vb), vb), dim=3)
         ok = torch.cat((_previous(key_ok), key_ok), dim=-1)
+    allowed = main_reads(r, c, num_memory=M, pattern=pattern, window=window, S=S)  # [C, S or 2S]
     o_main = attend(qb[..., M:, :], local_k, local_v, allowed & ok, scale)  # [B, H, N, C, V]
 
     o = torch.cat((o_memory, o_main), dim=3) if M else o_main  # [B, H, N, S, V]
