@@ -29,7 +29,7 @@ from memattn.ops.abc import (
     bounded_memory_recurrent,
     bounded_memory_reference,
 )
-from memattn.ops.abc.recurrent import abc_step_
+from memattn.ops.abc.recurrent import memory_step_
 
 F64 = {"atol": 1e-9, "rtol": 1e-9}
 
@@ -168,28 +168,26 @@ def test_token_by_token_decoding_equals_one_pass():
 
 def test_step_functions_match_reference():
     q, k, v, s = inputs(T=9, s_scale=2.0)
-    o_ref, st_ref = abc_reference(q, k, v, s, output_final_state=True)
-    state = None
-    for t in range(9):
-        o_t, state = abc_attention_step(q[:, t], k[:, t], v[:, t], s[:, t], state)
-        torch.testing.assert_close(o_t, o_ref[:, t], **F64)
-    for a, b in zip(state, st_ref, strict=True):
-        torch.testing.assert_close(a, b, **F64)
-    state = ABCState.empty(2, 2, 4, 5, 3, dtype=torch.float64)  # the unchecked in-place step
-    given = list(state)
-    for t in range(9):
-        torch.testing.assert_close(abc_step_(q[:, t], k[:, t], v[:, t], s[:, t], state), o_ref[:, t], **F64)
-    assert all(a is b for a, b in zip(state, given))
-    for a, b in zip(state, st_ref, strict=True):
-        torch.testing.assert_close(a, b, **F64)
     phi = s.exp()
-    o_ref, st_ref = bounded_memory_reference(q, k, v, phi, output_final_state=True)
-    state = None
-    for t in range(9):
-        o_t, state = bounded_memory_attention_step(q[:, t], k[:, t], v[:, t], phi[:, t], state)
-        torch.testing.assert_close(o_t, o_ref[:, t], **F64)
-    for a, b in zip(state, st_ref, strict=True):
-        torch.testing.assert_close(a, b, **F64)
+    forms = [(abc_attention_step, abc_reference, s, ABCState),
+             (bounded_memory_attention_step, bounded_memory_reference, phi, BoundedMemoryState)]
+    for step, reference, w, state_type in forms:
+        o_ref, st_ref = reference(q, k, v, w, output_final_state=True)
+        state = None
+        for t in range(9):
+            o_t, state = step(q[:, t], k[:, t], v[:, t], w[:, t], state)
+            torch.testing.assert_close(o_t, o_ref[:, t], **F64)
+        for a, b in zip(state, st_ref, strict=True):
+            torch.testing.assert_close(a, b, **F64)
+        # the unchecked in-place step of the layers, on the same tokens
+        state = state_type.empty(2, 2, 4, 5, 3, dtype=torch.float64)
+        given = list(state)
+        for t in range(9):
+            torch.testing.assert_close(memory_step_(q[:, t], k[:, t], v[:, t], w[:, t], state),
+                                       o_ref[:, t], **F64)
+        assert all(a is b for a, b in zip(state, given))
+        for a, b in zip(state, st_ref, strict=True):
+            torch.testing.assert_close(a, b, **F64)
 
 
 def by_hand(q, k, v, w, *, normalise: bool):

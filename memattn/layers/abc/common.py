@@ -13,7 +13,7 @@ import torch
 from memattn.errors import ConfigError
 from memattn.layers.base import AttentionLayer, AttentionState, LayerSpec
 from memattn.ops.abc import ABCState, BoundedMemoryState, abc_attention
-from memattn.ops.abc.recurrent import abc_step_
+from memattn.ops.abc.recurrent import memory_step_
 
 # Slot logit given to padding: exp(PAD_LOGIT - s) underflows to exactly 0 next to a real
 # token's logit s > -9000 (abc-mlp's relu / sigmoid give s ≥ log(RELU_FLOOR) ≈ -27.6), and
@@ -71,20 +71,30 @@ class ABCLayer(AttentionLayer):
             batch_size, self.spec.n_heads, slots, D, D,
             device=device if device is not None else w.device, dtype=state_dtype(dtype, w)))
 
+    def step_in_place(self, memory_state: ABCMemoryState | None, q: torch.Tensor, k: torch.Tensor,
+                      v: torch.Tensor, w: torch.Tensor) -> torch.Tensor | None:
+        """Decoding without autograd: one token (q, k, v [B, 1, H, D], w [B, 1, H, M] its slot
+        logits or φ) written into the slot memory in place, as a KVCache grows, and read ->
+        y [B, 1, d]; None when this call is not such a step."""
+        if memory_state is None or q.shape[1] != 1 or torch.is_grad_enabled():
+            return None
+        inner = memory_state.inner
+        if not all(t.is_contiguous() for t in inner):
+            inner = type(inner)(*(t.contiguous() for t in inner))
+        o = memory_step_(q[:, 0], k[:, 0], v[:, 0], w[:, 0], inner)
+        memory_state.update(inner, 1)
+        return self.finish(o[:, None])
+
     def attend_logits(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, s: torch.Tensor,
                       memory_state: ABCMemoryState | None,
                       attention_mask: torch.Tensor | None) -> torch.Tensor:
         """`abc_attention` with slot logits s [B, T, H, M]; padding writes nothing -> y [B, T, d]."""
         if attention_mask is not None:
             s = s.masked_fill(~attention_mask[:, :, None, None], PAD_LOGIT)
+        y = self.step_in_place(memory_state, q, k, v, s)
+        if y is not None:
+            return y
         initial = memory_state.inner if memory_state is not None else None
-        if initial is not None and q.shape[1] == 1 and not torch.is_grad_enabled():
-            # decoding without autograd: the state is written in place, as a KVCache grows
-            if not all(t.is_contiguous() for t in initial):
-                initial = ABCState(*(t.contiguous() for t in initial))
-            o = abc_step_(q[:, 0], k[:, 0], v[:, 0], s[:, 0], initial)
-            memory_state.update(initial, 1)
-            return self.finish(o[:, None])
         o, state = abc_attention(q, k, v, s, causal=self.spec.causal, initial_state=initial,
                                  output_final_state=memory_state is not None)
         if memory_state is not None:

@@ -57,6 +57,9 @@ class GivenPhiLayer(ABCLayer):
         phi = self.write_weights(pos, last, x).to(q.dtype).expand(B, T, self.spec.n_heads, -1)
         if attention_mask is not None:
             phi = phi * attention_mask[:, :, None, None].to(phi.dtype)  # padding writes nothing
+        y = self.step_in_place(memory_state, q, k, v, phi)
+        if y is not None:
+            return y, memory_state
         initial = memory_state.inner if memory_state is not None else None
         o, state = bounded_memory_attention(q, k, v, phi, causal=self.spec.causal,
                                             initial_state=initial,

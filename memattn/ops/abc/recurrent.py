@@ -85,19 +85,37 @@ def abc_attention_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, s: tor
     return o.to(out_dtype), state
 
 
-def abc_step_(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, s: torch.Tensor, state: ABCState,
-              scale: float | None = None) -> torch.Tensor:
-    """`abc_attention_step(..., inplace=True)` without its checks, for a caller that built the
-    inputs itself (a layer decoding without autograd, where a step is a few small ops and
-    the checks cost as much): q [B, H, K], k, v, s as there; state an ABCState of
-    contiguous tensors in float32 (float64 for float64 inputs), written in place. On CUDA
-    the fused kernel. Returns o [B, H, V] in q's dtype."""
-    if use_kernels("auto", (q, k, v, s, *state), differentiable=False):
-        from memattn.kernels.abc_decode import abc_step_triton
-        return abc_step_triton(q, k, v, s, state, scale=scale, inplace=True)[0]
+def memory_step_(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, w: torch.Tensor,
+                 state: ABCState | BoundedMemoryState, scale: float | None = None) -> torch.Tensor:
+    """`abc_attention_step` (state an ABCState, w = s the slot logits) or
+    `bounded_memory_attention_step` (a BoundedMemoryState, w = φ) with inplace=True and
+    without their checks, for a caller that built the inputs itself (a layer decoding
+    without autograd, where a step is a few small ops and the checks cost as much): q, k, v
+    [B, H, *], w [B, H, M]; the state's tensors contiguous, in float32 (float64 for float64
+    inputs), written in place. On CUDA the fused kernel. Returns o [B, H, V] in q's dtype."""
+    normalised = isinstance(state, ABCState)
+    if use_kernels("auto", (q, k, v, w, *state), differentiable=False):
+        from memattn.kernels.abc_decode import abc_step_triton, bounded_memory_step_triton
+        step = abc_step_triton if normalised else bounded_memory_step_triton
+        return step(q, k, v, w, state, scale=scale, inplace=True)[0]
     dt = state.k.dtype
-    _abc_update(state, k.to(dt), v.to(dt), s.to(dt), inplace=True)
+    if normalised:
+        _abc_update(state, k.to(dt), v.to(dt), w.to(dt), inplace=True)
+    else:
+        _bounded_update(state, k.to(dt), v.to(dt), w.to(dt), inplace=True)
     return _read(q.to(dt), state.k, state.v, default_scale(scale, q.shape[-1])).to(q.dtype)
+
+
+def _bounded_update(state: BoundedMemoryState, k: torch.Tensor, v: torch.Tensor, phi: torch.Tensor,
+                    inplace: bool = False) -> BoundedMemoryState:
+    """Write one token, k [B, H, K], v [B, H, V], φ [B, H, M]: K̃ += φ ⊗ k, Ṽ += φ ⊗ v."""
+    phi = phi[..., None]  # [B, H, M, 1]
+    k_write, v_write = phi * k[:, :, None, :], phi * v[:, :, None, :]
+    if inplace:
+        state.k.add_(k_write)
+        state.v.add_(v_write)
+        return state
+    return BoundedMemoryState(state.k + k_write, state.v + v_write)
 
 
 def bounded_memory_attention_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -123,13 +141,9 @@ def bounded_memory_attention_step(q: torch.Tensor, k: torch.Tensor, v: torch.Ten
         check_inplace_state(state, BoundedMemoryState, dt)
     if state is None:
         state = BoundedMemoryState.empty(B, H, M, K, V, device=q.device, dtype=dt)
-    phi = phi.to(dt)[..., None]  # [B, H, M, 1]
-    k_write, v_write = phi * k.to(dt)[:, :, None, :], phi * v.to(dt)[:, :, None, :]
-    if inplace:
-        state.k.add_(k_write)
-        state.v.add_(v_write)
-    else:
-        state = BoundedMemoryState(state.k.to(dt) + k_write, state.v.to(dt) + v_write)
+    elif not inplace:  # an in-place state is in dt already
+        state = BoundedMemoryState(*(t.to(dt) for t in state))
+    state = _bounded_update(state, k.to(dt), v.to(dt), phi.to(dt), inplace)
     o = _read(q.to(dt), state.k, state.v, default_scale(scale, K))
     return o.to(out_dtype), state
 
