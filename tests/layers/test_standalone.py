@@ -56,20 +56,23 @@ def test_a_config_keeps_its_typed_options():
     assert type(cfg.typed).__name__ == "ABCMLPOptions" and cfg.typed.num_slots == 7
 
 
-def test_window_decoding_without_autograd_wraps_its_ring_buffer():
-    """abc-window's in-place step: past n tokens each write replaces the one leaving the window;
-    a left-padded row reads as alone."""
+@pytest.mark.parametrize("name, options", [("abc-window", {"window": 3}),
+                                           ("abc-dilated", {"window": 3, "dilation": 2})])
+def test_window_decoding_without_autograd_wraps_its_ring_buffers(name, options):
+    """The window layers' in-place step: past n tokens each write replaces the one leaving
+    its queue (the dilated queue: every d-th token); a left-padded row reads as alone."""
     torch.manual_seed(0)
-    lay = attention_layer("abc-window", 16, 2, window=3, positions="rotary").double().eval()
-    x = torch.randn(2, 10, 16, dtype=torch.float64)
-    mask = torch.ones(2, 10, dtype=torch.bool)
-    mask[1, :4] = False
+    lay = attention_layer(name, 16, 2, positions="rotary", **options).double().eval()
+    T = 20
+    x = torch.randn(2, T, 16, dtype=torch.float64)
+    mask = torch.ones(2, T, dtype=torch.bool)
+    mask[1, :4] = False  # a multiple of the dilation
     positions = (mask.long().cumsum(1) - 1).clamp_min(0)
     full, _ = lay(x, attention_mask=mask, positions=positions)
     state = lay.init_state(2, dtype=torch.float64)
     with torch.no_grad():
         steps = [lay(x[:, t:t + 1], memory_state=state, attention_mask=mask[:, t:t + 1],
-                     positions=positions[:, t:t + 1])[0] for t in range(10)]
+                     positions=positions[:, t:t + 1])[0] for t in range(T)]
     got = torch.cat(steps, 1)
     torch.testing.assert_close(got[mask], full[mask])
     alone, _ = lay(x[1:, 4:])

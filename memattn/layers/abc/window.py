@@ -165,9 +165,9 @@ class ABCWindowAttention(ABCLayer):
                 raise ConfigError(f"abc-dilated: its dilated queue holds positions 0, d, 2d, ... of the "
                                   f"batch; left-pad each row by a multiple of attention.dilation = "
                                   f"{self.options.dilation} tokens")
-        if memory_state is not None and T == 1 and not self.dilated and not (
+        if memory_state is not None and T == 1 and not (
                 torch.is_grad_enabled() and (k.requires_grad or v.requires_grad)):
-            o = self._decode_step(memory_state.queues[0], q, k, v, real, offset)
+            o = self._decode_step(memory_state.queues, q, k, v, real, offset)
             memory_state.seen += 1
             return self.finish(o), memory_state
         if offset == 0 and T > n:  # from an empty state: in blocks
@@ -211,17 +211,29 @@ class ABCWindowAttention(ABCLayer):
         return self.finish(o), memory_state
 
 
-    def _decode_step(self, queue: RingBufferState, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                     real: torch.Tensor, position: int) -> torch.Tensor:
-        """One token at `position`, no gradient: written into its slot in place (it replaces
-        the token n back, which has left the window), then softmax over the held tokens."""
-        slot = position % self.options.window
-        queue.k[:, slot] = k[:, 0]
-        queue.v[:, slot] = v[:, 0]
-        queue.real[:, slot] = real[:, 0]
-        queue.pos[slot] = position
-        o, _ = softmax_attention(q, queue.k.to(q.dtype), queue.v.to(v.dtype), causal=False,
-                                 attention_mask=queue.real & (queue.pos >= 0)[None])
+    def _decode_step(self, queues: list[RingBufferState], q: torch.Tensor, k: torch.Tensor,
+                     v: torch.Tensor, real: torch.Tensor, position: int) -> torch.Tensor:
+        """One token at `position`, no gradient: written into its slot of each queue that takes
+        it, in place (it replaces the token n back there, which has left that queue), then
+        one softmax over every held slot; a token in both queues is held, and weighs, twice."""
+        n = self.options.window
+        slots = [position % n]
+        if self.dilated:  # the dilated queue takes positions 0, d, 2d, ...
+            d = self.options.dilation
+            slots.append((position // d) % n if position % d == 0 else None)
+        for queue, slot in zip(queues, slots):
+            if slot is not None:
+                queue.k[:, slot] = k[:, 0]
+                queue.v[:, slot] = v[:, 0]
+                queue.real[:, slot] = real[:, 0]
+                queue.pos[slot] = position
+        def joined(parts: list[torch.Tensor]) -> torch.Tensor:  # the queues' slots, one after another
+            return parts[0] if len(parts) == 1 else torch.cat(parts, 1)
+
+        held = joined([queue.real & (queue.pos >= 0)[None] for queue in queues])
+        keys, values = joined([queue.k for queue in queues]), joined([queue.v for queue in queues])
+        o, _ = softmax_attention(q, keys.to(q.dtype), values.to(v.dtype), causal=False,
+                                 attention_mask=held)
         return o
 
 
