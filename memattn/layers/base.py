@@ -295,7 +295,10 @@ class KVCache(AttentionState):
         return [] if past is None else list(past)
 
     def map_tensors(self, fn) -> None:
-        self._t = {name: fn(t, True) for name, t in self._t.items()}
+        # keys and values through their [B, H, T, D] view (fn picks rows or acts elementwise),
+        # so that a reordered or moved cache stays heads first in memory (`_storage`)
+        self._t = {name: fn(t.transpose(1, 2), True).transpose(1, 2) if t.dim() == 4 else fn(t, True)
+                   for name, t in self._t.items()}
 
     @property
     def can_crop(self) -> bool:  # type: ignore[override]
