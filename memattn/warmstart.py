@@ -39,10 +39,15 @@ class Source:
     converted: bool = False
 
 
+# The config key under which `memattn convert` records a conversion (here, not in
+# memattn.integrations.convert, so that telling a converted folder needs no transformers).
+CONVERSION_KEY = "memattn_conversion"
+
+
 def is_converted(path: str | os.PathLike) -> bool:
     """Whether `path` is a folder saved by `memattn convert` (its config records the conversion)."""
     config = Path(path) / "config.json"
-    return config.is_file() and "memattn_conversion" in json.loads(config.read_text())
+    return config.is_file() and CONVERSION_KEY in json.loads(config.read_text())
 
 
 def read_source(path: str | os.PathLike) -> Source:

@@ -48,11 +48,11 @@ except ImportError as e:  # pragma: no cover - exercised only without transforme
     raise ImportError("memattn.integrations.convert needs transformers 5: pip install 'memattn[hf]'") from e
 
 from memattn.integrations.hf import StatefulLayer  # noqa: E402  (after the check for transformers)
+from memattn.warmstart import CONVERSION_KEY as CONFIG_KEY  # noqa: E402
 
 LLAMA_LIKE = ("LlamaAttention", "MistralAttention", "Qwen2Attention", "Qwen3Attention")
 GPT2 = ("GPT2Attention",)
 BERT_LIKE = ("BertSelfAttention", "RobertaSelfAttention")
-CONFIG_KEY = "memattn_conversion"
 REFUSED = {"gmat": "its memory tokens are placed in the sequence by memattn's own models",
            "abc-workspace": "it reads the previous layer's memory, which memattn's own models pass on"}
 
