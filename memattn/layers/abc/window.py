@@ -210,7 +210,6 @@ class ABCWindowAttention(ABCLayer):
             memory_state.seen += T
         return self.finish(o), memory_state
 
-
     def _decode_step(self, queues: list[RingBufferState], q: torch.Tensor, k: torch.Tensor,
                      v: torch.Tensor, real: torch.Tensor, position: int) -> torch.Tensor:
         """One token at `position`, no gradient: written into its slot of each queue that takes
@@ -227,6 +226,7 @@ class ABCWindowAttention(ABCLayer):
                 queue.v[:, slot] = v[:, 0]
                 queue.real[:, slot] = real[:, 0]
                 queue.pos[slot] = position
+
         def joined(parts: list[torch.Tensor]) -> torch.Tensor:  # the queues' slots, one after another
             return parts[0] if len(parts) == 1 else torch.cat(parts, 1)
 

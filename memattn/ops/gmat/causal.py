@@ -29,7 +29,7 @@ def _previous(t: torch.Tensor) -> torch.Tensor:
     return torch.cat((torch.zeros_like(t[:, :, :1]), t[:, :, :-1]), dim=2)
 
 
-def main_reads(r: torch.Tensor, c: torch.Tensor, *, num_memory: int, pattern: str, window: int,
+def main_reads(r: torch.Tensor | int, c: torch.Tensor, *, num_memory: int, pattern: str, window: int,
                S: int) -> torch.Tensor:
     """Whether the main row at offset r (M <= r < S) of its block reads the key at offset c
     from its block's start (negative: the block before), broadcast: its block's memory
@@ -51,8 +51,7 @@ def _one_main_row(q, k, v, *, num_memory, pattern, window, scale, valid, S, dtyp
     start = T - 1 - r  # its block's first row
     lo = start if pattern == "chunked" else max(0, start - S)
     c = torch.arange(lo - start, r + 1, device=q.device)
-    seen = main_reads(torch.tensor(r, device=q.device), c, num_memory=num_memory, pattern=pattern,
-                      window=window, S=S)[None]  # [1, J]
+    seen = main_reads(r, c, num_memory=num_memory, pattern=pattern, window=window, S=S)[None]  # [1, J]
     if valid is not None:
         seen = seen & valid[:, lo:]
     o = attend(*(t.transpose(1, 2).to(dtype) for t in (q, k[:, lo:], v[:, lo:])),
