@@ -18,7 +18,7 @@ from memattn.decoding import beam_search, gnmt_length_penalty, greedy, pad_outpu
 
 BOS = 0
 MECHANISMS = {"softmax": {}, "abc-mlp": {"num_slots": 5, "cross_slots": 3}}
-MODEL_EOS = {"softmax": 10, "abc-mlp": 8}  # with these, `model`'s rows end at different steps
+MODEL_EOS = {"softmax": 10, "abc-mlp": 4}  # with these, `model`'s rows end at different steps
 
 
 def model(name):

@@ -46,7 +46,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from memattn.errors import ConfigError, ShapeError, check_tensor
-from memattn.layers.abc import PAD_LOGIT, activation_logits
+from memattn.layers.abc import PAD_LOGIT, activation_logits, reset_phi
 from memattn.layers.abc.given import l2g_phi, linformer_phi, meanpool_phi, random_phi
 from memattn.layers.base import LayerSpec, check_mask, get_mechanism, mechanisms, parse_options, register_cross
 from memattn.layers.linear import NORMALIZER_EPS, feature
@@ -164,6 +164,11 @@ class ABCCrossAttention(SlotCrossAttention):
     def __init__(self, spec: LayerSpec, options: Any) -> None:
         super().__init__(spec, options)
         self.phi = nn.Linear(spec.d_model, spec.n_heads * options.cross_slots, bias=options.bias)
+        self.reset_own_parameters()
+
+    def reset_own_parameters(self) -> None:
+        """W_φ from attention.phi_init_std, as abc-mlp's self-attention."""
+        reset_phi(self.phi, self.options.phi_init_std)
 
     def memory(self, src: torch.Tensor, src_mask: torch.Tensor | None = None) -> ABCState:
         """src [B, S, d] -> ABCState (log_z [B, H, M], k [B, H, M, D], v [B, H, M, D]).

@@ -560,18 +560,22 @@ def test_causal_abc_cluster_centres_follow_the_keys_in_training_only():
 
 
 def test_phi_init_std_sets_w_phi_alone_and_survives_the_model_init():
-    from memattn.models import CausalLM
+    from memattn.models import CausalLM, EncoderDecoder
 
-    def model(**options):
+    def model(cls=CausalLM, **options):
         torch.manual_seed(0)
-        return CausalLM(ModelConfig(vocab_size=11, d_model=64, n_layers=2, n_heads=4, init_std=0.02,
-                                    attention=AttentionConfig("abc-mlp", {"num_slots": 32, **options})))
+        return cls(ModelConfig(vocab_size=11, d_model=64, n_layers=2, n_heads=4, init_std=0.02,
+                               attention=AttentionConfig("abc-mlp", {"num_slots": 32, **options})))
 
-    plain, wide = model(), model(phi_init_std=0.5)
-    for a, b in zip(plain.blocks, wide.blocks):
-        assert a.attn.phi.weight.std().item() == pytest.approx(0.02, rel=0.05)
-        assert b.attn.phi.weight.std().item() == pytest.approx(0.5, rel=0.05)
-        assert b.attn.qkv.weight.std().item() == pytest.approx(0.02, rel=0.05)  # the rest as before
+    default, plain, wide = model(), model(phi_init_std=0), model(phi_init_std=0.5)
+    for a, b, c in zip(default.blocks, plain.blocks, wide.blocks):
+        assert a.attn.phi.weight.std().item() == pytest.approx((8 / 64) ** 0.5, rel=0.05)
+        assert b.attn.phi.weight.std().item() == pytest.approx(0.02, rel=0.05)  # the model's init
+        assert c.attn.phi.weight.std().item() == pytest.approx(0.5, rel=0.05)
+        assert a.attn.qkv.weight.std().item() == pytest.approx(0.02, rel=0.05)  # the rest as before
+    for block in model(EncoderDecoder, phi_init_std=0.5).decoder.blocks:  # cross attention too
+        assert block.cross.phi.weight.std().item() == pytest.approx(0.5, rel=0.05)
+        assert block.attn.phi.weight.std().item() == pytest.approx(0.5, rel=0.05)
     with pytest.raises(ConfigError, match="phi_init_std"):
         AttentionConfig("abc-mlp", {"phi_init_std": -1.0})
 

@@ -57,7 +57,7 @@ from memattn.layers.abc.given import (
     GivenPhiLayer,
     random_slots,
 )
-from memattn.layers.abc.mlp import RELU_FLOOR, ABCMLPAttention, ABCMLPOptions, activation_logits
+from memattn.layers.abc.mlp import RELU_FLOOR, ABCMLPAttention, ABCMLPOptions, activation_logits, reset_phi
 from memattn.layers.abc.window import (
     ABCDilatedAttention,
     ABCDilatedOptions,
@@ -97,4 +97,5 @@ __all__ = [
     "Workspace",
     "activation_logits",
     "random_slots",
+    "reset_phi",
 ]
