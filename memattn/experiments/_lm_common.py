@@ -5,6 +5,8 @@ model over its seeds, and the tables written as models finish (`_runner.run_expe
 from __future__ import annotations
 
 import functools
+import json
+import os
 import statistics
 import time
 from pathlib import Path
@@ -12,7 +14,8 @@ from typing import Any, Callable
 
 import torch
 
-from memattn.experiments._runner import Job, run_experiment
+from memattn.experiments._runner import Job, run_dir_of, run_experiment
+from memattn.fileio import atomic_write
 
 # (row, mechanism, options, seeds); an option whose key has a dot is a setting of the run
 # itself (e.g. "train.segments"), the others are the mechanism's (attention.KEY)
@@ -20,6 +23,8 @@ Model = tuple[str, str, dict[str, Any], int]
 
 SCORED = 32  # tokens of each segment scored at the long context (ABC's Table 3a: 480 + 32 = 512)
 USAGE_WINDOWS = 4  # test windows of seq_len for ABC_MLP's slot statistics
+SPEED_FILE = "speeds.json"  # tokens/s of every model, measured side by side once all are trained
+SPEED_STEPS = 4  # timed training steps of a model in that pass
 SEED_FIGURES = ("test_bpc", "test_bpc_context", "val_bpc", "train_tokens_per_s",
                 "decode_tokens_per_s", "train_s")
 
@@ -51,7 +56,6 @@ def measure(model, cfg, run_dir: Path, *, test_tokens: int, decode_prompt: int,
     """
     from memattn.analysis import abc_slot_usage, mean_statistics
     from memattn.evaluate import as_tensor, evaluate
-    from memattn.generate import generate
     from memattn.models import CausalLM
     from memattn.train import load_run_corpus
 
@@ -68,10 +72,7 @@ def measure(model, cfg, run_dir: Path, *, test_tokens: int, decode_prompt: int,
         scored = seq_len - context
         long = evaluate(model, test, seq_len=scored, batch_size=batch, context=context,
                         chars_per_token=ratio, max_batches=-(-test_tokens // (scored * batch)))
-    prompt = test[:decode_prompt]
-    start = time.perf_counter()
-    produced = sum(1 for _ in generate(model, prompt[None], decode_tokens, temperature=0))
-    decode = produced / (time.perf_counter() - start)
+    decode = decode_speed(model, test[:decode_prompt], decode_tokens)
     windows = test[:USAGE_WINDOWS * seq_len].view(USAGE_WINDOWS, seq_len)
     torch.manual_seed(cfg.train.seed)  # the model as training began (train seeds the same way)
     initial = CausalLM(cfg.model).eval()
@@ -81,6 +82,74 @@ def measure(model, cfg, run_dir: Path, *, test_tokens: int, decode_prompt: int,
             "decode_tokens_per_s": decode,
             "slots_init": mean_statistics(abc_slot_usage(initial, windows)),
             "slots_trained": mean_statistics(abc_slot_usage(model, windows))}
+
+
+def decode_speed(model, prompt: torch.Tensor, tokens: int) -> float:
+    """Greedy decoding tokens per second with the cache, batch 1, after prompt [T]."""
+    from memattn.generate import generate
+
+    start = time.perf_counter()
+    produced = sum(1 for _ in generate(model, prompt[None], tokens, temperature=0))
+    return produced / (time.perf_counter() - start)
+
+
+def train_speed(model, cfg, ids: torch.Tensor, steps: int = SPEED_STEPS) -> float:
+    """Training tokens per second of a run's step: forward (with a carried memory for a
+    segment-trained run), the loss with the model's auxiliary terms, backward and an AdamW
+    step with lr 0, on a batch of the run's shape from ids; one untimed step first."""
+    import torch.nn.functional as F
+
+    tc = cfg.train
+    window = ids[:tc.batch_size * (tc.seq_len + 1)].view(tc.batch_size, tc.seq_len + 1)
+    x, y = window[:, :-1], window[:, 1:]
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.0)
+    model.train()
+    for step in range(steps + 1):
+        if step == 1:
+            start = time.perf_counter()
+        logits = model(x, cache=model.init_cache(x.shape[0])) if tc.segments else model(x)
+        loss = F.cross_entropy(logits.float().flatten(0, 1), y.flatten())
+        aux = model.aux_loss()
+        (loss if aux is None else loss + aux).backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+    model.eval()
+    return steps * x.numel() / (time.perf_counter() - start)
+
+
+def side_by_side_speeds(out_dir: Path, jobs: list[Job], *, decode_prompt: int, decode_tokens: int,
+                        **_) -> dict[str, dict[str, Any]]:
+    """Training and decoding tokens per second of every finished model, by job name, measured
+    one after another in this process on one thread, so that rows compare (a worker's own
+    figures depend on what ran beside it). Kept in out_dir/SPEED_FILE with the jobs'
+    settings and the machine, and measured again only when those change."""
+    import platform
+
+    from memattn.evaluate import as_tensor
+    from memattn.train import load_run_corpus, model_from_checkpoint
+
+    path = Path(out_dir) / SPEED_FILE
+    how = {"torch": torch.__version__, "machine": platform.machine(), "cpus": os.cpu_count(), "threads": 1,
+           "settings": {job.name: list(job.settings) for job in jobs}}
+    if path.exists():
+        saved = json.loads(path.read_text())
+        if {k: saved.get(k) for k in how} == how:
+            return saved["speeds"]
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        speeds = {}
+        for job in jobs:
+            model, cfg, _ = model_from_checkpoint(run_dir_of(out_dir, job))
+            corpus = load_run_corpus(cfg)
+            speeds[job.name] = {
+                "train_tokens_per_s": train_speed(model, cfg, as_tensor(corpus.train)),
+                "decode_tokens_per_s": decode_speed(model, as_tensor(corpus.test)[:decode_prompt], decode_tokens)}
+    finally:
+        torch.set_num_threads(threads)
+    text = json.dumps({**how, "speeds": speeds}, indent=2) + "\n"
+    atomic_write(path, lambda tmp: tmp.write_text(text))
+    return speeds
 
 
 def summarise(names: list[str], rows: list[dict]) -> list[dict]:
@@ -129,7 +198,17 @@ def run_lm_experiment(out_dir: Path, name: str, models: list[Model], shared: lis
     return run_experiment(out_dir, name, jobs_of(models, shared), shared, quick=quick, overrides=overrides,
                           jobs=jobs, measure=functools.partial(measure, **measure_kw), summarise=summarise,
                           markdown=markdown, curve=("val_bpc", "bits per character"), plots=plots,
-                          extra=extra)
+                          extra=extra, side_by_side=functools.partial(side_by_side_speeds, **measure_kw))
+
+
+def speed_note(result: dict) -> str:
+    """Where the table's tokens/s come from."""
+    if result.get("side_by_side"):
+        return ("Tokens/s were measured once every model was trained, one model after another in one "
+                f"process on one thread (`{SPEED_FILE}`): training is a forward, backward and optimiser "
+                "step on a batch of the run's shape, decoding is greedy at batch 1 after a prompt.")
+    return ("Tokens/s are each run's own, taken beside whatever else ran then, so they do not compare "
+            "between rows; they are measured side by side once every run has finished.")
 
 
 def progress_note(result: dict) -> list[str]:

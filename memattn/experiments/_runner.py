@@ -232,16 +232,20 @@ def run_experiment(out_dir: Path, name: str, pairs: list[tuple[str, Job]], share
                    summarise: Callable[[list[str], list[dict]], list[dict]],
                    markdown: Callable[[dict], str], curve: tuple[str, str],
                    plots: Callable[[Path, dict], None] | None = None,
-                   extra: dict[str, Any] | None = None) -> dict:
+                   extra: dict[str, Any] | None = None,
+                   side_by_side: Callable[[Path, list[Job]], dict[str, dict]] | None = None) -> dict:
     """Train (or reuse, or resume) every (model, job) of `pairs`, `jobs` at a time, and write
     results.json, results.md (`markdown(result)`), logs/ and learning_curves.png (the
     validation figure curve = (log key, label) against steps, seed 0 of each model), anew as
-    each job finishes (a partial table says how many runs it holds)."""
+    each job finishes (a partial table says how many runs it holds). Once every job has
+    finished, side_by_side(out_dir, jobs) gives figures measured for all models in one pass
+    (e.g. speeds, which depend on what ran beside a worker), by job name: they replace the
+    rows' own, and the result says so (`side_by_side`: true)."""
     from memattn.experiments._common import command_of, plot_curves, write_results
 
     out_dir = Path(out_dir)
 
-    def report(rows: dict[str, dict]) -> dict:
+    def report(rows: dict[str, dict], measured_side_by_side: bool = False) -> dict:
         done = [(model, job) for model, job in pairs if job.name in rows]
         (out_dir / "logs").mkdir(parents=True, exist_ok=True)
         curves = {}
@@ -254,7 +258,8 @@ def run_experiment(out_dir: Path, name: str, pairs: list[tuple[str, Job]], share
         result = {"experiment": name, "quick": quick, "command": command_of(out_dir, name, quick, overrides),
                   "config": shared, "finished": len(done), "runs_planned": len(pairs),
                   "models": summarise([model for model, _ in done], [rows[job.name] for _, job in done]),
-                  "runs": [rows[job.name] for _, job in done], **(extra or {})}
+                  "runs": [rows[job.name] for _, job in done], "side_by_side": measured_side_by_side,
+                  **(extra or {})}
         write_results(out_dir, result, markdown(result))
         plot_curves(out_dir / "learning_curves.png", f"{name}: validation", curves, curve[1])
         if plots is not None:
@@ -262,4 +267,8 @@ def run_experiment(out_dir: Path, name: str, pairs: list[tuple[str, Job]], share
         return result
 
     rows = run_jobs(out_dir, [job for _, job in pairs], measure, workers=jobs, label=name, on_rows=report)
-    return report({job.name: row for (_, job), row in zip(pairs, rows)})
+    final = {job.name: row for (_, job), row in zip(pairs, rows)}
+    if side_by_side is not None:
+        figures = side_by_side(out_dir, [job for _, job in pairs])
+        final = {job_name: {**row, **figures[job_name]} for job_name, row in final.items()}
+    return report(final, side_by_side is not None)

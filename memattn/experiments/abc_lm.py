@@ -24,7 +24,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from memattn.experiments._common import save_figure
-from memattn.experiments._lm_common import Model, bpc_cell, compare, progress_note, run_lm_experiment
+from memattn.experiments._lm_common import Model, bpc_cell, compare, progress_note, run_lm_experiment, speed_note
 
 DESCRIPTION = ("bounded-memory control (Peng et al. 2022): softmax against ABC_MLP, Linformer, "
                "random, window and cluster control, a memory-size sweep and control variants, "
@@ -104,7 +104,8 @@ def markdown(result: dict) -> str:
         f"{minutes:.0f} min on one CPU thread. Test bits per character over the first "
         f"{base['test_tokens']:,} characters of the test split at context 0 (segments of {seq}) and over "
         f"{base['context_tokens']:,} characters at context {context} (each {seq - context}-character "
-        f"segment scored after the {context} before it). ± is half the spread of two seeds.",
+        f"segment scored after the {context} before it). ± is half the spread of two seeds. "
+        + speed_note(result),
         "",
         f"| model | seeds | parameters | test bpc, context 0 | vs softmax | test bpc, context {context} "
         "| vs softmax | val bpc | train tokens/s | decode tokens/s |",

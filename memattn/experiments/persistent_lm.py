@@ -21,7 +21,7 @@ import dataclasses
 from pathlib import Path
 
 from memattn.config import AttentionConfig, RunConfig, load_config
-from memattn.experiments._lm_common import Model, bpc_cell, compare, progress_note, run_lm_experiment
+from memattn.experiments._lm_common import Model, bpc_cell, compare, progress_note, run_lm_experiment, speed_note
 from memattn.models import CausalLM
 
 DESCRIPTION = ("persistent memory vs feed-forward (Sukhbaatar et al. 2019): transformer, "
@@ -134,7 +134,7 @@ def markdown(result: dict) -> str:
         f"the test split in segments of {seq}, each read from an empty memory, and with context: each "
         f"{seq - context}-character segment after the {context} before it, except for the long-context "
         "model, which reads the whole test split as streams with its segment memory carried (its "
-        "training reads). ± is half the spread of two seeds.",
+        "training reads). ± is half the spread of two seeds. " + speed_note(result),
         "",
         f"| model | seeds | N | parameters | test bpc, segments of {seq} | vs transformer | with context "
         "| vs transformer | val bpc | train tokens/s |",

@@ -1,5 +1,7 @@
 """`memattn experiment abc-lm --quick`: every model trains, is measured and lands in the table."""
 
+import dataclasses
+import json
 import math
 
 import pytest
@@ -7,8 +9,9 @@ from conftest import run_quick_lm_experiment
 
 from memattn.evaluate import as_tensor, evaluate
 from memattn.experiments import get_experiment
-from memattn.experiments._lm_common import jobs_of, summarise
-from memattn.experiments.abc_lm import FULL, MODELS, findings
+from memattn.experiments._lm_common import SPEED_FILE, jobs_of, summarise
+from memattn.experiments._runner import Job
+from memattn.experiments.abc_lm import FULL, MEASURE, MODELS, QUICK, QUICK_MODELS, findings
 from memattn.train import load_run_corpus, model_from_checkpoint
 
 
@@ -36,6 +39,28 @@ def test_quick_run_writes_the_table_sweep_and_slot_usage(text_file, tmp_path):
     assert result["command"] in table and "| abc-random, M=8 | 1 |" in table and "In progress" not in table
     assert (out / "memory_sweep.png").stat().st_size > 1000
     assert (out / "learning_curves.png").stat().st_size > 1000
+    # tokens/s of every run come from one pass once all were trained, kept in speeds.json
+    speeds = json.loads((out / SPEED_FILE).read_text())["speeds"]
+    assert result["side_by_side"] and "one model after another in one process" in table
+    assert sorted(speeds) == sorted(run["model"] for run in result["runs"])
+    for run in result["runs"]:
+        assert run["train_tokens_per_s"] == speeds[run["model"]]["train_tokens_per_s"] > 0
+        assert run["decode_tokens_per_s"] == speeds[run["model"]]["decode_tokens_per_s"] > 0
+
+
+def test_speeds_are_measured_again_only_when_the_runs_change(text_file, tmp_path, monkeypatch):
+    import memattn.experiments._lm_common as lm
+
+    out, _ = run_quick_lm_experiment("abc-lm", text_file, tmp_path)
+    calls = []
+    monkeypatch.setattr(lm, "train_speed", lambda *a, **k: calls.append(1) or 123.0)
+    saved = json.loads((out / SPEED_FILE).read_text())
+    jobs, before = [Job(name, tuple(settings)) for name, settings in saved["settings"].items()], saved["speeds"]
+    assert [job.name for job in jobs] == [job.name for _, job in jobs_of(QUICK_MODELS, QUICK)]
+    assert lm.side_by_side_speeds(out, jobs, **MEASURE[True]) == before and not calls  # kept
+    changed = [dataclasses.replace(jobs[0], settings=(*jobs[0].settings, "train.lr=0.01")), *jobs[1:]]
+    again = lm.side_by_side_speeds(out, changed, **MEASURE[True])
+    assert len(calls) == len(jobs) and all(s["train_tokens_per_s"] == 123.0 for s in again.values())
 
 
 def test_seeds_share_everything_but_the_seed():
