@@ -198,10 +198,15 @@ def findings(models: list[dict]) -> list[str]:
                          " — better with every doubling." if improving else
                          " — not better with every doubling."))
     if "abc-mlp, M=32" in by and "abc-mlp, M=32, W_phi init" in by:
+        wide, plain = by["abc-mlp, M=32, W_phi init"], by["abc-mlp, M=32"]
+        apart = (wide["test_bpc"] + wide["test_bpc_spread"] / 2 < plain["test_bpc"] - plain["test_bpc_spread"] / 2
+                 and min(wide["seeds"], plain["seeds"]) > 1)
         lines.append("- **Symmetric slots** (not in the paper). A larger init of W_φ alone: "
-                     + compare(by["abc-mlp, M=32, W_phi init"], by["abc-mlp, M=32"]) + ". This init is "
-                     "abc-mlp's default since (`attention.phi_init_std` unset: std √(8 / d_model)); "
-                     "the other ABC_MLP rows keep the model's init (`attention.phi_init_std=0`).")
+                     + compare(wide, plain) + (", every seed ahead of every seed of the model's init"
+                                               if apart else "")
+                     + ". abc-mlp's default is this init (`attention.phi_init_std` unset: std "
+                     "√(8 / d_model)); the other ABC_MLP rows here keep the model's init "
+                     "(`attention.phi_init_std=0`).")
     variants = [by[n] for n in ("abc-mlp relu, M=32", "abc-mlp sigmoid, M=32") if n in by]
     if variants and "abc-mlp, M=32" in by:
         lines.append("- **Control activation** (the paper's Table 8 compares them for translation). "

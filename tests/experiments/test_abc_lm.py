@@ -101,3 +101,15 @@ def test_findings_weigh_gaps_against_the_seeds_spread():
     assert "abc-mlp, M=32 and abc-random, M=64 are within the seeds' spread (-0.010)" in lines
     assert "abc-mlp, M=32 is ahead of abc-linformer, M=64 by 0.200" in lines
     assert "abc-mlp, M=32 +0.200 at context 0" in lines
+
+
+def test_findings_say_every_seed_is_ahead_only_when_the_seeds_do_not_overlap():
+    def model(name, bpc, spread):
+        return {"model": name, "test_bpc": bpc, "test_bpc_spread": spread, "seeds": 2, "options": {"num_slots": 32}}
+
+    def line(wide_bpc):
+        rows = [model("abc-mlp, M=32", 2.285, 0.034), model("abc-mlp, M=32, W_phi init", wide_bpc, 0.020)]
+        return next(text for text in findings(rows) if "Symmetric" in text)
+
+    assert "every seed ahead of every seed" in line(2.238)   # 2.248 < 2.268
+    assert "every seed ahead" not in line(2.260)             # 2.270 > 2.268: the seeds overlap
