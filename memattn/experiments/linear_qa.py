@@ -393,7 +393,6 @@ def render_markdown(results: dict, command: str) -> str:
             f"{pct(r, 'accuracy_from_representations')} | {'yes' if r['converged'] else 'no'} | "
             f"{r['best_step']:,.0f} | {r['steps']:,.0f} | {r['train_seconds']:.0f} | "
             f"{r['seconds_per_step']:.3f} | {r['parameters']:,} |")
-    ranking = " > ".join(sorted(v, key=lambda n: -v[n]["accuracy"]))
     lines += [
         "",
         "Training time counts the model's steps only (forward, backward, update; not the data "
@@ -401,9 +400,6 @@ def render_markdown(results: dict, command: str) -> str:
         "test queries answered from the documents' k×k representations alone "
         "(`ReadingQA.represent` then `ReadingQA.answer`). Each (variant, seed) is a run folder "
         "under `runs/` (resumed where it stopped; `--jobs N` trains N at once).",
-        "",
-        f"Measured ranking by test accuracy: {ranking}. The paper (CNN QA) found softmax > "
-        "gated linear > linear > none.",
         "",
         "## Lookup cost",
         "",
@@ -426,10 +422,50 @@ def render_markdown(results: dict, command: str) -> str:
             f"{r['speedup']:.1f}× | {r['n_over_k']:g} | {r['encode_ms']:.2f} | "
             f"{r['softmax_bytes']:,} | {r['linear_bytes']:,} |")
     env = results["environment"]
-    lines += ["", f"torch {env['torch']}, {env['machine']}, {env['threads']} thread(s).", ""]
+    lines += ["", f"torch {env['torch']}, {env['machine']}, {env['threads']} thread(s).", "",
+              *findings(results), ""]
     if results["quick"]:
         lines.insert(2, "**Quick smoke run: too small for its numbers to mean anything.**\n")
     return "\n".join(lines)
+
+
+def findings(results: dict) -> list[str]:
+    """The paper's findings next to what this run measured."""
+    v, rows = results["variants"], results["lookup"]
+    lines = ["## The paper found / we measured", ""]
+
+    def gap(a: str, b: str) -> str:
+        """'a is ahead of b by x points', or within the seeds' spread."""
+        diff = 100 * (v[a]["accuracy"] - v[b]["accuracy"])
+        spread = 50 * (v[a].get("accuracy_spread", 0.0) + v[b].get("accuracy_spread", 0.0))
+        if min(v[a]["seeds"], v[b]["seeds"]) > 1 and abs(diff) <= spread:
+            return f"{a} and {b} are within the seeds' spread ({diff:+.1f} points)"
+        return f"{a} is {'ahead of' if diff > 0 else 'behind'} {b} by {abs(diff):.1f} points"
+
+    ranking = " > ".join(f"{n} ({100 * v[n]['accuracy']:.1f} %)" for n in sorted(v, key=lambda n: -v[n]["accuracy"]))
+    lines.append("- **Ranking.** The paper (CNN QA) found softmax > gated linear > linear > none. "
+                 f"We measured {ranking}.")
+    if "none" in v:
+        lines.append("- **Attention reads the document.** The paper found every attention ahead of "
+                     "none. We measured: " + "; ".join(gap(n, "none") for n in v if n != "none") + ".")
+    if "gated-linear" in v and "linear" in v:
+        lines.append("- **Gates help the linear form.** The paper found gated linear ahead of linear. "
+                     "We measured: " + gap("gated-linear", "linear") + ".")
+    stored = [n for n in v if "accuracy_from_representations" in v[n]]
+    if stored:
+        lines.append("- **A fixed-size representation answers alone.** The paper stores C = Σ h hᵀ "
+                     "per document. We measured from stored C: " + "; ".join(
+                         f"{n} {100 * v[n]['accuracy_from_representations']:.1f} % against "
+                         f"{100 * v[n]['accuracy']:.1f} % directly" for n in stored) + ".")
+    if len(rows) > 1:
+        first, last = rows[0], rows[-1]
+        lines.append("- **Lookups cost O(k²), not O(n·k).** The paper found linear lookups "
+                     "independent of the document length. We measured, from n = "
+                     f"{first['n']:,} to {last['n']:,}: linear {first['linear_us_per_query']:.2f} → "
+                     f"{last['linear_us_per_query']:.2f} µs a query, softmax "
+                     f"{first['softmax_us_per_query']:.2f} → {last['softmax_us_per_query']:.2f} µs "
+                     f"({last['speedup']:.0f}× at n = {last['n']:,}).")
+    return lines
 
 
 def plot(results: dict, path: Path) -> None:

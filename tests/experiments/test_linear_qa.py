@@ -98,3 +98,22 @@ def test_an_interrupted_run_resumes_to_the_same_figures(tmp_path, monkeypatch):
     assert log[0] == log[1] and [json.loads(line)["step"] for line in log[0].splitlines()] == [10, 20, 30]
     keys = ("accuracy", "accuracy_long", "accuracy_from_representations", "val_accuracy", "best_step", "steps")
     assert {k: resumed[k] for k in keys} == {k: whole[k] for k in keys}
+
+
+def test_findings_rank_the_variants_and_weigh_gaps_against_the_seeds_spread():
+    from memattn.experiments.linear_qa import findings
+
+    def variant(accuracy, spread, **extra):
+        return {"accuracy": accuracy, "accuracy_spread": spread, "seeds": 2, **extra}
+
+    results = {"variants": {"none": variant(0.20, 0.01), "softmax": variant(0.60, 0.02),
+                            "linear": variant(0.50, 0.04), "gated-linear": variant(0.52, 0.02,
+                                                                                   accuracy_from_representations=0.52)},
+               "lookup": [{"n": 250, "linear_us_per_query": 1.0, "softmax_us_per_query": 2.0, "speedup": 2.0},
+                          {"n": 8000, "linear_us_per_query": 1.1, "softmax_us_per_query": 55.0, "speedup": 50.0}]}
+    text = "\n".join(findings(results))
+    assert "We measured softmax (60.0 %) > gated-linear (52.0 %) > linear (50.0 %) > none (20.0 %)" in text
+    assert "softmax is ahead of none by 40.0 points" in text
+    assert "gated-linear and linear are within the seeds' spread (+2.0 points)" in text  # 2.0 <= 3.0
+    assert "gated-linear 52.0 % against 52.0 % directly" in text and "linear 50.0 % against" not in text
+    assert "(50× at n = 8,000)" in text
