@@ -79,9 +79,15 @@ def measure(model, cfg, run_dir: Path, *, test_tokens: int, decode_prompt: int,
     return {"attention": cfg.model.attention.name, "options": cfg.model.attention.options,
             "seed": cfg.train.seed, "test_bpc": short["bpc"], "test_tokens": short["tokens"],
             "test_bpc_context": long["bpc"], "context": context, "context_tokens": long["tokens"],
-            "decode_tokens_per_s": decode,
+            "decode_tokens_per_s": decode, "spans": learned_spans(model),
             "slots_init": mean_statistics(abc_slot_usage(initial, windows)),
             "slots_trained": mean_statistics(abc_slot_usage(model, windows))}
+
+
+def learned_spans(model) -> list[list[float]]:
+    """Each layer's learned attention spans per head, in tokens ([] without adaptive spans)."""
+    spans = [getattr(block.attn, "spans", lambda: [])() for block in model.blocks]
+    return spans if any(spans) else []
 
 
 def decode_speed(model, prompt: torch.Tensor, tokens: int) -> float:
@@ -167,6 +173,9 @@ def summarise(names: list[str], rows: list[dict]) -> list[dict]:
             values = [r[key] for r in runs]
             entry[key] = statistics.fmean(values)
             entry[f"{key}_spread"] = max(values) - min(values)
+        if runs[0].get("spans"):  # [seed][layer][head] -> the mean over seeds, [layer][head]
+            entry["spans"] = [[statistics.fmean(h) for h in zip(*layers)]
+                              for layers in zip(*(r["spans"] for r in runs))]
         for when in ("slots_init", "slots_trained"):
             if runs[0][when]:
                 entry[when] = {k: statistics.fmean(r[when][k] for r in runs) for k in runs[0][when]}

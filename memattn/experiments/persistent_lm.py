@@ -18,6 +18,7 @@ results.json, results.md, learning_curves.png, logs/.
 from __future__ import annotations
 
 import dataclasses
+import statistics
 from pathlib import Path
 
 from memattn.config import AttentionConfig, RunConfig, load_config
@@ -154,6 +155,17 @@ def markdown(result: dict) -> str:
     return "\n".join(lines)
 
 
+def spans_note(m: dict) -> str:
+    """' Its learned spans ...' per layer (mean and largest over heads), or ''."""
+    if not m.get("spans"):
+        return ""
+    layers = "; ".join(f"layer {i + 1}: {statistics.fmean(z):.0f} (largest {max(z):.0f})"
+                       for i, z in enumerate(m["spans"]) if z)
+    return (" Adaptive span (Sukhbaatar et al. 2019a), which this model uses, found short spans "
+            "in the lower layers and long ones in a few heads of the upper layers. Its learned "
+            f"spans, in tokens (mean over heads and seeds): {layers}.")
+
+
 def findings(by: dict[str, dict]) -> list[str]:
     """The paper's findings next to what this table measured (test bits per character)."""
     lines = ["## The paper found / we measured", ""]
@@ -176,5 +188,5 @@ def findings(by: dict[str, dict]) -> list[str]:
                      "contexts with adaptive spans. We measured the segment-trained model at "
                      f"{long['test_bpc_context']:.3f} bits per character reading the test split as "
                      f"streams, against {by['all-attn']['test_bpc_context']:.3f} for all-attn with "
-                     f"{by['all-attn']['context']} tokens of context.")
+                     f"{by['all-attn']['context']} tokens of context." + spans_note(long))
     return lines if len(lines) > 2 else []

@@ -29,10 +29,16 @@ def test_quick_run_writes_the_table_curves_and_command(text_file, tmp_path):
     _, long_cfg, _ = model_from_checkpoint(out / "runs" / "all-attn-long-context")
     assert long_cfg.train.segments and long_cfg.model.attention.options["adaptive_span"]
     assert models["all-attn, long context"]["context"] == -1 and models["all-attn"]["context"] == 24
+    # its learned spans are the checkpoint's, per layer and head, in the row and the findings
+    long_model, _, _ = model_from_checkpoint(out / "runs" / "all-attn-long-context")
+    spans = [block.attn.spans() for block in long_model.blocks]
+    assert [pytest.approx(layer) for layer in spans] == models["all-attn, long context"]["spans"]
+    assert "spans" not in models["all-attn"]
     assert result["command"].startswith("memattn experiment persistent-lm data.corpus=text")
     table = (out / "results.md").read_text()
     assert result["command"] in table and "| all-attn, N=0 | 1 | 0 |" in table and "(stream)" in table
     assert "The paper found / we measured" in table
+    assert f"layer 1: {sum(spans[0]) / len(spans[0]):.0f} (largest {max(spans[0]):.0f})" in table
     assert (out / "learning_curves.png").stat().st_size > 1000
     assert len(list((out / "logs").glob("*.jsonl"))) == 9
 
