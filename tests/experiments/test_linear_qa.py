@@ -104,7 +104,8 @@ def test_findings_rank_the_variants_and_weigh_gaps_against_the_seeds_spread():
     from memattn.experiments.linear_qa import findings
 
     def variant(accuracy, spread, **extra):
-        return {"accuracy": accuracy, "accuracy_spread": spread, "seeds": 2, **extra}
+        return {"accuracy": accuracy, "accuracy_spread": spread, "accuracy_long": accuracy / 2,
+                "accuracy_long_spread": 0.0, "seeds": 2, **extra}
 
     results = {"variants": {"none": variant(0.20, 0.01), "softmax": variant(0.60, 0.02),
                             "linear": variant(0.50, 0.04), "gated-linear": variant(0.52, 0.02,
@@ -115,5 +116,6 @@ def test_findings_rank_the_variants_and_weigh_gaps_against_the_seeds_spread():
     assert "We measured softmax (60.0 %) > gated-linear (52.0 %) > linear (50.0 %) > none (20.0 %)" in text
     assert "softmax is ahead of none by 40.0 points" in text
     assert "gated-linear and linear are within the seeds' spread (+2.0 points)" in text  # 2.0 <= 3.0
+    assert "on the longer documents, gated-linear is ahead of linear by 1.0 points" in text
     assert "gated-linear 52.0 % against 52.0 % directly" in text and "linear 50.0 % against" not in text
     assert "(50× at n = 8,000)" in text
