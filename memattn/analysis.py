@@ -1,4 +1,5 @@
-"""How a learned bounded memory is used: statistics of ABC_MLP's slots over a window.
+"""How a learned memory is used: statistics of ABC_MLP's slots over a window, and the spans
+an adaptive-span layer learned (`learned_spans`).
 
 With slot logits s (α = exp(s)), the causal memory at step t is
 K̃_t[j] = Σ_{i≤t} α_ij k_i / Σ_{i≤t} α_ij, and query t reads softmax_j(scale · K̃_t[j]·q_t).
@@ -77,3 +78,8 @@ def mean_statistics(per_layer: list[dict[str, float]]) -> dict[str, float]:
         return {}
     return {key: sum(d[key] for d in per_layer) / len(per_layer) for key in per_layer[0]}
 
+
+def learned_spans(model: torch.nn.Module) -> list[list[float]]:
+    """Each layer's learned attention spans per head, in tokens; [] if no layer learns one."""
+    spans = [getattr(block.attn, "spans", list)() for block in getattr(model, "blocks", [])]
+    return spans if any(spans) else []

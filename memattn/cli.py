@@ -272,6 +272,7 @@ def state_memory(model, lengths=(64, 128)) -> tuple[int, float]:
 def cmd_info(args) -> int:
     import dataclasses
 
+    from memattn.analysis import learned_spans
     from memattn.layers import mechanisms
     from memattn.models import CausalLM
 
@@ -293,10 +294,9 @@ def cmd_info(args) -> int:
         "heads": m.n_heads, "positions": m.positions, "vocab_size": model.cfg.vocab_size if hasattr(model, "cfg") else m.vocab_size,
         "state_fixed_bytes": fixed, "state_bytes_per_token": per_token,
     }
-    blocks = getattr(model, "blocks", [])
-    spans = {i: b.attn.spans() for i, b in enumerate(blocks) if getattr(b.attn, "spans", None)}
-    if any(spans.values()):  # adaptive attention span: z per head (tokens), per layer
-        info["spans"] = {str(i): [round(z, 1) for z in zs] for i, zs in spans.items() if zs}
+    spans = learned_spans(model)
+    if spans:  # adaptive attention span: z per head (tokens), per layer
+        info["spans"] = {str(i): [round(z, 1) for z in zs] for i, zs in enumerate(spans) if zs}
     if args.json:
         print(json.dumps(info, indent=2))
         return 0

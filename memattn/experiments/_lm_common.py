@@ -54,7 +54,7 @@ def measure(model, cfg, run_dir: Path, *, test_tokens: int, decode_prompt: int,
     tokens per second after a decode_prompt-token prompt, batch 1. Slot statistics
     (`memattn.analysis`) of ABC_MLP layers at init and after training.
     """
-    from memattn.analysis import abc_slot_usage, mean_statistics
+    from memattn.analysis import abc_slot_usage, learned_spans, mean_statistics
     from memattn.evaluate import as_tensor, evaluate
     from memattn.models import CausalLM
     from memattn.train import load_run_corpus
@@ -82,12 +82,6 @@ def measure(model, cfg, run_dir: Path, *, test_tokens: int, decode_prompt: int,
             "decode_tokens_per_s": decode, "spans": learned_spans(model),
             "slots_init": mean_statistics(abc_slot_usage(initial, windows)),
             "slots_trained": mean_statistics(abc_slot_usage(model, windows))}
-
-
-def learned_spans(model) -> list[list[float]]:
-    """Each layer's learned attention spans per head, in tokens ([] without adaptive spans)."""
-    spans = [getattr(block.attn, "spans", lambda: [])() for block in model.blocks]
-    return spans if any(spans) else []
 
 
 def decode_speed(model, prompt: torch.Tensor, tokens: int) -> float:
