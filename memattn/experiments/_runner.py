@@ -164,11 +164,15 @@ class Progress:
     """One status line per change (and every `interval` seconds): done, running, left, time left."""
 
     def __init__(self, out_dir: Path, jobs: list[Job], label: str, workers: int, out,
-                 interval: float = 60.0, steps_of: Callable[[Job], int] | None = None) -> None:
+                 interval: float = 60.0, steps_of: Callable[[Job], int] | None = None,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self.out_dir, self.jobs, self.label, self.workers, self.out = out_dir, jobs, label, workers, out
         self.steps = {job.name: (steps_of or train_steps_of)(job) for job in jobs}
-        self.interval, self.last = interval, 0.0
-        self.seen: dict[str, tuple[float, int]] = {}  # name -> (time, step) when first seen running
+        self.interval, self.last, self.clock = interval, 0.0, clock
+        self.seen: dict[str, int] = {}  # name -> its step when first seen running
+        # name -> (time, step) when its logged step first moved past that: the rate counts from
+        # there, not from the first sight (a start-up, or a log line about to be written)
+        self.since: dict[str, tuple[float, int]] = {}
 
     def step_of(self, job: Job) -> int:
         log = run_dir_of(self.out_dir, job) / "log.jsonl"
@@ -183,7 +187,7 @@ class Progress:
         return step
 
     def report(self, rows: dict, errors: dict, force: bool = False) -> None:
-        now = time.monotonic()
+        now = self.clock()
         if not force and now - self.last < self.interval:
             return
         self.last = now
@@ -198,9 +202,10 @@ class Progress:
             if step == 0 and job.name not in self.seen:
                 left += 1
                 continue
-            t0, s0 = self.seen.setdefault(job.name, (now, step))
-            if step > s0:
-                rates.append((now - t0) / (step - s0))
+            if step > self.seen.setdefault(job.name, step):
+                t0, s0 = self.since.setdefault(job.name, (now, step))
+                if step > s0:
+                    rates.append((now - t0) / (step - s0))
             running.append(f"{job.name} {step}/{total}")
         parts = [f"[{self.label}] done {len(rows)}/{len(self.jobs)}"]
         if errors:

@@ -1,6 +1,7 @@
 """memattn.experiments._runner: experiments continue across sittings (killed, then run again),
 reuse finished models, refuse folders made with other settings; through `memattn experiment`."""
 
+import io
 import json
 import os
 import signal
@@ -12,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from memattn.errors import ConfigError
-from memattn.experiments._runner import Job, finished_row, run_jobs
+from memattn.experiments._runner import Job, Progress, finished_row, run_dir_of, run_jobs
 
 
 def experiment_command(text_file, root, *extra):
@@ -68,6 +69,25 @@ def test_a_killed_experiment_continues_where_it_stopped(text_file, tmp_path):
 
     again = subprocess.run(command, capture_output=True, text=True, timeout=300)
     assert again.returncode == 0 and "done 6/6" in again.stdout.splitlines()[0]  # nothing to train
+
+
+def test_progress_times_steps_from_the_first_logged_step_it_saw_move(tmp_path):
+    """A job resumed at step 40 whose first 10 steps take 100 s of start-up, then 1 s a step:
+    the time left is its 30 steps and the unstarted job's 100 at 1 s a step, one at a time."""
+    jobs = [Job("resumed", ("a=1",)), Job("waiting", ("a=2",))]
+    clock, out = [0.0], io.StringIO()
+    progress = Progress(tmp_path, jobs, "x", workers=2, out=out, steps_of=lambda job: 100,
+                        clock=lambda: clock[0])
+    run = run_dir_of(tmp_path, jobs[0])
+    run.mkdir(parents=True)
+    for now, step in ((0, 40), (100, 50), (110, 60), (120, 70)):
+        clock[0] = now
+        with open(run / "log.jsonl", "a") as f:
+            f.write(json.dumps({"step": step}) + "\n")
+        progress.report({}, {}, force=True)
+    lines = out.getvalue().splitlines()
+    assert "left" not in lines[1]  # one move seen: no rate yet
+    assert lines[-1] == "[x] done 0/2 · running resumed 70/100 · 1 not started · about 2 min left"
 
 
 def test_a_folder_made_with_other_settings_is_refused(tmp_path):
