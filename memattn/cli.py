@@ -276,9 +276,17 @@ def cmd_info(args) -> int:
     from memattn.layers import mechanisms
     from memattn.models import CausalLM
 
+    words = [o for o in args.overrides if "=" not in o]
+    if len(words) == 1 and not args.checkpoint and Path(words[0]).exists():  # memattn info RUN
+        args.checkpoint = words[0]
+        args.overrides.remove(words[0])
     if args.checkpoint:
+        from memattn.errors import ConfigError
         from memattn.train import model_from_checkpoint
 
+        if args.overrides:
+            raise ConfigError(f"info: {' '.join(args.overrides)}: a checkpoint is described as it was "
+                              "saved; key=value overrides describe a model built from --config")
         model, cfg, _ = model_from_checkpoint(args.checkpoint)
     else:
         cfg = _run_config(args)
@@ -565,7 +573,8 @@ def build_parser() -> argparse.ArgumentParser:
     i = sub.add_parser("info", help="parameters and decoding-state memory of a model",
                        description="Describe a checkpoint, or a model built from a config: "
                        "parameters, shape and the memory its decoding state holds per token.")
-    i.add_argument("--checkpoint", help="checkpoint file or run folder (default: build from --config)")
+    i.add_argument("--checkpoint", help="checkpoint file or run folder (default: build from --config); "
+                   "`memattn info RUN` also names one")
     with_config(i)
     i.add_argument("--mechanisms", action="store_true", help="also list the registered mechanisms")
     i.add_argument("--json", action="store_true", help="print one JSON object")
@@ -709,6 +718,11 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print(f"memattn {args.command}: interrupted", file=sys.stderr)
         return 130
+    except BrokenPipeError:  # the reader went away (`memattn info | head -2`): stop quietly
+        import os
+
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no error at exit's flush
+        return 141
 
 
 if __name__ == "__main__":

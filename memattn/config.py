@@ -290,16 +290,17 @@ def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any
 
 
 def preset_path(name: str) -> Path:
-    """A preset name ('demo') or a path to a YAML file."""
+    """A path to a YAML file or a preset name ('demo'); a folder of that name is not read."""
     p = Path(name)
-    if p.suffix in (".yaml", ".yml") or p.exists():
-        if not p.exists():
+    if p.suffix in (".yaml", ".yml") or p.is_file():
+        if not p.is_file():
             raise ConfigError(f"config: no such file {name}")
         return p
     candidate = PRESET_DIR / f"{name}.yaml"
     if not candidate.exists():
         known = ", ".join(sorted(x.stem for x in PRESET_DIR.glob("*.yaml")))
-        raise ConfigError(f"config: unknown preset {name!r} (presets: {known})")
+        what = "a folder, not a YAML file, and not a preset" if p.is_dir() else "an unknown preset"
+        raise ConfigError(f"config: {name!r} is {what} (presets: {known})")
     return candidate
 
 

@@ -58,7 +58,7 @@ def test_corrupt_checkpoint_is_one_line(tmp_path):
     assert done.stderr.startswith("memattn eval: error: checkpoint")
 
 
-def test_train_eval_generate_info_end_to_end(text_file, tmp_path):
+def test_train_eval_generate_info_end_to_end(text_file, tmp_path, capsys):
     over = tiny_overrides(text_file, tmp_path, "train.steps=10")
     assert main(["train", "--config", "tiny", "--quiet", *over]) == 0
     run_dir = tmp_path / "run"
@@ -77,6 +77,11 @@ def test_train_eval_generate_info_end_to_end(text_file, tmp_path):
     # softmax: a KV cache of 2 x d_model floats per layer per token, nothing fixed
     assert info["state_bytes_per_token"] == 2 * 2 * 32 * 4 and info["state_fixed_bytes"] == 0
     assert info["parameters"] > 0
+    capsys.readouterr()
+    assert main(["info", str(run_dir), "--json"]) == 0  # the run folder named without --checkpoint
+    assert json.loads(capsys.readouterr().out) == info
+    assert main(["info", str(run_dir), "model.d_model=64"]) == 2  # a checkpoint is as saved
+    assert "model.d_model=64: a checkpoint is described as it was saved" in capsys.readouterr().err
 
 
 def test_info_lists_every_mechanism_with_its_options(capsys):

@@ -3,6 +3,7 @@
 import pytest
 
 from memattn.config import (
+    PRESET_DIR,
     AttentionConfig,
     ModelConfig,
     RunConfig,
@@ -47,8 +48,19 @@ def test_bad_overrides_name_the_key(override, message):
 
 
 def test_unknown_preset_lists_presets():
-    with pytest.raises(ConfigError, match=r"unknown preset 'nope' \(presets: .*demo.*tiny"):
+    with pytest.raises(ConfigError, match=r"'nope' is an unknown preset \(presets: .*demo.*tiny"):
         load_config("nope")
+
+
+def test_a_folder_is_not_read_as_a_config(tmp_path, monkeypatch):
+    """A folder named like a preset (a run called 'tiny') leaves the preset as it is; any
+    other folder is refused by name."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "tiny").mkdir()
+    assert load_config("tiny") == load_config(str(PRESET_DIR / "tiny.yaml"))
+    (tmp_path / "runs").mkdir()
+    with pytest.raises(ConfigError, match=r"'runs' is a folder, not a YAML file, and not a preset"):
+        load_config("runs")
 
 
 def test_round_trip_through_dict():
