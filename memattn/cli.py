@@ -365,21 +365,30 @@ def new_folder(path: str) -> Path:
 def cmd_export_hf(args) -> int:
     import json
 
+    from memattn.data.vocab import Vocab
     from memattn.errors import ConfigError
+    from memattn.models import CausalLM, Encoder
     from memattn.train import model_from_checkpoint
 
     try:
-        from memattn.integrations.hf import MemattnForCausalLM
+        from memattn.integrations.hf import MemattnForCausalLM, MemattnForMaskedLM, tokenizer_of
     except ImportError as e:
         raise ConfigError(str(e)) from None
     from memattn.warmstart import HF_VOCAB
 
-    model, _, vocab = model_from_checkpoint(args.run)
+    model, cfg, vocab = model_from_checkpoint(args.run)
+    wrappers = {CausalLM: (MemattnForCausalLM, "AutoModelForCausalLM"), Encoder: (MemattnForMaskedLM, "AutoModelForMaskedLM")}
+    if type(model) not in wrappers:
+        raise ConfigError(f"export-hf: {args.run} is a {cfg.task} run; causal LMs (task=lm) and masked-LM "
+                          "encoders (task=mlm) are exported")
+    wrapper, auto = wrappers[type(model)]
     out = new_folder(args.out)
-    MemattnForCausalLM.from_memattn(model).save_pretrained(out)
+    wrapper.from_memattn(model).save_pretrained(out)
+    tokenizer_of(Vocab.from_json(vocab), masked=isinstance(model, Encoder)).save_pretrained(out)
     (out / HF_VOCAB).write_text(json.dumps(vocab))
-    print(f"memattn export-hf: wrote {out} (config.json, model.safetensors, {HF_VOCAB}); load it with "
-          "AutoModelForCausalLM.from_pretrained after `import memattn.integrations.hf`", file=sys.stderr)
+    print(f"memattn export-hf: wrote {out} (config.json, model.safetensors, the tokenizer, {HF_VOCAB}); "
+          f"load it with AutoTokenizer and {auto}.from_pretrained after `import memattn.integrations.hf`",
+          file=sys.stderr)
     return 0
 
 
@@ -611,9 +620,10 @@ def build_parser() -> argparse.ArgumentParser:
     x.set_defaults(fn=cmd_experiment)
 
     h = sub.add_parser("export-hf", help="write a run as a Hugging Face transformers folder",
-                       description="Write a trained run as a transformers model folder (config.json, "
-                       "model.safetensors and the character vocabulary), loadable with "
-                       "AutoModelForCausalLM.from_pretrained once `memattn.integrations.hf` is "
+                       description="Write a trained causal LM or masked-LM encoder as a transformers "
+                       "model folder (config.json, model.safetensors, the run's vocabulary as a "
+                       "tokenizer), loadable with AutoTokenizer and AutoModelForCausalLM / "
+                       "AutoModelForMaskedLM.from_pretrained once `memattn.integrations.hf` is "
                        "imported, and usable as train.init_from. Needs memattn[hf].")
     h.add_argument("run", help="run folder or checkpoint written by `memattn train`")
     h.add_argument("-o", "--out", required=True, help="folder to write (new or empty)")

@@ -3,6 +3,7 @@ the shared loop (exact resume, two processes), `memattn eval` with BLEU and `mem
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import math
 import os
@@ -172,3 +173,6 @@ def test_info_describes_translation_and_masked_runs(pairs, tmp_path, capsys):
     assert main(["info", "--checkpoint", str(tmp_path / "run"), "--json"]) == 0
     info = json.loads(capsys.readouterr().out)
     assert info["task"] == "translation" and info["state_bytes_per_token"] is None and info["parameters"] > 0
+    if importlib.util.find_spec("transformers"):  # export-hf takes causal LMs and encoders only
+        assert main(["export-hf", str(tmp_path / "run"), "-o", str(tmp_path / "hf")]) == 2
+        assert "is a translation run; causal LMs (task=lm) and masked-LM" in capsys.readouterr().err

@@ -16,6 +16,9 @@ every layer's state, and left-padded prompts read as each prompt alone (position
 row's real tokens). The attention mask transformers passes (over every token so far) is cut
 to the new tokens, the convention of every memattn layer.
 
+`tokenizer_of(vocab)` is a memattn vocabulary as a transformers tokenizer with the same ids
+(what `memattn export-hf` saves beside the model).
+
 Not supported (refused with an error): `inputs_embeds`, cropping a bounded state (assisted
 generation, which `_is_stateful` turns off), and `position_ids` other than the ones memattn
 derives from the mask.
@@ -43,6 +46,7 @@ from memattn.models import CausalLM, Encoder
 from memattn.models.lm import ModelCache
 
 MODEL_TYPE = "memattn"
+MASK_TOKEN = "<mask>"  # a masked-LM encoder's mask token in its exported tokenizer
 
 
 class MemattnConfig(PreTrainedConfig):
@@ -317,6 +321,54 @@ class MemattnForMaskedLM(MemattnPreTrainedModel):
         if labels is not None:
             loss = nn.functional.cross_entropy(logits.flatten(0, 1), labels.flatten(), ignore_index=-100)
         return MaskedLMOutput(loss=loss, logits=logits)
+
+
+def byte_chars() -> list[str]:
+    """The character `tokenizers`' ByteLevel pre-tokenizer writes for each byte 0..255 (GPT-2's
+    table): printable Latin-1 bytes stand for themselves, the others for U+0100, U+0101, ...
+    in byte order."""
+    printable = {*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)}
+    shifted = iter(range(256, 512))
+    return [chr(b) if b in printable else chr(next(shifted)) for b in range(256)]
+
+
+def tokenizer_of(vocab: Any, masked: bool = False) -> Any:
+    """A transformers tokenizer with the ids of a memattn vocabulary (characters, bytes, BPE or
+    a pretrained tokenizer, `memattn.data`): `tokenizer(text, add_special_tokens=False)`
+    gives `vocab.encode(text)`, and `decode` writes the text back. `masked`: with the mask
+    token of a masked-LM encoder, MASK_TOKEN at id vocab.size (`memattn.masked`). `memattn
+    export-hf` saves it beside the model, so that `AutoTokenizer.from_pretrained` reads the
+    folder."""
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    from memattn.data.bpe import SPECIALS, BPEVocab, TokenizerVocab
+    from memattn.data.vocab import UNK
+
+    each_char = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")
+    special: dict[str, Any] = {}
+    if isinstance(vocab, TokenizerVocab):  # already a tokenizers tokenizer: as it is
+        tok = Tokenizer.from_str(vocab.tokenizer_json)
+        if isinstance(vocab, BPEVocab):
+            special = dict(zip(("pad_token", "bos_token", "eos_token", "unk_token"), SPECIALS),
+                           split_special_tokens=True)  # as BPEVocab: "<s>" in a text is text
+    elif vocab.kind == "byte":  # id = byte value, through the ByteLevel table
+        chars = byte_chars()
+        tok = Tokenizer(models.WordLevel({c: b for b, c in enumerate(chars)}, unk_token=chars[0]))
+        tok.pre_tokenizer = pre_tokenizers.Sequence(
+            [pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False), each_char])
+        tok.decoder = decoders.ByteLevel()
+    else:  # characters: one token each, an unknown one as U+FFFD where the vocabulary has it
+        tok = Tokenizer(models.WordLevel({c: i for i, c in enumerate(vocab.symbols)}, unk_token=UNK))
+        tok.pre_tokenizer = each_char
+        tok.decoder = decoders.Fuse()
+        if vocab.unk_id is not None:
+            special["unk_token"] = UNK
+    if masked:
+        tok.add_special_tokens([MASK_TOKEN])
+        assert tok.token_to_id(MASK_TOKEN) == vocab.size, "the mask token is the id after the vocabulary"
+        special["mask_token"] = MASK_TOKEN
+    return PreTrainedTokenizerFast(tokenizer_object=tok, clean_up_tokenization_spaces=False, **special)
 
 
 AutoConfig.register(MODEL_TYPE, MemattnConfig, exist_ok=True)

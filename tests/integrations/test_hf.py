@@ -141,3 +141,59 @@ def test_what_cannot_work_is_refused():
         model(torch.randint(0, VOCAB, (1, 2)), past_key_values=full)
     with pytest.raises(ValueError, match="expected architecture='causal-lm'"):
         MemattnForCausalLM(MemattnConfig.from_model_config(model.model.net.cfg, architecture="encoder"))
+
+
+TEXT = "Héllo wörld!\n\tthe king <s> 😀 speaks."
+
+
+def vocabularies():
+    """One memattn vocabulary of each kind, and a text each encodes without unknowns."""
+    from memattn.data.bpe import BPEVocab
+    from memattn.data.pretrained import PretrainedVocab
+    from memattn.data.vocab import Vocab
+
+    bpe = BPEVocab.train([TEXT * 3, "the king and the queen"], size=290)
+    return {"char": Vocab.from_text(TEXT), "char without unknown": Vocab.from_text(TEXT, unk=False),
+            "byte": Vocab.of_bytes(), "bpe": bpe, "pretrained": PretrainedVocab(bpe.tokenizer_json, "local")}
+
+
+@pytest.mark.parametrize("kind", list(vocabularies()))
+def test_the_exported_tokenizer_has_the_vocabularys_ids(kind, tmp_path):
+    """Saved and read back by AutoTokenizer: the ids of memattn's encode, decoded back to
+    the text (an unseen character, where the vocabulary has an unknown symbol, as it)."""
+    from memattn.integrations.hf import tokenizer_of
+
+    vocab = vocabularies()[kind]
+    tokenizer_of(vocab).save_pretrained(tmp_path)
+    tok = transformers.AutoTokenizer.from_pretrained(tmp_path)
+    ids = tok(TEXT, add_special_tokens=False).input_ids
+    assert ids == vocab.encode(TEXT).tolist() and len(ids) > 1
+    assert tok.decode(ids) == vocab.decode(ids) == TEXT
+    if kind == "char":
+        assert tok("kingZ", add_special_tokens=False).input_ids == vocab.encode("kingZ").tolist()
+        assert vocab.encode("Z").tolist() == [vocab.unk_id]
+
+
+def test_a_masked_lm_tokenizer_has_the_mask_token_after_the_vocabulary():
+    from memattn.data.vocab import Vocab
+    from memattn.integrations.hf import tokenizer_of
+
+    vocab = Vocab.from_text(TEXT)
+    tok = tokenizer_of(vocab, masked=True)
+    assert tok.mask_token_id == vocab.size
+    assert tok("ki<mask>g", add_special_tokens=False).input_ids == [*vocab.encode("ki").tolist(), vocab.size,
+                                                                   *vocab.encode("g").tolist()]
+
+
+def test_byte_chars_is_the_byte_level_pre_tokenizers_table():
+    """Each byte's character as ByteLevel writes it: every ASCII byte alone, the bytes of
+    multi-byte characters in text; 256 distinct characters, ByteLevel's alphabet."""
+    from tokenizers import pre_tokenizers
+
+    from memattn.integrations.hf import byte_chars
+
+    level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    chars = byte_chars()
+    for text in [chr(b) for b in range(128)] + ["é", "😀", "\u00ff\u0100"]:
+        assert level.pre_tokenize_str(text)[0][0] == "".join(chars[b] for b in text.encode("utf-8"))
+    assert set(chars) == set(pre_tokenizers.ByteLevel.alphabet()) and len(set(chars)) == 256

@@ -8,6 +8,7 @@ import torch
 from memattn.checkpoint import CheckpointError
 from memattn.cli import main
 from memattn.config import AttentionConfig, ModelConfig
+from memattn.data.vocab import Vocab
 from memattn.models import CausalLM
 from memattn.train import model_from_checkpoint
 from memattn.warmstart import Source, distill_loss, warm_start
@@ -46,7 +47,7 @@ def test_a_model_of_another_shape_is_refused():
 
 def test_export_hf_then_warm_start_abc_mlp_from_it(text_file, tmp_path):
     pytest.importorskip("transformers")
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM, AutoTokenizer
 
     import memattn.integrations.hf  # noqa: F401  (registers the Auto classes)
 
@@ -58,6 +59,17 @@ def test_export_hf_then_warm_start_abc_mlp_from_it(text_file, tmp_path):
     ids = torch.randint(0, net.cfg.vocab_size, (2, 12))
     assert torch.equal(hf(ids, use_cache=False).logits, net(ids).float())
     assert json.loads((tmp_path / "hf" / "memattn_vocab.json").read_text()) == vocab
+    # the tokenizer beside it: transformers' greedy generate from text gives memattn's greedy
+    # continuation, recomputed here from whole forward passes
+    tok = AutoTokenizer.from_pretrained(tmp_path / "hf")
+    chars = Vocab.from_json(vocab)
+    ids = tok("The king", return_tensors="pt", add_special_tokens=False).input_ids
+    seq = chars.encode("The king").tolist()
+    assert ids[0].tolist() == seq
+    for _ in range(12):
+        seq.append(int(net(torch.tensor([seq]))[0, -1].argmax()))
+    out = hf.generate(ids, max_new_tokens=12, do_sample=False)[0]
+    assert out.tolist() == seq and tok.decode(out) == chars.decode(seq)
 
     second = tiny_overrides(text_file, tmp_path / "abc", "train.steps=4", "attention=abc-mlp",
                             "attention.num_slots=4", f"train.init_from={tmp_path / 'hf'}", "train.lr=1e-9")
@@ -66,6 +78,24 @@ def test_export_hf_then_warm_start_abc_mlp_from_it(text_file, tmp_path):
     for k, t in net.state_dict().items():  # a learning rate of 1e-9: four steps move nothing visible
         torch.testing.assert_close(warm.state_dict()[k], t, atol=1e-6, rtol=0)
     assert main(["export-hf", str(tmp_path / "run"), "-o", str(tmp_path / "hf")]) == 2  # not empty
+
+
+def test_export_hf_of_a_masked_lm_run(text_file, tmp_path):
+    """An encoder run exports as AutoModelForMaskedLM with its logits, and its tokenizer
+    reads the mask token as the id after the vocabulary."""
+    pytest.importorskip("transformers")
+    from transformers import AutoModelForMaskedLM, AutoTokenizer
+
+    import memattn.integrations.hf  # noqa: F401  (registers the Auto classes)
+
+    over = tiny_overrides(text_file, tmp_path, "train.steps=2", "task=mlm")
+    assert main(["train", "--config", "tiny", "--quiet", *over]) == 0
+    net, _, vocab = model_from_checkpoint(tmp_path / "run")
+    assert main(["export-hf", str(tmp_path / "run"), "-o", str(tmp_path / "hf")]) == 0
+    hf, tok = AutoModelForMaskedLM.from_pretrained(tmp_path / "hf"), AutoTokenizer.from_pretrained(tmp_path / "hf")
+    ids = tok("The <mask>ing", return_tensors="pt", add_special_tokens=False).input_ids
+    assert ids[0, 4] == tok.mask_token_id == vocab["size"] == net.cfg.vocab_size - 1
+    torch.testing.assert_close(hf(ids).logits, net.mlm_logits(net(ids)).float())
 
 
 def test_distill_loss_is_the_kl_from_teacher_to_student():
