@@ -108,11 +108,16 @@ def converted_teacher(source: Source) -> nn.Module:
 
 
 def warm_start_weights(model: nn.Module, source: Source) -> dict[str, torch.Tensor]:
-    """The source's weights keyed as `model` holds them (a tied head filled from the embedding)."""
+    """The source's weights keyed as `model` holds them: a tensor the model ties under several
+    names (a head and the embedding), saved once, is given under each."""
     weights = dict(source.weights)
-    head, embed = getattr(model, "head", None), getattr(model, "embed", None)
-    if head is not None and embed is not None and head.weight is embed.weight and "embed.weight" in weights:
-        weights.setdefault("head.weight", weights["embed.weight"])  # tied: saved once
+    names_of: dict[int, list[str]] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        names_of.setdefault(id(p), []).append(name)
+    for names in names_of.values():
+        saved = next((n for n in names if n in weights), None)
+        for n in names if saved else ():
+            weights.setdefault(n, weights[saved])
     return weights
 
 

@@ -1,5 +1,6 @@
 """Starting a run from another model (train.init_from), and `memattn export-hf`."""
 
+import dataclasses
 import json
 
 import pytest
@@ -9,9 +10,9 @@ from memattn.checkpoint import CheckpointError
 from memattn.cli import main
 from memattn.config import AttentionConfig, ModelConfig
 from memattn.data.vocab import Vocab
-from memattn.models import CausalLM
+from memattn.models import CausalLM, Encoder
 from memattn.train import model_from_checkpoint
-from memattn.warmstart import Source, distill_loss, warm_start
+from memattn.warmstart import Source, distill_loss, read_source, warm_start
 
 from conftest import tiny_overrides
 
@@ -96,6 +97,13 @@ def test_export_hf_of_a_masked_lm_run(text_file, tmp_path):
     ids = tok("The <mask>ing", return_tensors="pt", add_special_tokens=False).input_ids
     assert ids[0, 4] == tok.mask_token_id == vocab["size"] == net.cfg.vocab_size - 1
     torch.testing.assert_close(hf(ids).logits, net.mlm_logits(net(ids)).float())
+    # and it starts an abc-mlp encoder: everything but φ copied (the tied head saved once)
+    torch.manual_seed(0)
+    abc = Encoder(dataclasses.replace(net.cfg, attention=AttentionConfig("abc-mlp", {"num_slots": 4})))
+    report = warm_start(abc, read_source(tmp_path / "hf"))
+    assert report["new"] and all(".phi" in k for k in report["new"]) and report["dropped"] == []
+    for k, t in net.state_dict().items():
+        assert torch.equal(abc.state_dict()[k], t), k
 
 
 def test_distill_loss_is_the_kl_from_teacher_to_student():
