@@ -5,8 +5,6 @@ model over its seeds, and the tables written as models finish (`_runner.run_expe
 from __future__ import annotations
 
 import functools
-import json
-import os
 import statistics
 import time
 from pathlib import Path
@@ -14,8 +12,7 @@ from typing import Any, Callable
 
 import torch
 
-from memattn.experiments._runner import Job, run_dir_of, run_experiment
-from memattn.fileio import atomic_write
+from memattn.experiments._runner import SPEED_FILE, Job, measured_side_by_side, run_dir_of, run_experiment
 
 # (row, mechanism, options, seeds); an option whose key has a dot is a setting of the run
 # itself (e.g. "train.segments"), the others are the mechanism's (attention.KEY)
@@ -23,7 +20,6 @@ Model = tuple[str, str, dict[str, Any], int]
 
 SCORED = 32  # tokens of each segment scored at the long context (ABC's Table 3a: 480 + 32 = 512)
 USAGE_WINDOWS = 4  # test windows of seq_len for ABC_MLP's slot statistics
-SPEED_FILE = "speeds.json"  # tokens/s of every model, measured side by side once all are trained
 SPEED_STEPS = 4  # timed training steps of a model in that pass
 SEED_FIGURES = ("test_bpc", "test_bpc_context", "val_bpc", "train_tokens_per_s",
                 "decode_tokens_per_s", "train_s")
@@ -94,62 +90,40 @@ def decode_speed(model, prompt: torch.Tensor, tokens: int) -> float:
 
 
 def train_speed(model, cfg, ids: torch.Tensor, steps: int = SPEED_STEPS) -> float:
-    """Training tokens per second of a run's step: forward (with a carried memory for a
-    segment-trained run), the loss with the model's auxiliary terms, backward and an AdamW
-    step with lr 0, on a batch of the run's shape from ids; one untimed step first."""
+    """Training tokens per second of a run's step (`_common.training_tokens_per_s`): forward
+    (with a carried memory for a segment-trained run) and the loss with the model's auxiliary
+    terms, on a batch of the run's shape from ids."""
     import torch.nn.functional as F
+
+    from memattn.experiments._common import training_tokens_per_s
 
     tc = cfg.train
     window = ids[:tc.batch_size * (tc.seq_len + 1)].view(tc.batch_size, tc.seq_len + 1)
     x, y = window[:, :-1], window[:, 1:]
-    optimizer = torch.optim.AdamW(model.parameters(), lr=0.0)
-    model.train()
-    for step in range(steps + 1):
-        if step == 1:
-            start = time.perf_counter()
+
+    def loss_of() -> tuple[torch.Tensor, int]:
         logits = model(x, cache=model.init_cache(x.shape[0])) if tc.segments else model(x)
         loss = F.cross_entropy(logits.float().flatten(0, 1), y.flatten())
         aux = model.aux_loss()
-        (loss if aux is None else loss + aux).backward()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-    model.eval()
-    return steps * x.numel() / (time.perf_counter() - start)
+        return (loss if aux is None else loss + aux), x.numel()
+
+    return training_tokens_per_s(model, loss_of, steps)
 
 
 def side_by_side_speeds(out_dir: Path, jobs: list[Job], *, decode_prompt: int, decode_tokens: int,
                         **_) -> dict[str, dict[str, Any]]:
-    """Training and decoding tokens per second of every finished model, by job name, measured
-    one after another in this process on one thread, so that rows compare (a worker's own
-    figures depend on what ran beside it). Kept in out_dir/SPEED_FILE with the jobs'
-    settings and the machine, and measured again only when those change."""
-    import platform
-
+    """Training and decoding tokens per second of every finished model, by job name, taken
+    side by side (`_runner.measured_side_by_side`)."""
     from memattn.evaluate import as_tensor
     from memattn.train import load_run_corpus, model_from_checkpoint
 
-    path = Path(out_dir) / SPEED_FILE
-    how = {"torch": torch.__version__, "machine": platform.machine(), "cpus": os.cpu_count(), "threads": 1,
-           "settings": {job.name: list(job.settings) for job in jobs}}
-    if path.exists():
-        saved = json.loads(path.read_text())
-        if {k: saved.get(k) for k in how} == how:
-            return saved["speeds"]
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        speeds = {}
-        for job in jobs:
-            model, cfg, _ = model_from_checkpoint(run_dir_of(out_dir, job))
-            corpus = load_run_corpus(cfg)
-            speeds[job.name] = {
-                "train_tokens_per_s": train_speed(model, cfg, as_tensor(corpus.train)),
+    def speeds(job: Job) -> dict[str, float]:
+        model, cfg, _ = model_from_checkpoint(run_dir_of(out_dir, job))
+        corpus = load_run_corpus(cfg)
+        return {"train_tokens_per_s": train_speed(model, cfg, as_tensor(corpus.train)),
                 "decode_tokens_per_s": decode_speed(model, as_tensor(corpus.test)[:decode_prompt], decode_tokens)}
-    finally:
-        torch.set_num_threads(threads)
-    text = json.dumps({**how, "speeds": speeds}, indent=2) + "\n"
-    atomic_write(path, lambda tmp: tmp.write_text(text))
-    return speeds
+
+    return measured_side_by_side(out_dir, jobs, speeds)
 
 
 def summarise(names: list[str], rows: list[dict]) -> list[dict]:

@@ -28,6 +28,7 @@ from memattn.errors import ConfigError, MemattnError
 from memattn.fileio import atomic_write
 
 ROW_FILE = "row.json"
+SPEED_FILE = "speeds.json"  # timings of every model, taken side by side once all are trained
 
 
 @dataclass(frozen=True)
@@ -230,6 +231,35 @@ def train_steps_of(job: Job) -> int:
 def format_duration(seconds: float) -> str:
     minutes = int(seconds // 60)
     return f"{minutes // 60} h {minutes % 60:02d} min" if minutes >= 60 else f"{max(1, minutes)} min"
+
+
+def measured_side_by_side(out_dir: Path, jobs: list[Job],
+                          measure_one: Callable[[Job], dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """measure_one(job) of every job, by job name, taken one after another in this process on
+    one thread, so that rows compare (a worker's own timings depend on what ran beside it).
+    Kept in out_dir/SPEED_FILE with the jobs' settings and the machine, and taken again only
+    when those change."""
+    import os
+    import platform
+
+    import torch
+
+    path = Path(out_dir) / SPEED_FILE
+    how = {"torch": torch.__version__, "machine": platform.machine(), "cpus": os.cpu_count(), "threads": 1,
+           "settings": {job.name: list(job.settings) for job in jobs}}
+    if path.exists():
+        saved = json.loads(path.read_text())
+        if {k: saved.get(k) for k in how} == how:
+            return saved["speeds"]
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        figures = {job.name: measure_one(job) for job in jobs}
+    finally:
+        torch.set_num_threads(threads)
+    text = json.dumps({**how, "speeds": figures}, indent=2) + "\n"
+    atomic_write(path, lambda tmp: tmp.write_text(text))
+    return figures
 
 
 def run_experiment(out_dir: Path, name: str, pairs: list[tuple[str, Job]], shared: list[str], *,

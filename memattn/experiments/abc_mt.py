@@ -12,9 +12,9 @@ MLP-exp-all (ABC_MLP everywhere, encoder 32); and of Table 7's grid of cross ∈
 the CPU budget). BASE and ABC_MLP 32/8 run two seeds.
 
 Each model is measured on the test split: loss and perplexity of the references, SacreBLEU
-and chrF of beam-search translations, and, for softmax and ABC_MLP (Figure 1), the time to
-decode a sentence and the bytes of the decoding state (self and cross memories) against the
-output length.
+and chrF of beam-search translations. Once every model is trained, all are timed side by side
+(training tokens/s) and, for BASE and ABC_MLP 32/8 (Figure 1), the time to decode a sentence
+and the bytes of the decoding state (self and cross memories) against the output length.
 
 Each model is a run folder under out_dir/runs/ (`memattn.experiments._runner`): running the
 experiment again reuses finished models and resumes the others; `--jobs N` trains N at once.
@@ -32,7 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from memattn.experiments._common import save_figure
-from memattn.experiments._runner import Job, run_experiment
+from memattn.experiments._runner import SPEED_FILE, Job, measured_side_by_side, run_dir_of, run_experiment
 
 DESCRIPTION = ("bounded-memory control (Peng et al. 2022) in translation: bounded cross and causal "
                "memories of separate sizes against softmax, with BLEU, on English-Spanish Bible verses")
@@ -49,9 +49,10 @@ QUICK = ["task=translation", "data.corpus=parallel", "data.level=bpe", "data.bpe
          "model.encoder_attention.name=softmax", "train.batch_size=8", "train.steps=10",
          "train.lr=0.003", "train.warmup=2", "train.label_smoothing=0.1", "train.eval_every=5",
          "train.eval_batches=2", "train.log_every=5", "train.save_every=5", "train.threads=1"]
-MEASURE = {False: {"beam": 5, "sentences": 0, "lengths": (16, 32, 64, 128, 256, 512)},
-           True: {"beam": 2, "sentences": 8, "lengths": (4, 8, 16)}}
-FIGURE_1 = ("softmax", "abc-mlp")  # the mechanisms whose decoding cost is drawn against length
+MEASURE = {False: {"beam": 5, "sentences": 0}, True: {"beam": 2, "sentences": 8}}
+# Figure 1: the rows whose decoding cost is drawn against the output length, and the lengths
+FIGURE_1 = {False: {"profiled": ("softmax BASE", "abc-mlp 32/8"), "lengths": (16, 32, 64, 128, 256, 512)},
+            True: {"profiled": ("softmax BASE", "abc-mlp 4/2"), "lengths": (4, 8, 16)}}
 
 
 def mlp(cross: int, causal: int, **options) -> dict[str, Any]:
@@ -121,18 +122,22 @@ def decoding_profile(model, src, lengths, bos: int) -> list[dict[str, Any]]:
     return out
 
 
-def measure(model, cfg, run_dir: Path, *, beam: int, sentences: int, lengths) -> dict[str, Any]:
-    """Figures of a trained translation model on its test split (the first `sentences`
-    pairs, 0: all): reference loss / perplexity, beam-search BLEU and chrF, and for the
-    mechanisms of FIGURE_1 the decoding profile."""
-    import torch
-
+def corpus_of(cfg, run_dir: Path):
+    """The parallel corpus of a trained run, read with its vocabulary."""
     from memattn.checkpoint import load_checkpoint
     from memattn.data import Vocab
-    from memattn.translation import evaluate_pairs, load_parallel_corpus, score_translations, translate_texts
+    from memattn.translation import load_parallel_corpus
 
-    vocab = Vocab.from_json(load_checkpoint(run_dir / "checkpoint.safetensors").meta["vocab"])
-    test = load_parallel_corpus(cfg, vocab).split("test")
+    return load_parallel_corpus(cfg, Vocab.from_json(load_checkpoint(run_dir / "checkpoint.safetensors").meta["vocab"]))
+
+
+def measure(model, cfg, run_dir: Path, *, beam: int, sentences: int) -> dict[str, Any]:
+    """Figures of a trained translation model on its test split (the first `sentences`
+    pairs, 0: all): reference loss / perplexity, beam-search BLEU and chrF."""
+    from memattn.translation import evaluate_pairs, score_translations, translate_texts
+
+    corpus = corpus_of(cfg, run_dir)
+    vocab, test = corpus.vocab, corpus.split("test")
     n = min(sentences, len(test)) if sentences else len(test)
     batch = cfg.train.batch_size
     ref = evaluate_pairs(model, test, vocab, batch_size=batch, max_batches=-(-n // batch), device="cpu")
@@ -141,10 +146,6 @@ def measure(model, cfg, run_dir: Path, *, beam: int, sentences: int, lengths) ->
                            where="the test split")
     seconds = time.perf_counter() - start
     scores = score_translations(hyps, test.target_text[:n])
-    torch.manual_seed(0)
-    profile = (decoding_profile(model, torch.as_tensor(test.source[0], dtype=torch.long)[None], lengths,
-                                vocab.bos_id)
-               if cfg.model.attention.name in FIGURE_1 else [])
     return {"attention": cfg.model.attention.name, "options": cfg.model.attention.options,
             "seed": cfg.train.seed, "test_loss": ref["loss"], "test_ppl": ref["ppl"],
             "test_bleu": scores["bleu"], "test_chrf": scores["chrf"],
@@ -152,7 +153,35 @@ def measure(model, cfg, run_dir: Path, *, beam: int, sentences: int, lengths) ->
             "translate_s": round(seconds, 1), "examples": [
                 {"source": s, "reference": r, "output": h}
                 for s, r, h in list(zip(test.source_text, test.target_text, hyps))[:3]],
-            "decoding": profile}
+            "decoding": []}  # Figure 1's rows: taken side by side once every model is trained
+
+
+def side_by_side(out_dir: Path, jobs: list[Job], *, profiled: tuple[str, ...], lengths) -> dict[str, dict]:
+    """Training target tokens per second of every model (step 0's batch) and the decoding
+    profile of the `profiled` rows (the first test sentence), by job name, taken side by side
+    (`_runner.measured_side_by_side`)."""
+    import torch
+
+    from memattn.experiments._common import training_tokens_per_s
+    from memattn.train import model_from_checkpoint
+    from memattn.translation import TranslationTask
+
+    def figures(job: Job) -> dict[str, Any]:
+        run_dir = run_dir_of(out_dir, job)
+        model, cfg, _ = model_from_checkpoint(run_dir)
+        task = TranslationTask(cfg, corpus_of(cfg, run_dir))
+        batch = task.batch(0, 0, 1)
+
+        def loss_of() -> tuple[torch.Tensor, int]:
+            total, scored = task.loss(model, batch)
+            return total / scored, task.tokens(batch)
+
+        speed = training_tokens_per_s(model, loss_of)
+        source = torch.as_tensor(task.corpus.split("test").source[0], dtype=torch.long)[None]
+        return {"train_tokens_per_s": speed,
+                "decoding": decoding_profile(model, source, lengths, task.vocab.bos_id) if job.name in profiled else []}
+
+    return measured_side_by_side(out_dir, jobs, figures)
 
 
 def summarise(names: list[str], rows: list[dict]) -> list[dict]:
@@ -209,7 +238,8 @@ def run(out_dir: Path, *, quick: bool, overrides: list[str], jobs: int = 1) -> d
     return run_experiment(out_dir, "abc-mt", jobs_of(QUICK_MODELS if quick else MODELS, shared), shared,
                           quick=quick, overrides=overrides, jobs=jobs,
                           measure=functools.partial(measure, **MEASURE[quick]), summarise=summarise,
-                          markdown=markdown, curve=("val_ppl", "perplexity"), plots=plot_decoding)
+                          markdown=markdown, curve=("val_ppl", "perplexity"), plots=plot_decoding,
+                          side_by_side=functools.partial(side_by_side, **FIGURE_1[quick]))
 
 
 def cell(m: dict, key: str, digits: int = 2) -> str:
@@ -248,7 +278,7 @@ def markdown(result: dict) -> str:
         f"Budget: {steps:,} steps of {batch} sentence pairs per model; BASE has {base['params']:,} "
         f"parameters and trained in {base['train_s'] / 60:.0f} min on one CPU thread. Test: "
         f"{base['test_sentences']:,} sentences, beam {base['beam']}, length penalty 0.6; "
-        f"SacreBLEU `{base['bleu_signature']}`. ± is half the spread of two seeds.",
+        f"SacreBLEU `{base['bleu_signature']}`. ± is half the spread of two seeds. " + timing_note(result),
         "",
         "| model | seeds | parameters | test BLEU | vs BASE | chrF | test perplexity | val perplexity "
         "| train tokens/s |",
@@ -285,6 +315,16 @@ def markdown(result: dict) -> str:
               "(Figure 1: time and state bytes against output length); logs under `logs/`, every "
               "seed's figures and three example translations per model in `results.json`.", ""]
     return "\n".join(lines)
+
+
+def timing_note(result: dict) -> str:
+    """Where the tokens/s and decoding times come from."""
+    if result.get("side_by_side"):
+        return ("Tokens/s and decoding times were taken once every model was trained, one model after "
+                f"another in one process on one thread (`{SPEED_FILE}`): training is a forward, backward "
+                "and optimiser step on a batch of the run's shape, decoding is greedy at batch 1.")
+    return ("Tokens/s are each run's own, taken beside whatever else ran then, so they do not compare "
+            "between rows; they, and the decoding times, are taken side by side once every run has finished.")
 
 
 def findings(models: list[dict]) -> list[str]:

@@ -1,10 +1,13 @@
 """`memattn experiment abc-mt --quick`: every model trains on a generated language pair, is
 measured (BLEU, decoding profile) and lands in the tables."""
 
+import json
+
 import pytest
 
 from memattn.experiments import get_experiment
-from memattn.experiments.abc_mt import FULL, MODELS, grid_cells, jobs_of, quick_pairs
+from memattn.experiments._runner import SPEED_FILE
+from memattn.experiments.abc_mt import FIGURE_1, FULL, MODELS, QUICK_MODELS, grid_cells, jobs_of, quick_pairs
 
 pytest.importorskip("sacrebleu")
 
@@ -23,7 +26,13 @@ def test_quick_run_writes_the_tables_and_the_decoding_figure(tmp_path):
     mlp = [p["state_bytes"] for p in models["abc-mlp 4/2"]["decoding"]]
     assert soft[0] < soft[1] < soft[2] and mlp[0] == mlp[1] == mlp[2]
     assert models["abc-random 4/4"]["decoding"] == []
+    # timings taken side by side once all were trained: the rows carry the pass's figures
+    speeds = json.loads((out / SPEED_FILE).read_text())["speeds"]
+    assert result["side_by_side"] and len(speeds) == 4
+    assert models["abc-random 4/4"]["train_tokens_per_s"] == speeds["abc-random 4/4"]["train_tokens_per_s"] > 0
+    assert models["abc-mlp 4/2"]["decoding"] == speeds["abc-mlp 4/2"]["decoding"]
     table = (out / "results.md").read_text()
+    assert "taken once every model was trained" in table
     assert result["command"] in table and "| abc-random 4/4 | 1 |" in table and "In progress" not in table
     assert (out / "decoding.png").stat().st_size > 1000 and (out / "learning_curves.png").stat().st_size > 1000
     # run again: every model is reused, nothing retrained
@@ -39,6 +48,8 @@ def test_the_full_experiment_plans_every_row_and_table_7s_grid():
     sizes = {(c, k) for c in (8, 16, 32, 64) for k in (8, c)}
     fake = [{"model": m[0], "test_bleu": 0.0} for m in MODELS]
     assert set(grid_cells(fake)) == sizes
+    assert set(FIGURE_1[False]["profiled"]) <= set(names)
+    assert set(FIGURE_1[True]["profiled"]) <= {m[0] for m in QUICK_MODELS}
     exp_all = next(job for _, job in pairs if job.name == "MLP-exp-all 32/8")
     assert "model.encoder_attention.name=abc-mlp" in exp_all.settings
     assert exp_all.settings.index("model.encoder_attention.name=abc-mlp") > \
