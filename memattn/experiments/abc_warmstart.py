@@ -22,7 +22,7 @@ import functools
 from pathlib import Path
 
 from memattn.experiments._lm_common import (Model, bpc_cell, compare, jobs_of, measure, progress_note,
-                                            run_lm_experiment)
+                                            run_lm_experiment, speed_note)
 from memattn.experiments._runner import run_dir_of, run_experiment, run_jobs
 from memattn.experiments.abc_lm import FULL as ABC_LM_FULL
 from memattn.experiments.abc_lm import MEASURE
@@ -160,7 +160,7 @@ def markdown(result: dict) -> str:
         "",
         f"Budget: the pretrained softmax model {base['steps']:,} steps; every other model "
         f"{int(setting['train.steps']):,} steps of {batch} x {seq} characters. Test bits per character "
-        f"at context 0 and at context {base['context']}, as in abc-lm.",
+        f"at context 0 and at context {base['context']}, as in abc-lm. " + speed_note(result),
         "",
         f"| model | parameters | steps | test bpc, context 0 | vs pretrained | test bpc, context {base['context']} "
         "| val bpc | train tokens/s |",
