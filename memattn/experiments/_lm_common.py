@@ -12,7 +12,8 @@ from typing import Any, Callable
 
 import torch
 
-from memattn.experiments._runner import SPEED_FILE, Job, measured_side_by_side, run_dir_of, run_experiment
+from memattn.experiments._runner import (Job, measured_side_by_side, run_dir_of, run_experiment,
+                                         side_by_side_note)
 
 # (row, mechanism, options, seeds); an option whose key has a dot is a setting of the run
 # itself (e.g. "train.segments"), the others are the mechanism's (attention.KEY)
@@ -180,12 +181,8 @@ def run_lm_experiment(out_dir: Path, name: str, models: list[Model], shared: lis
 
 def speed_note(result: dict) -> str:
     """Where the table's tokens/s come from."""
-    if result.get("side_by_side"):
-        return ("Tokens/s were measured once every model was trained, one model after another in one "
-                f"process on one thread (`{SPEED_FILE}`): training is a forward, backward and optimiser "
-                "step on a batch of the run's shape, decoding is greedy at batch 1 after a prompt.")
-    return ("Tokens/s are each run's own, taken beside whatever else ran then, so they do not compare "
-            "between rows; they are measured side by side once every run has finished.")
+    return side_by_side_note(result, "Tokens/s", "training is a forward, backward and optimiser step on a "
+                             "batch of the run's shape, decoding is greedy at batch 1 after a prompt")
 
 
 def progress_note(result: dict) -> list[str]:

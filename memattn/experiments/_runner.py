@@ -262,6 +262,16 @@ def measured_side_by_side(out_dir: Path, jobs: list[Job],
     return figures
 
 
+def side_by_side_note(result: dict, figures: str, how: str) -> str:
+    """Where a table's `figures` (e.g. "Tokens/s") come from: the side-by-side pass (`how` they
+    were taken), or, until every run has finished, each run's own."""
+    if result.get("side_by_side"):
+        return (f"{figures} were measured once every model was trained, one model after another in one "
+                f"process on one thread (`{SPEED_FILE}`): {how}.")
+    return (f"{figures} are each run's own, taken beside whatever else ran then, so they do not compare "
+            "between rows; they are measured side by side once every run has finished.")
+
+
 def run_experiment(out_dir: Path, name: str, pairs: list[tuple[str, Job]], shared: list[str], *,
                    quick: bool, overrides: list[str], jobs: int, measure: Measure,
                    summarise: Callable[[list[str], list[dict]], list[dict]],

@@ -32,7 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from memattn.experiments._common import save_figure
-from memattn.experiments._runner import SPEED_FILE, Job, measured_side_by_side, run_dir_of, run_experiment
+from memattn.experiments._runner import Job, measured_side_by_side, run_dir_of, run_experiment, side_by_side_note
 
 DESCRIPTION = ("bounded-memory control (Peng et al. 2022) in translation: bounded cross and causal "
                "memories of separate sizes against softmax, with BLEU, on English-Spanish Bible verses")
@@ -319,12 +319,8 @@ def markdown(result: dict) -> str:
 
 def timing_note(result: dict) -> str:
     """Where the tokens/s and decoding times come from."""
-    if result.get("side_by_side"):
-        return ("Tokens/s and decoding times were taken once every model was trained, one model after "
-                f"another in one process on one thread (`{SPEED_FILE}`): training is a forward, backward "
-                "and optimiser step on a batch of the run's shape, decoding is greedy at batch 1.")
-    return ("Tokens/s are each run's own, taken beside whatever else ran then, so they do not compare "
-            "between rows; they, and the decoding times, are taken side by side once every run has finished.")
+    return side_by_side_note(result, "Tokens/s and decoding times", "training is a forward, backward and "
+                             "optimiser step on a batch of the run's shape, decoding is greedy at batch 1")
 
 
 def findings(models: list[dict]) -> list[str]:

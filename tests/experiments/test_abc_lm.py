@@ -9,8 +9,8 @@ from conftest import run_quick_lm_experiment
 
 from memattn.evaluate import as_tensor, evaluate
 from memattn.experiments import get_experiment
-from memattn.experiments._lm_common import SPEED_FILE, jobs_of, summarise
-from memattn.experiments._runner import Job
+from memattn.experiments._lm_common import jobs_of, summarise
+from memattn.experiments._runner import SPEED_FILE, Job
 from memattn.experiments.abc_lm import FULL, MEASURE, MODELS, QUICK, QUICK_MODELS, findings
 from memattn.train import load_run_corpus, model_from_checkpoint
 

@@ -32,7 +32,7 @@ def test_quick_run_writes_the_tables_and_the_decoding_figure(tmp_path):
     assert models["abc-random 4/4"]["train_tokens_per_s"] == speeds["abc-random 4/4"]["train_tokens_per_s"] > 0
     assert models["abc-mlp 4/2"]["decoding"] == speeds["abc-mlp 4/2"]["decoding"]
     table = (out / "results.md").read_text()
-    assert "taken once every model was trained" in table
+    assert "measured once every model was trained" in table
     assert result["command"] in table and "| abc-random 4/4 | 1 |" in table and "In progress" not in table
     assert (out / "decoding.png").stat().st_size > 1000 and (out / "learning_curves.png").stat().st_size > 1000
     # run again: every model is reused, nothing retrained
