@@ -23,25 +23,14 @@ from pathlib import Path
 
 from memattn.config import AttentionConfig, RunConfig, load_config
 from memattn.experiments._lm_common import Model, bpc_cell, compare, progress_note, run_lm_experiment, speed_note
+# abc-lm's trunk and budget, so that its softmax rows are this experiment's transformer rows;
+# `overrides` from the command line come after them
+from memattn.experiments.abc_lm import FULL, MEASURE, QUICK
 from memattn.models import CausalLM
 
 DESCRIPTION = ("persistent memory vs feed-forward (Sukhbaatar et al. 2019): transformer, "
                "all-attention and its variants at equal parameters and steps, and all-attention "
                "over long context with adaptive spans")
-
-# The abc-lm trunk and budget; `overrides` from the command line come after.
-FULL = ["model.d_model=128", "model.n_layers=4", "model.n_heads=4", "model.ff_mult=4",
-        "model.positions=rotary", "model.dropout=0.0", "model.max_len=512", "model.init_std=0.088",
-        "train.seq_len=512", "train.batch_size=16", "train.steps=1500", "train.lr=0.003",
-        "train.warmup=100", "train.eval_every=250", "train.eval_batches=8", "train.log_every=25",
-        "train.save_every=100", "train.threads=1"]
-QUICK = ["model.d_model=32", "model.n_layers=2", "model.n_heads=2", "model.ff_mult=4",
-         "model.positions=rotary", "model.dropout=0.0", "model.max_len=96", "model.init_std=0.17",
-         "train.seq_len=32", "train.batch_size=4", "train.steps=12", "train.lr=0.003",
-         "train.warmup=2", "train.eval_every=6", "train.eval_batches=2", "train.log_every=3",
-         "train.save_every=6", "train.threads=1"]
-MEASURE = {False: {"test_tokens": 65_536, "decode_prompt": 64, "decode_tokens": 200},
-           True: {"test_tokens": 256, "decode_prompt": 16, "decode_tokens": 40}}
 
 
 def long_context(seq_len: int) -> dict:
