@@ -85,11 +85,19 @@ def materialise(option, *, B, Tq, Tk, H, K, N, mode, causal, grad=False):
     return out, extra
 
 
+@pytest.fixture(params=[64, 2], ids=["blocks of 64", "blocks of 2"])
+def band_block(request, monkeypatch):
+    """Queries per block of the fast form's banded reads: with 2, every causal query block
+    longer than 2 with a window or span is read block by block over its band of keys."""
+    monkeypatch.setattr("memattn.ops.persistent.sdpa.BAND_BLOCK", request.param)
+    return request.param
+
+
 @pytest.mark.parametrize("few_queries", [False, True])  # True: a decoding step, Tq ≪ Tk
 @pytest.mark.parametrize("causal", [True, False])
 @pytest.mark.parametrize("mode", ["joint", "split", "heads"])
 @pytest.mark.parametrize("option", list(OPTIONS))
-def test_fast_form_matches_reference_forward_and_gradients(mode, option, causal, few_queries):
+def test_fast_form_matches_reference_forward_and_gradients(mode, option, causal, few_queries, band_block):
     B, Tq, Tk, H, K, N = 2, 1 if few_queries else (5 if causal else 4), 13, 4, 6, 3
     q, k, v, pk, pv = inputs(B, Tq, Tk, H, K, 5, N, mode, grad=True)
     kwargs, extra = materialise(OPTIONS[option], B=B, Tq=Tq, Tk=Tk, H=H, K=K, N=N, mode=mode,
@@ -113,7 +121,7 @@ def with_distance(kw):
     return {**kw, "distance": DistanceTerms(**terms)} if terms else kw
 
 
-def test_odd_length_with_initial_state_and_final_state():
+def test_odd_length_with_initial_state_and_final_state(band_block):
     B, T0, T, H, K = 1, 20, 63, 2, 4
     q, k, v, pk, pv = inputs(B, T, T, H, K, 4, 3, grad=True)
     k0, v0 = rand(B, T0, H, K, grad=True), rand(B, T0, H, 4, grad=True)
