@@ -115,3 +115,17 @@ def save_figure(fig, path: Path, dpi: int = 110) -> None:
 
     atomic_write(path, write)
     plt.close(fig)
+
+
+def compare(a: dict, b: dict, key: str = "test_bpc", *, higher_is_better: bool = False, scale: float = 1.0,
+            digits: int = 3, unit: str = "") -> str:
+    """'a is ahead of b by x' in words, 'within the seeds' spread' when both have seeds and the
+    gap is at most the mean of their spreads (`key`_spread, half the spread of the seeds).
+    a and b are rows with 'model', 'seeds' and `key`; the gap is scaled by `scale` (100: points)."""
+    diff = scale * (a[key] - b[key])
+    spread = scale * (a.get(f"{key}_spread", 0.0) + b.get(f"{key}_spread", 0.0)) / 2
+    figure = f"{abs(diff):.{digits}f}{unit}"
+    if a["seeds"] > 1 and b["seeds"] > 1 and abs(diff) <= spread:
+        return f"{a['model']} and {b['model']} are within the seeds' spread ({diff:+.{digits}f}{unit})"
+    ahead = diff > 0 if higher_is_better else diff < 0
+    return f"{a['model']} is {'ahead of' if ahead else 'behind'} {b['model']} by {figure}"

@@ -158,15 +158,6 @@ def bpc_cell(m: dict, key: str) -> str:
     return f"{m[key]:.3f}{spread}"
 
 
-def compare(a: dict, b: dict, key: str = "test_bpc") -> str:
-    """'a is ahead of b by x' in words, 'within the seeds' spread' when the spreads overlap."""
-    gap = b[key] - a[key]
-    spread = (a[f"{key}_spread"] + b[f"{key}_spread"]) / 2
-    if a["seeds"] > 1 and b["seeds"] > 1 and abs(gap) <= spread:
-        return f"{a['model']} and {b['model']} are within the seeds' spread ({-gap:+.3f})"
-    return f"{a['model']} is {'ahead of' if gap > 0 else 'behind'} {b['model']} by {abs(gap):.3f}"
-
-
 def run_lm_experiment(out_dir: Path, name: str, models: list[Model], shared: list[str], *,
                       quick: bool, overrides: list[str], jobs: int, measure_kw: dict[str, Any],
                       markdown: Callable[[dict], str], extra: dict[str, Any] | None = None,

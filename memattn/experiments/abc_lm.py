@@ -23,8 +23,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from memattn.experiments._common import save_figure
-from memattn.experiments._lm_common import Model, bpc_cell, compare, progress_note, run_lm_experiment, speed_note
+from memattn.experiments._common import compare, save_figure
+from memattn.experiments._lm_common import Model, bpc_cell, progress_note, run_lm_experiment, speed_note
 
 DESCRIPTION = ("bounded-memory control (Peng et al. 2022): softmax against ABC_MLP, Linformer, "
                "random, window and cluster control, a memory-size sweep and control variants, "

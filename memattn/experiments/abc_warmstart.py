@@ -21,7 +21,8 @@ from __future__ import annotations
 import functools
 from pathlib import Path
 
-from memattn.experiments._lm_common import (Model, bpc_cell, compare, jobs_of, measure, progress_note,
+from memattn.experiments._common import compare
+from memattn.experiments._lm_common import (Model, bpc_cell, jobs_of, measure, progress_note,
                                             run_lm_experiment, speed_note)
 from memattn.experiments._runner import run_dir_of, run_experiment, run_jobs
 from memattn.experiments.abc_lm import FULL as ABC_LM_FULL

@@ -35,7 +35,7 @@ import torch.nn.functional as F
 from memattn.config import to_dict
 from memattn.data.reading import ReadingBatch, ReadingConfig, ReadingTask
 from memattn.errors import ConfigError
-from memattn.experiments._common import command_of, save_figure, write_results
+from memattn.experiments._common import command_of, compare, save_figure, write_results
 from memattn.experiments._runner import ROW_FILE, Job, finished_row, run_jobs
 from memattn.fileio import atomic_write
 from memattn.models.qa import ATTENTIONS, QAConfig, ReadingQA
@@ -435,12 +435,8 @@ def findings(results: dict) -> list[str]:
     lines = ["## The paper found / we measured", ""]
 
     def gap(a: str, b: str, key: str = "accuracy") -> str:
-        """'a is ahead of b by x points', or within the seeds' spread."""
-        diff = 100 * (v[a][key] - v[b][key])
-        spread = 50 * (v[a].get(f"{key}_spread", 0.0) + v[b].get(f"{key}_spread", 0.0))
-        if min(v[a]["seeds"], v[b]["seeds"]) > 1 and abs(diff) <= spread:
-            return f"{a} and {b} are within the seeds' spread ({diff:+.1f} points)"
-        return f"{a} is {'ahead of' if diff > 0 else 'behind'} {b} by {abs(diff):.1f} points"
+        return compare(dict(v[a], model=a), dict(v[b], model=b), key, higher_is_better=True, scale=100,
+                       digits=1, unit=" points")
 
     ranking = " > ".join(f"{n} ({100 * v[n]['accuracy']:.1f} %)" for n in sorted(v, key=lambda n: -v[n]["accuracy"]))
     lines.append("- **Ranking.** The paper (CNN QA) found softmax > gated linear > linear > none. "

@@ -22,7 +22,8 @@ import statistics
 from pathlib import Path
 
 from memattn.config import AttentionConfig, RunConfig, load_config
-from memattn.experiments._lm_common import Model, bpc_cell, compare, progress_note, run_lm_experiment, speed_note
+from memattn.experiments._common import compare
+from memattn.experiments._lm_common import Model, bpc_cell, progress_note, run_lm_experiment, speed_note
 # abc-lm's trunk and budget, so that its softmax rows are this experiment's transformer rows;
 # `overrides` from the command line come after them
 from memattn.experiments.abc_lm import FULL, MEASURE, QUICK
