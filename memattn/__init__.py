@@ -10,8 +10,29 @@ Notation used in every shape comment and docstring of the package:
 Activations are laid out [B, T, H, D]; recurrent states [B, H, K, V] (or [B, H, M, D]).
 """
 
+import importlib
+
 from memattn.errors import ConfigError, MemattnError, ShapeError
 
 __version__ = "0.1.0"
 
-__all__ = ["ConfigError", "MemattnError", "ShapeError", "__version__"]
+# The entry points, by the module that defines them: imported on first use, so that
+# `import memattn` stays light and needs no optional extra (`convert`: memattn[hf]).
+ENTRY_POINTS = {
+    "attention_layer": "memattn.layers",
+    "AttentionConfig": "memattn.config", "ModelConfig": "memattn.config",
+    "CausalLM": "memattn.models", "Encoder": "memattn.models", "EncoderDecoder": "memattn.models",
+    "convert": "memattn.integrations.convert",
+}
+
+__all__ = ["ConfigError", "MemattnError", "ShapeError", "__version__", *ENTRY_POINTS]
+
+
+def __getattr__(name: str):
+    if name in ENTRY_POINTS:
+        return getattr(importlib.import_module(ENTRY_POINTS[name]), name)
+    raise AttributeError(f"module 'memattn' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *ENTRY_POINTS})
