@@ -61,8 +61,11 @@ OPTIONS = {
     "relative": {"rel": "rel"},
     "span": {"span": "span", "ramp": 3.0, "window": 20},
     "own query": {"pq": "pq"},
+    "shared query": {"pq": "shared"},  # one query and key set for every head (single-head)
     "padding": {"attention_mask": "mask"},
     "everything": {"rel": "rel", "span": "span", "ramp": 2.0, "window": 9, "pq": "pq", "attention_mask": "mask"},
+    "everything, shared query": {"rel": "rel", "span": "span", "ramp": 2.0, "window": 9, "pq": "shared",
+                                 "attention_mask": "mask"},
 }
 
 
@@ -78,6 +81,9 @@ def materialise(option, *, B, Tq, Tk, H, K, N, mode, causal, grad=False):
     if out.get("pq") == "pq":
         out["pq"] = rand(B, Tq, Hp, 3, grad=grad)
         extra["pk"] = rand(Hp, N, 3, grad=grad)
+    if out.get("pq") == "shared":  # views broadcast over the heads, as the single-head variant reads
+        extra["bases"] = [rand(B, Tq, 1, 3, grad=grad), rand(1, N, 3, grad=grad)]  # what gradients reach
+        out["pq"], extra["pk"] = extra["bases"][0].expand(B, Tq, Hp, 3), extra["bases"][1].expand(Hp, N, 3)
     if out.get("attention_mask") == "mask":
         mask = torch.rand(B, Tk) > 0.3
         mask[:, -1] = True  # every query keeps one key
@@ -103,7 +109,8 @@ def test_fast_form_matches_reference_forward_and_gradients(mode, option, causal,
     kwargs, extra = materialise(OPTIONS[option], B=B, Tq=Tq, Tk=Tk, H=H, K=K, N=N, mode=mode,
                                 causal=causal, grad=True)
     pk = extra.get("pk", pk)
-    leaves = [t for t in (q, k, v, pk, pv, *kwargs.values()) if isinstance(t, torch.Tensor) and t.requires_grad]
+    leaves = [t for t in (q, k, v, pv, *extra.get("bases", [pk]), *kwargs.values())
+              if isinstance(t, torch.Tensor) and t.requires_grad and t.is_leaf]
     fast, _ = persistent_attention(q, k, v, pk, pv, causal=causal, mode=mode, **with_distance(kwargs))
     ref, _ = persistent_attention_reference(q, k, v, pk, pv, causal=causal, mode=mode, **with_distance(kwargs))
     torch.testing.assert_close(fast, ref)
