@@ -112,7 +112,7 @@ def train_speed(model, cfg, ids: torch.Tensor, steps: int = SPEED_STEPS) -> floa
 
 
 def side_by_side_speeds(out_dir: Path, jobs: list[Job], *, decode_prompt: int, decode_tokens: int,
-                        **_) -> dict[str, dict[str, Any]]:
+                        **_) -> dict[str, dict[str, Any]] | None:
     """Training and decoding tokens per second of every finished model, by job name, taken
     side by side (`_runner.measured_side_by_side`)."""
     from memattn.evaluate import as_tensor

@@ -28,6 +28,7 @@ from memattn.errors import ConfigError, MemattnError
 from memattn.fileio import atomic_write
 
 ROW_FILE = "row.json"
+CHECKPOINT_FILE = "checkpoint.safetensors"
 SPEED_FILE = "speeds.json"  # timings of every model, taken side by side once all are trained
 
 
@@ -79,7 +80,7 @@ def train_and_measure(run_dir: Path, job: Job, measure: Measure) -> dict[str, An
     cfg = load_config(None, [*job.settings, f"train.out_dir={run_dir}"])
     run_dir.mkdir(parents=True, exist_ok=True)
     atomic_write(run_dir / "settings.json", lambda tmp: tmp.write_text(json.dumps(list(job.settings))))
-    resume = (run_dir / "checkpoint.safetensors").exists()  # else nothing saved yet: start anew
+    resume = (run_dir / CHECKPOINT_FILE).exists()  # else nothing saved yet: start anew
     summary = train(cfg, resume=resume, overwrite=not resume, progress=False)
     model, cfg, _ = model_from_checkpoint(run_dir)
     if cfg.train.threads > 0:
@@ -234,11 +235,11 @@ def format_duration(seconds: float) -> str:
 
 
 def measured_side_by_side(out_dir: Path, jobs: list[Job],
-                          measure_one: Callable[[Job], dict[str, Any]]) -> dict[str, dict[str, Any]]:
-    """measure_one(job) of every job, by job name, taken one after another in this process on
-    one thread, so that rows compare (a worker's own timings depend on what ran beside it).
-    Kept in out_dir/SPEED_FILE with the jobs' settings and the machine, and taken again only
-    when those change."""
+                          measure_one: Callable[[Job], dict[str, Any]]) -> dict[str, dict[str, Any]] | None:
+    """measure_one(job) of every job (from its checkpoint), by job name, taken one after another
+    in this process on one thread, so that rows compare (a worker's own timings depend on what
+    ran beside it). Kept in out_dir/SPEED_FILE with the jobs' settings and the machine, and
+    taken again only when those change; None when some job's checkpoint is not there."""
     import os
     import platform
 
@@ -251,6 +252,10 @@ def measured_side_by_side(out_dir: Path, jobs: list[Job],
         saved = json.loads(path.read_text())
         if {k: saved.get(k) for k in how} == how:
             return saved["speeds"]
+    missing = [job.name for job in jobs if not (run_dir_of(out_dir, job) / CHECKPOINT_FILE).exists()]
+    if missing:  # e.g. a fresh clone, which keeps only the finished runs' rows
+        print(f"not measured side by side: no checkpoint of {', '.join(missing)}", file=sys.stderr)
+        return None
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
@@ -268,8 +273,11 @@ def side_by_side_note(result: dict, figures: str, how: str) -> str:
     if result.get("side_by_side"):
         return (f"{figures} were measured once every model was trained, one model after another in one "
                 f"process on one thread (`{SPEED_FILE}`): {how}.")
+    later = ("the checkpoints they are measured from were not there when the last run finished"
+             if result["finished"] == result["runs_planned"] else
+             "they are measured side by side once every run has finished")
     return (f"{figures} are each run's own, taken beside whatever else ran then, so they do not compare "
-            "between rows; they are measured side by side once every run has finished.")
+            f"between rows; {later}.")
 
 
 def run_experiment(out_dir: Path, name: str, pairs: list[tuple[str, Job]], shared: list[str], *,
@@ -285,7 +293,7 @@ def run_experiment(out_dir: Path, name: str, pairs: list[tuple[str, Job]], share
     each job finishes (a partial table says how many runs it holds). Once every job has
     finished, side_by_side(out_dir, jobs) gives figures measured for all models in one pass
     (e.g. speeds, which depend on what ran beside a worker), by job name: they replace the
-    rows' own, and the result says so (`side_by_side`: true)."""
+    rows' own, and the result says so (`side_by_side`: true); None where it cannot be measured."""
     from memattn.experiments._common import command_of, plot_curves, write_results
 
     out_dir = Path(out_dir)
@@ -296,7 +304,9 @@ def run_experiment(out_dir: Path, name: str, pairs: list[tuple[str, Job]], share
         curves = {}
         for model, job in done:
             log = out_dir / "logs" / f"{job.slug}.jsonl"
-            shutil.copyfile(run_dir_of(out_dir, job) / "log.jsonl", log)
+            run_log = run_dir_of(out_dir, job) / "log.jsonl"
+            if run_log.exists() or not log.exists():  # a fresh clone keeps only the copy in logs/
+                shutil.copyfile(run_log, log)
             if job.name == model:
                 records = [json.loads(line) for line in log.read_text().splitlines() if line.strip()]
                 curves[model] = [[r["step"], r[curve[0]]] for r in records if curve[0] in r]
@@ -313,7 +323,7 @@ def run_experiment(out_dir: Path, name: str, pairs: list[tuple[str, Job]], share
 
     rows = run_jobs(out_dir, [job for _, job in pairs], measure, workers=jobs, label=name, on_rows=report)
     final = {job.name: row for (_, job), row in zip(pairs, rows)}
-    if side_by_side is not None:
-        figures = side_by_side(out_dir, [job for _, job in pairs])
+    figures = None if side_by_side is None else side_by_side(out_dir, [job for _, job in pairs])
+    if figures is not None:
         final = {job_name: {**row, **figures[job_name]} for job_name, row in final.items()}
-    return report(final, side_by_side is not None)
+    return report(final, figures is not None)

@@ -156,7 +156,7 @@ def measure(model, cfg, run_dir: Path, *, beam: int, sentences: int) -> dict[str
             "decoding": []}  # Figure 1's rows: taken side by side once every model is trained
 
 
-def side_by_side(out_dir: Path, jobs: list[Job], *, profiled: tuple[str, ...], lengths) -> dict[str, dict]:
+def side_by_side(out_dir: Path, jobs: list[Job], *, profiled: tuple[str, ...], lengths) -> dict[str, dict] | None:
     """Training target tokens per second of every model (step 0's batch) and the decoding
     profile of the `profiled` rows (the first test sentence), by job name, taken side by side
     (`_runner.measured_side_by_side`)."""

@@ -70,6 +70,21 @@ def test_a_killed_experiment_continues_where_it_stopped(text_file, tmp_path):
     again = subprocess.run(command, capture_output=True, text=True, timeout=300)
     assert again.returncode == 0 and "done 6/6" in again.stdout.splitlines()[0]  # nothing to train
 
+    # a fresh clone keeps only what .gitignore lets through: the rows, their settings, logs/
+    logs = {p.name: p.read_text() for p in (tmp_path / "out" / "logs").iterdir()}
+    for path in runs.glob("*/*"):
+        if path.name not in ("row.json", "settings.json"):
+            path.unlink()
+    (tmp_path / "out" / "speeds.json").unlink()
+    cloned = subprocess.run(command, capture_output=True, text=True, timeout=300)
+    assert cloned.returncode == 0, cloned.stderr
+    assert "done 6/6" in cloned.stdout.splitlines()[0] and "no checkpoint of softmax" in cloned.stderr
+    assert {p.name: p.read_text() for p in (tmp_path / "out" / "logs").iterdir()} == logs
+    after = json.loads((tmp_path / "out" / "results.json").read_text())
+    assert [m["test_bpc"] for m in after["models"]] == [m["test_bpc"] for m in result["models"]]
+    assert result["side_by_side"] and not after["side_by_side"]
+    assert "checkpoints they are measured from were not there" in (tmp_path / "out" / "results.md").read_text()
+
 
 def test_progress_times_steps_from_the_first_logged_step_it_saw_move(tmp_path):
     """A job resumed at step 40 whose first 10 steps take 100 s of start-up, then 1 s a step:
