@@ -162,6 +162,35 @@ def run_jobs(out_dir: Path, jobs: list[Job], measure: Measure, *, workers: int =
     return [rows[name] for name in names]
 
 
+def source_run(out_dir: Path, job: Job, measure: Measure, *, needed: bool, label: str) -> Path:
+    """The run folder of `job`, a model that other jobs start from (`train.init_from`), trained
+    (or resumed) if unfinished. When `needed` (some job that starts from it is unfinished) and
+    only its row is left (a fresh clone), it is trained again for its weights; figures that then
+    differ from the saved row's are reported, and the jobs finished from the earlier weights kept."""
+    run_dir = run_dir_of(out_dir, job)
+    saved = finished_row(run_dir, job)
+    again = saved is not None and needed and not (run_dir / CHECKPOINT_FILE).exists()
+    if again:
+        (run_dir / ROW_FILE).rename(run_dir / f"{ROW_FILE}.before")
+    try:
+        run_jobs(out_dir, [job], measure, workers=1, label=f"{label} (training again for its weights)"
+                 if again else label)
+    except BaseException:
+        if again and not (run_dir / ROW_FILE).exists():
+            (run_dir / f"{ROW_FILE}.before").rename(run_dir / ROW_FILE)
+        raise
+    if again:
+        (run_dir / f"{ROW_FILE}.before").unlink()
+        row = finished_row(run_dir, job)
+        moved = {k: (v, row.get(k)) for k, v in saved.items()
+                 if k.startswith(("val_", "test_")) and isinstance(v, float) and row.get(k) != v}
+        if moved:
+            print(f"{label}: {job.name} trained again differs from its saved row ("
+                  + ", ".join(f"{k} {a:.4f} -> {b:.4f}" for k, (a, b) in moved.items())
+                  + "); the models finished from the earlier weights are kept", file=sys.stderr)
+    return run_dir
+
+
 class Progress:
     """One status line per change (and every `interval` seconds): done, running, left, time left."""
 

@@ -24,7 +24,7 @@ from pathlib import Path
 from memattn.experiments._common import compare
 from memattn.experiments._lm_common import (Model, bpc_cell, jobs_of, measure, progress_note,
                                             run_lm_experiment, speed_note)
-from memattn.experiments._runner import run_dir_of, run_experiment, run_jobs
+from memattn.experiments._runner import finished_row, run_dir_of, run_experiment, source_run
 from memattn.experiments.abc_lm import FULL as ABC_LM_FULL
 from memattn.experiments.abc_lm import MEASURE
 from memattn.experiments.abc_lm import QUICK as ABC_LM_QUICK
@@ -59,13 +59,20 @@ def run(out_dir: Path, *, quick: bool, overrides: list[str], jobs: int = 1) -> d
     out_dir = Path(out_dir)
     shared = [*(ABC_LM_QUICK if quick else ABC_LM_FULL), f"train.steps={ON_STEPS[quick]}", *overrides]
     measure_fn = functools.partial(measure, **MEASURE[quick])
-    first = models_of(quick, Path())[:1]
-    (_, pretrain), = jobs_of(first, shared)
-    run_jobs(out_dir, [pretrain], measure_fn, workers=1, label="abc-warmstart (pretraining softmax)")
-    models = models_of(quick, run_dir_of(out_dir, pretrain))
+    source = pretrained(out_dir, quick, shared, measure_fn, "abc-warmstart (pretraining softmax)")
+    models = models_of(quick, source)
     result = run_lm_experiment(out_dir, "abc-warmstart", models, shared, quick=quick, overrides=overrides,
                                jobs=jobs, measure_kw=MEASURE[quick], markdown=markdown)
     return dict(result, masked=run_masked(out_dir / "mlm", quick=quick, overrides=overrides, jobs=jobs))
+
+
+def pretrained(out_dir: Path, quick: bool, shared: list[str], measure_fn, label: str) -> Path:
+    """The pretrained model's run folder, with its weights while a model that starts from it is
+    unfinished (`_runner.source_run`)."""
+    (_, job), = jobs_of(models_of(quick, Path())[:1], shared)
+    rest = jobs_of(models_of(quick, run_dir_of(out_dir, job))[1:], shared)
+    needed = any(finished_row(run_dir_of(out_dir, other), other) is None for _, other in rest)
+    return source_run(out_dir, job, measure_fn, needed=needed, label=label)
 
 
 def run_masked(out_dir: Path, *, quick: bool, overrides: list[str], jobs: int) -> dict:
@@ -73,9 +80,8 @@ def run_masked(out_dir: Path, *, quick: bool, overrides: list[str], jobs: int) -
     shared = ["task=mlm", *(ABC_LM_QUICK if quick else ABC_LM_FULL), f"train.steps={ON_STEPS[quick]}",
               *overrides]
     measure_fn = functools.partial(measure_masked, windows_count=MASKED_TEST_WINDOWS[quick])
-    (_, pretrain), = jobs_of(models_of(quick, Path())[:1], shared)
-    run_jobs(out_dir, [pretrain], measure_fn, workers=1, label="abc-warmstart (pretraining a softmax encoder)")
-    pairs = jobs_of(models_of(quick, run_dir_of(out_dir, pretrain)), shared)
+    source = pretrained(out_dir, quick, shared, measure_fn, "abc-warmstart (pretraining a softmax encoder)")
+    pairs = jobs_of(models_of(quick, source), shared)
     return run_experiment(out_dir, "abc-warmstart", pairs, shared, quick=quick, overrides=overrides, jobs=jobs,
                           measure=measure_fn, summarise=summarise_masked, markdown=markdown_masked,
                           curve=("val_accuracy", "masked-token accuracy"))

@@ -17,6 +17,7 @@ def test_quick_run_pretrains_then_starts_every_conversion_from_it(text_file, tmp
     by = {m["model"]: m for m in result["models"]}
     assert by["softmax, pretrained"]["steps"] == 12 and by["abc-mlp, M=4, from softmax"]["steps"] == 6
     pretrained = out / "runs" / "softmax-pretrained"
+    settings_m4 = json.loads((out / "runs" / "abc-mlp-m4-from-softmax" / "settings.json").read_text())
     for name in ("softmax-trained-on", "abc-mlp-m4-from-softmax"):
         settings = json.loads((out / "runs" / name / "settings.json").read_text())
         assert f"train.init_from={pretrained}" in settings
@@ -34,6 +35,22 @@ def test_quick_run_pretrains_then_starts_every_conversion_from_it(text_file, tmp
     encoder = json.loads((out / "mlm" / "runs" / "abc-mlp-m4-from-softmax" / "settings.json").read_text())
     assert "task=mlm" in encoder and f"train.init_from={out / 'mlm' / 'runs' / 'softmax-pretrained'}" in encoder
     assert "masked accuracy" in (out / "mlm" / "results.md").read_text()
+
+    # a fresh clone keeps only the rows: a conversion left unfinished there needs the pretrained
+    # weights, so the pretrained model is trained again (to the same figures) and the rest reused
+    saved = (pretrained / "row.json").read_text()
+    for path in (out / "runs").glob("*/*"):
+        if path.name not in ("row.json", "settings.json"):
+            path.unlink()
+    (out / "runs" / "abc-mlp-m4-from-softmax" / "row.json").unlink()
+    again = run_quick_lm_experiment("abc-warmstart", text_file, tmp_path)[1]
+    assert (pretrained / "checkpoint.safetensors").exists()
+    before, after = json.loads(saved), json.loads((pretrained / "row.json").read_text())
+    assert {k: v for k, v in after.items() if k.startswith(("val_", "test_"))} == \
+        {k: v for k, v in before.items() if k.startswith(("val_", "test_"))}
+    assert not (out / "runs" / "softmax-trained-on" / "checkpoint.safetensors").exists()  # reused
+    assert [m["model"] for m in again["models"]] == names
+    assert json.loads((out / "runs" / "abc-mlp-m4-from-softmax" / "settings.json").read_text()) == settings_m4
 
 
 def test_findings_compare_each_start():
