@@ -383,8 +383,9 @@ def cmd_export_hf(args) -> int:
                           "encoders (task=mlm) are exported")
     wrapper, auto = wrappers[type(model)]
     out = new_folder(args.out)
-    wrapper.from_memattn(model).save_pretrained(out)
-    tokenizer_of(Vocab.from_json(vocab), masked=isinstance(model, Encoder)).save_pretrained(out)
+    tokenizer = tokenizer_of(Vocab.from_json(vocab), masked=isinstance(model, Encoder))
+    wrapper.from_memattn(model, pad_token_id=tokenizer.pad_token_id).save_pretrained(out)
+    tokenizer.save_pretrained(out)
     (out / HF_VOCAB).write_text(json.dumps(vocab))
     print(f"memattn export-hf: wrote {out} (config.json, model.safetensors, the tokenizer, {HF_VOCAB}); "
           f"load it with AutoTokenizer and {auto}.from_pretrained after `import memattn.integrations.hf`",

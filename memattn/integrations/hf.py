@@ -338,7 +338,13 @@ def tokenizer_of(vocab: Any, masked: bool = False) -> Any:
     gives `vocab.encode(text)`, and `decode` writes the text back. `masked`: with the mask
     token of a masked-LM encoder, MASK_TOKEN at id vocab.size (`memattn.masked`). `memattn
     export-hf` saves it beside the model, so that `AutoTokenizer.from_pretrained` reads the
-    folder."""
+    folder.
+
+    Prompts are padded on the left for a causal LM (`padding=True` then `generate`), on the
+    right for an encoder. The pad token is BPE's `<pad>`, the unknown symbol of a character
+    vocabulary that has one, byte 0 of a byte vocabulary (each a token of the model: padding
+    is masked, so which is read does not matter; `decode(..., skip_special_tokens=True)` drops
+    it); a character vocabulary without an unknown symbol has none."""
     from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
@@ -358,17 +364,19 @@ def tokenizer_of(vocab: Any, masked: bool = False) -> Any:
         tok.pre_tokenizer = pre_tokenizers.Sequence(
             [pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False), each_char])
         tok.decoder = decoders.ByteLevel()
+        special["pad_token"] = chars[0]
     else:  # characters: one token each, an unknown one as U+FFFD where the vocabulary has it
         tok = Tokenizer(models.WordLevel({c: i for i, c in enumerate(vocab.symbols)}, unk_token=UNK))
         tok.pre_tokenizer = each_char
         tok.decoder = decoders.Fuse()
         if vocab.unk_id is not None:
-            special["unk_token"] = UNK
+            special["unk_token"] = special["pad_token"] = UNK
     if masked:
         tok.add_special_tokens([MASK_TOKEN])
         assert tok.token_to_id(MASK_TOKEN) == vocab.size, "the mask token is the id after the vocabulary"
         special["mask_token"] = MASK_TOKEN
-    return PreTrainedTokenizerFast(tokenizer_object=tok, clean_up_tokenization_spaces=False, **special)
+    return PreTrainedTokenizerFast(tokenizer_object=tok, clean_up_tokenization_spaces=False,
+                                   padding_side="right" if masked else "left", **special)
 
 
 AutoConfig.register(MODEL_TYPE, MemattnConfig, exist_ok=True)

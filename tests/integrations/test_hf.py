@@ -197,3 +197,30 @@ def test_byte_chars_is_the_byte_level_pre_tokenizers_table():
     for text in [chr(b) for b in range(128)] + ["é", "😀", "\u00ff\u0100"]:
         assert level.pre_tokenize_str(text)[0][0] == "".join(chars[b] for b in text.encode("utf-8"))
     assert set(chars) == set(pre_tokenizers.ByteLevel.alphabet()) and len(set(chars)) == 256
+
+
+@pytest.mark.parametrize("kind", list(vocabularies()))
+def test_prompts_of_two_lengths_pad_on_the_left_and_generate_as_each_alone(kind):
+    """tokenizer(texts, padding=True) then generate: each row continues its own prompt, as
+    memattn's decoding of that prompt alone; the pad token is one the model can read."""
+    from memattn.integrations.hf import tokenizer_of
+
+    vocab = vocabularies()[kind]
+    tok = tokenizer_of(vocab)
+    pads = {"char": 0, "byte": 0, "bpe": 0, "char without unknown": None, "pretrained": None}
+    assert tok.pad_token_id == pads[kind] and tok.padding_side == "left"
+    if kind == "char":
+        assert vocab.unk_id == 0
+    assert tokenizer_of(vocab, masked=True).padding_side == "right"
+    if tok.pad_token_id is None:
+        return
+    net = memattn_lm("abc-mlp", {"num_slots": 4}, vocab_size=vocab.size)
+    model = MemattnForCausalLM.from_memattn(net)
+    texts = ["the queen and", "king"]
+    batch = tok(texts, padding=True, return_tensors="pt", add_special_tokens=False)
+    width = batch.input_ids.shape[1]
+    assert batch.attention_mask[1].tolist() == [0] * (width - len(vocab.encode("king"))) + [1] * len(vocab.encode("king"))
+    out = model.generate(**batch, max_new_tokens=5, do_sample=False, pad_token_id=tok.pad_token_id)
+    for row, text in zip(out, texts):
+        assert row[width:].tolist() == greedy_by_hand(net, torch.tensor(vocab.encode(text).tolist()), 5)
+    assert tok.decode(out[1], skip_special_tokens=True).startswith("king")

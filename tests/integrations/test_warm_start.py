@@ -81,6 +81,22 @@ def test_export_hf_then_warm_start_abc_mlp_from_it(text_file, tmp_path):
     assert main(["export-hf", str(tmp_path / "run"), "-o", str(tmp_path / "hf")]) == 2  # not empty
 
 
+def test_export_hf_of_a_byte_level_run_pads_batched_prompts(text_file, tmp_path):
+    """Its tokenizer pads on the left with byte 0, and the exported model's generate pads with it."""
+    pytest.importorskip("transformers")
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    import memattn.integrations.hf  # noqa: F401  (registers the Auto classes)
+
+    over = tiny_overrides(text_file, tmp_path, "train.steps=1", "data.level=byte")
+    assert main(["train", "--config", "tiny", "--quiet", *over]) == 0
+    assert main(["export-hf", str(tmp_path / "run"), "-o", str(tmp_path / "hf")]) == 0
+    hf, tok = AutoModelForCausalLM.from_pretrained(tmp_path / "hf"), AutoTokenizer.from_pretrained(tmp_path / "hf")
+    batch = tok(["The king", "A"], padding=True, return_tensors="pt", add_special_tokens=False)
+    assert batch.input_ids[1].tolist() == [0] * 7 + [ord("A")] and tok.pad_token_id == 0
+    assert hf.config.pad_token_id == hf.generation_config.pad_token_id == 0
+
+
 def test_export_hf_of_a_masked_lm_run(text_file, tmp_path):
     """An encoder run exports as AutoModelForMaskedLM with its logits, and its tokenizer
     reads the mask token as the id after the vocabulary."""
