@@ -47,6 +47,7 @@ from memattn.models.lm import ModelCache
 
 MODEL_TYPE = "memattn"
 MASK_TOKEN = "<mask>"  # a masked-LM encoder's mask token in its exported tokenizer
+PAD_TOKEN = "<pad>"  # the pad token of an exported character vocabulary without an unknown symbol
 
 
 class MemattnConfig(PreTrainedConfig):
@@ -342,9 +343,10 @@ def tokenizer_of(vocab: Any, masked: bool = False) -> Any:
 
     Prompts are padded on the left for a causal LM (`padding=True` then `generate`), on the
     right for an encoder. The pad token is BPE's `<pad>`, the unknown symbol of a character
-    vocabulary that has one, byte 0 of a byte vocabulary (each a token of the model: padding
-    is masked, so which is read does not matter; `decode(..., skip_special_tokens=True)` drops
-    it); a character vocabulary without an unknown symbol has none."""
+    vocabulary that has one, byte 0 of a byte vocabulary, and for a character vocabulary
+    without an unknown symbol PAD_TOKEN at the first id past the model's vocabulary (memattn's
+    models never read a padded position's id, so any id will do; `decode(...,
+    skip_special_tokens=True)` drops it). A pretrained tokenizer keeps its own."""
     from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
@@ -375,6 +377,9 @@ def tokenizer_of(vocab: Any, masked: bool = False) -> Any:
         tok.add_special_tokens([MASK_TOKEN])
         assert tok.token_to_id(MASK_TOKEN) == vocab.size, "the mask token is the id after the vocabulary"
         special["mask_token"] = MASK_TOKEN
+    if "pad_token" not in special and not isinstance(vocab, TokenizerVocab):  # characters, no unknown
+        tok.add_special_tokens([PAD_TOKEN])
+        special["pad_token"] = PAD_TOKEN
     return PreTrainedTokenizerFast(tokenizer_object=tok, clean_up_tokenization_spaces=False,
                                    padding_side="right" if masked else "left", **special)
 

@@ -295,6 +295,8 @@ class Transformer(nn.Module):
         check_mask(attention_mask, B, T)
         if B == 0 or T == 0:
             raise ShapeError(f"idx: expected at least one sequence of at least one token, got shape {(B, T)}")
+        if attention_mask is not None:  # a padded position's id is never read: any pad id will do
+            idx = idx.masked_fill(~attention_mask, 0)
         if idx.device.type == "cpu":  # on a GPU the check would cost a synchronisation every call
             low, high = int(idx.min()), int(idx.max())
             if low < 0 or high >= self.cfg.vocab_size:

@@ -207,16 +207,19 @@ def test_prompts_of_two_lengths_pad_on_the_left_and_generate_as_each_alone(kind)
 
     vocab = vocabularies()[kind]
     tok = tokenizer_of(vocab)
-    pads = {"char": 0, "byte": 0, "bpe": 0, "char without unknown": None, "pretrained": None}
+    pads = {"char": 0, "byte": 0, "bpe": 0, "char without unknown": vocab.size, "pretrained": None}
     assert tok.pad_token_id == pads[kind] and tok.padding_side == "left"
     if kind == "char":
         assert vocab.unk_id == 0
-    assert tokenizer_of(vocab, masked=True).padding_side == "right"
+    masked = tokenizer_of(vocab, masked=True)
+    assert masked.padding_side == "right" and masked.mask_token_id == vocab.size
+    if kind == "char without unknown":  # the pad token follows the mask token
+        assert masked.pad_token_id == vocab.size + 1
     if tok.pad_token_id is None:
         return
     net = memattn_lm("abc-mlp", {"num_slots": 4}, vocab_size=vocab.size)
     model = MemattnForCausalLM.from_memattn(net)
-    texts = ["the queen and", "king"]
+    texts = ["the king speaks", "king"]  # characters of every vocabulary
     batch = tok(texts, padding=True, return_tensors="pt", add_special_tokens=False)
     width = batch.input_ids.shape[1]
     assert batch.attention_mask[1].tolist() == [0] * (width - len(vocab.encode("king"))) + [1] * len(vocab.encode("king"))

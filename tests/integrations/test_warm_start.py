@@ -81,20 +81,33 @@ def test_export_hf_then_warm_start_abc_mlp_from_it(text_file, tmp_path):
     assert main(["export-hf", str(tmp_path / "run"), "-o", str(tmp_path / "hf")]) == 2  # not empty
 
 
-def test_export_hf_of_a_byte_level_run_pads_batched_prompts(text_file, tmp_path):
-    """Its tokenizer pads on the left with byte 0, and the exported model's generate pads with it."""
+@pytest.mark.parametrize("corpus", ["text as bytes", "text8"])
+def test_export_hf_pads_batched_prompts(text_file, tmp_path, corpus):
+    """Its tokenizer pads on the left (bytes with byte 0; text8's characters, a vocabulary
+    without an unknown symbol, with a pad id past the vocabulary), the exported config
+    carries that pad, and generate reads each padded prompt as if alone."""
     pytest.importorskip("transformers")
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     import memattn.integrations.hf  # noqa: F401  (registers the Auto classes)
 
-    over = tiny_overrides(text_file, tmp_path, "train.steps=1", "data.level=byte")
+    if corpus == "text8":  # lower-case letters and spaces, as the real one
+        (tmp_path / "text8").write_text(" ".join(text_file.read_text().lower().replace(".", "").split()))
+        data = ["data.corpus=text8", f"data.path={tmp_path / 'text8'}"]
+    else:
+        data = ["data.level=byte"]
+    over = tiny_overrides(text_file, tmp_path, "train.steps=1", *data)
     assert main(["train", "--config", "tiny", "--quiet", *over]) == 0
     assert main(["export-hf", str(tmp_path / "run"), "-o", str(tmp_path / "hf")]) == 0
     hf, tok = AutoModelForCausalLM.from_pretrained(tmp_path / "hf"), AutoTokenizer.from_pretrained(tmp_path / "hf")
-    batch = tok(["The king", "A"], padding=True, return_tensors="pt", add_special_tokens=False)
-    assert batch.input_ids[1].tolist() == [0] * 7 + [ord("A")] and tok.pad_token_id == 0
-    assert hf.config.pad_token_id == hf.generation_config.pad_token_id == 0
+    pad = 0 if corpus == "text as bytes" else hf.config.vocab_size
+    batch = tok(["the king", "a"], padding=True, return_tensors="pt", add_special_tokens=False)
+    assert batch.input_ids[1].tolist()[:-1] == [pad] * 7 and tok.pad_token_id == pad
+    assert hf.config.pad_token_id == hf.generation_config.pad_token_id == pad
+    out = hf.generate(**batch, max_new_tokens=4, do_sample=False)
+    alone = hf.generate(**tok(["a"], return_tensors="pt", add_special_tokens=False), max_new_tokens=4,
+                        do_sample=False)
+    assert out[1, -4:].tolist() == alone[0, -4:].tolist()
 
 
 def test_export_hf_of_a_masked_lm_run(text_file, tmp_path):

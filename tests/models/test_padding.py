@@ -27,7 +27,8 @@ def small(name, positions):
     return CausalLM(cfg).double().eval()
 
 
-def padded_batch(rows, pad=0):
+def padded_batch(rows, pad=31):
+    """Rows padded on the left by `pad`, by default an id past the vocabulary (never read)."""
     width = max(len(r) for r in rows)
     idx = torch.stack([torch.cat([torch.full((width - len(r),), pad), r]) for r in rows])
     mask = torch.stack([torch.arange(width) >= width - len(r) for r in rows])
