@@ -75,6 +75,15 @@ def command_of(out_dir: Path, name: str, quick: bool, overrides) -> str:
     return " ".join([f"memattn experiment {name}", *(["--quick"] if quick else []), *overrides])
 
 
+def setup_line(settings: list[str]) -> str:
+    """A results table's line of the shared `key=value` settings, each key once with the value
+    that holds (the last given), where it was first given."""
+    held: dict[str, str] = {}
+    for setting in settings:
+        held[setting.split("=", 1)[0]] = setting
+    return "Setup (shared `key=value` settings): `" + " ".join(held.values()) + "`"
+
+
 def write_results(out_dir: Path, results: dict[str, Any], markdown: str) -> None:
     """results.json and results.md under out_dir, each written atomically."""
     out_dir.mkdir(parents=True, exist_ok=True)

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from memattn.experiments._common import compare, save_figure
+from memattn.experiments._common import compare, save_figure, setup_line
 from memattn.experiments._lm_common import Model, bpc_cell, progress_note, run_lm_experiment, speed_note
 
 DESCRIPTION = ("bounded-memory control (Peng et al. 2022): softmax against ABC_MLP, Linformer, "
@@ -138,7 +138,7 @@ def markdown(result: dict) -> str:
                          f"{a['read_spread']:.1f} → {b['read_spread']:.1f} | "
                          f"{a['key_cosine']:.2f} → {b['key_cosine']:.2f} |")
     lines += ["", *findings(models), "",
-              "Setup (shared `key=value` settings): `" + " ".join(result["config"]) + "`", "",
+              setup_line(result["config"]), "",
               "Figures: `learning_curves.png` (validation bits per character against steps), "
               "`memory_sweep.png` (test bits per character of ABC_MLP against its memory size); "
               "logs under `logs/`, every seed's figures in `results.json`.", ""]

@@ -31,7 +31,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from memattn.experiments._common import save_figure
+from memattn.experiments._common import save_figure, setup_line
 from memattn.experiments._runner import Job, measured_side_by_side, run_dir_of, run_experiment, side_by_side_note
 
 DESCRIPTION = ("bounded-memory control (Peng et al. 2022) in translation: bounded cross and causal "
@@ -310,7 +310,7 @@ def markdown(result: dict) -> str:
     for e in base["examples"]:
         lines += [f"- source: {e['source']}", f"  - reference: {e['reference']}", f"  - output: {e['output']}"]
     lines += ["", *findings(models), "",
-              "Setup (shared `key=value` settings): `" + " ".join(result["config"]) + "`", "",
+              setup_line(result["config"]), "",
               "Figures: `learning_curves.png` (validation perplexity against steps), `decoding.png` "
               "(Figure 1: time and state bytes against output length); logs under `logs/`, every "
               "seed's figures and three example translations per model in `results.json`.", ""]

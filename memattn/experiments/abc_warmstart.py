@@ -21,7 +21,7 @@ from __future__ import annotations
 import functools
 from pathlib import Path
 
-from memattn.experiments._common import compare
+from memattn.experiments._common import compare, setup_line
 from memattn.experiments._lm_common import (Model, bpc_cell, jobs_of, measure, progress_note,
                                             run_lm_experiment, speed_note)
 from memattn.experiments._runner import finished_row, run_dir_of, run_experiment, source_run
@@ -144,7 +144,7 @@ def markdown_masked(result: dict) -> str:
                   "measured, in masked accuracy: " + "; ".join(
                       f"{a['model']} {100 * (a['test_accuracy'] - b['test_accuracy']):+.2f} points against "
                       f"{b['model']}" for a, b in pairs) + "."]
-    lines += ["", "Setup (shared `key=value` settings): `" + " ".join(result["config"]) + "`", ""]
+    lines += ["", setup_line(result["config"]), ""]
     return "\n".join(lines)
 
 
@@ -178,7 +178,7 @@ def markdown(result: dict) -> str:
                      f"{m['test_bpc'] - base['test_bpc']:+.3f} | {bpc_cell(m, 'test_bpc_context')} | "
                      f"{m['val_bpc']:.3f} | {m['train_tokens_per_s']:,.0f} |")
     lines += ["", *findings(by), "",
-              "Setup (shared `key=value` settings): `" + " ".join(result["config"]) + "`", "",
+              setup_line(result["config"]), "",
               "Figures: `learning_curves.png`; logs under `logs/`, every run's figures in `results.json`.", ""]
     return "\n".join(lines)
 

@@ -22,7 +22,7 @@ import statistics
 from pathlib import Path
 
 from memattn.config import AttentionConfig, RunConfig, load_config
-from memattn.experiments._common import compare
+from memattn.experiments._common import compare, setup_line
 from memattn.experiments._lm_common import Model, bpc_cell, progress_note, run_lm_experiment, speed_note
 # abc-lm's trunk and budget, so that its softmax rows are this experiment's transformer rows;
 # `overrides` from the command line come after them
@@ -139,7 +139,7 @@ def markdown(result: dict) -> str:
                      f"{m['test_bpc_context'] - base['test_bpc_context']:+.3f} | {m['val_bpc']:.3f} | "
                      f"{m['train_tokens_per_s']:,.0f} |")
     lines += ["", *findings(by), "",
-              "Setup (shared `key=value` settings): `" + " ".join(result["config"]) + "`", "",
+              setup_line(result["config"]), "",
               "Learning curves: `learning_curves.png` (validation bits per character against "
               "steps); logs under `logs/`, every seed's figures in `results.json`.", ""]
     return "\n".join(lines)

@@ -126,3 +126,10 @@ def test_jobs_is_refused_by_single_process_experiments(tmp_path, capsys):
 
     assert main(["experiment", "gmat-majority", "--quick", "--jobs", "2", "--out-dir", str(tmp_path)]) == 2
     assert "--jobs" in capsys.readouterr().err
+
+
+def test_the_setup_line_gives_each_key_once_with_the_value_that_holds():
+    from memattn.experiments._common import setup_line
+
+    line = setup_line(["model.d_model=128", "train.steps=1500", "attention=softmax", "train.steps=500"])
+    assert line.endswith("`model.d_model=128 train.steps=500 attention=softmax`")
