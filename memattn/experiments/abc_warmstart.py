@@ -134,17 +134,23 @@ def markdown_masked(result: dict) -> str:
         lines.append(f"| {m['model']} | {m['params']:,} | {m['steps']:,} | {100 * m['test_accuracy']:.2f} % | "
                      f"{100 * (m['test_accuracy'] - base['test_accuracy']):+.2f} | {m['test_loss']:.3f} | "
                      f"{100 * m['val_accuracy']:.2f} % |")
-    pairs = [(by[f"{n}, from softmax"], by[f"{n}, from scratch"]) for n in
-             sorted({k.rsplit(", from ", 1)[0] for k in by if ", from " in k})
-             if f"{n}, from softmax" in by and f"{n}, from scratch" in by]
+    pairs = converted_pairs(by)
+    def points(a: dict, b: dict) -> str:
+        return f"{a['model']} {100 * (a['test_accuracy'] - b['test_accuracy']):+.2f} points against {b['model']}"
+
+    on = by.get("softmax, trained on")
     if pairs:
         lines += ["", "## The paper found / we measured", "",
                   "- **A pretrained encoder is a better start.** The paper found ABC variants fine-tuned "
-                  "from a pretrained RoBERTa close to it and far ahead of training from scratch. We "
-                  "measured, in masked accuracy: " + "; ".join(
-                      f"{a['model']} {100 * (a['test_accuracy'] - b['test_accuracy']):+.2f} points against "
-                      f"{b['model']}" for a, b in pairs) + "."]
-    lines += ["", setup_line(result["config"]), ""]
+                  "from a pretrained RoBERTa far ahead of training from scratch. We measured, in masked "
+                  "accuracy: " + "; ".join(points(a, b) for a, b in pairs) + "."]
+        if on:
+            lines.append("- **Close to the model it came from.** The paper found them close to the "
+                         "pretrained model trained on alike. We measured: "
+                         + "; ".join(points(a, on) for a, _ in pairs) + ".")
+    lines += ["", setup_line(result["config"]), "",
+              "Figures: `learning_curves.png` (validation masked accuracy against steps); logs under "
+              "`logs/`, every run's figures in `results.json`.", ""]
     return "\n".join(lines)
 
 
@@ -183,11 +189,16 @@ def markdown(result: dict) -> str:
     return "\n".join(lines)
 
 
+def converted_pairs(by: dict[str, dict]) -> list[tuple[dict, dict]]:
+    """(the row from softmax, the row from scratch) of every mechanism that has both."""
+    return [(by[f"{n}, from softmax"], by[f"{n}, from scratch"]) for n in
+            sorted({k.rsplit(", from ", 1)[0] for k in by if ", from " in k})
+            if f"{n}, from softmax" in by and f"{n}, from scratch" in by]
+
+
 def findings(by: dict[str, dict]) -> list[str]:
     """The paper's findings next to what this table measured (test bits per character)."""
-    pairs = [(by[f"{n}, from softmax"], by[f"{n}, from scratch"]) for n in
-             sorted({k.rsplit(", from ", 1)[0] for k in by if ", from " in k})
-             if f"{n}, from softmax" in by and f"{n}, from scratch" in by]
+    pairs = converted_pairs(by)
     lines = ["## The paper found / we measured", ""]
     if pairs:
         lines.append("- **A pretrained model is a better start.** The paper found ABC_MLP started from a "

@@ -34,7 +34,9 @@ def test_quick_run_pretrains_then_starts_every_conversion_from_it(text_file, tmp
         assert 0.0 <= m["test_accuracy"] <= 1.0 and m["test_tokens"] > 0
     encoder = json.loads((out / "mlm" / "runs" / "abc-mlp-m4-from-softmax" / "settings.json").read_text())
     assert "task=mlm" in encoder and f"train.init_from={out / 'mlm' / 'runs' / 'softmax-pretrained'}" in encoder
-    assert "masked accuracy" in (out / "mlm" / "results.md").read_text()
+    masked_table = (out / "mlm" / "results.md").read_text()
+    assert "masked accuracy" in masked_table and "points against softmax, trained on" in masked_table
+    assert (out / "mlm" / "learning_curves.png").exists()
 
     # a fresh clone keeps only the rows: a conversion left unfinished there needs the pretrained
     # weights, so the pretrained model is trained again (to the same figures) and the rest reused
