@@ -21,7 +21,7 @@ from __future__ import annotations
 import functools
 from pathlib import Path
 
-from memattn.experiments._common import compare, setup_line
+from memattn.experiments._common import command_of, compare, setup_line
 from memattn.experiments._lm_common import (Model, bpc_cell, jobs_of, measure, progress_note,
                                             run_lm_experiment, speed_note)
 from memattn.experiments._runner import finished_row, run_dir_of, run_experiment, source_run
@@ -63,7 +63,9 @@ def run(out_dir: Path, *, quick: bool, overrides: list[str], jobs: int = 1) -> d
     models = models_of(quick, source)
     result = run_lm_experiment(out_dir, "abc-warmstart", models, shared, quick=quick, overrides=overrides,
                                jobs=jobs, measure_kw=MEASURE[quick], markdown=markdown)
-    return dict(result, masked=run_masked(out_dir / "mlm", quick=quick, overrides=overrides, jobs=jobs))
+    masked = run_masked(out_dir / "mlm", quick=quick, overrides=overrides, jobs=jobs,
+                        command=command_of(out_dir, "abc-warmstart", quick, overrides))
+    return dict(result, masked=masked)
 
 
 def pretrained(out_dir: Path, quick: bool, shared: list[str], measure_fn, label: str) -> Path:
@@ -75,8 +77,9 @@ def pretrained(out_dir: Path, quick: bool, shared: list[str], measure_fn, label:
     return source_run(out_dir, job, measure_fn, needed=needed, label=label)
 
 
-def run_masked(out_dir: Path, *, quick: bool, overrides: list[str], jobs: int) -> dict:
-    """The same comparison with masked-LM encoders (task=mlm), measured by masked accuracy."""
+def run_masked(out_dir: Path, *, quick: bool, overrides: list[str], jobs: int, command: str) -> dict:
+    """The same comparison with masked-LM encoders (task=mlm), measured by masked accuracy;
+    `command`: the one that made the whole experiment."""
     shared = ["task=mlm", *(ABC_LM_QUICK if quick else ABC_LM_FULL), f"train.steps={ON_STEPS[quick]}",
               *overrides]
     measure_fn = functools.partial(measure_masked, windows_count=MASKED_TEST_WINDOWS[quick])
@@ -84,7 +87,7 @@ def run_masked(out_dir: Path, *, quick: bool, overrides: list[str], jobs: int) -
     pairs = jobs_of(models_of(quick, source), shared)
     return run_experiment(out_dir, "abc-warmstart", pairs, shared, quick=quick, overrides=overrides, jobs=jobs,
                           measure=measure_fn, summarise=summarise_masked, markdown=markdown_masked,
-                          curve=("val_accuracy", "masked-token accuracy"))
+                          curve=("val_accuracy", "masked-token accuracy"), extra={"command": command})
 
 
 MASKED_TEST_WINDOWS = {False: 128, True: 8}  # test windows of seq_len scored by every encoder

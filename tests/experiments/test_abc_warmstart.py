@@ -29,7 +29,7 @@ def test_quick_run_pretrains_then_starts_every_conversion_from_it(text_file, tmp
 
     # the masked-LM half: encoders, started from a pretrained softmax encoder or from scratch
     masked = json.loads((out / "mlm" / "results.json").read_text())
-    assert [m["model"] for m in masked["models"]] == names
+    assert [m["model"] for m in masked["models"]] == names and masked["command"] == result["command"]
     for m in masked["models"]:
         assert 0.0 <= m["test_accuracy"] <= 1.0 and m["test_tokens"] > 0
     encoder = json.loads((out / "mlm" / "runs" / "abc-mlp-m4-from-softmax" / "settings.json").read_text())
