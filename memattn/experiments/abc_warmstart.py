@@ -137,11 +137,11 @@ def markdown_masked(result: dict) -> str:
         lines.append(f"| {m['model']} | {m['params']:,} | {m['steps']:,} | {100 * m['test_accuracy']:.2f} % | "
                      f"{100 * (m['test_accuracy'] - base['test_accuracy']):+.2f} | {m['test_loss']:.3f} | "
                      f"{100 * m['val_accuracy']:.2f} % |")
-    pairs = converted_pairs(by)
+
     def points(a: dict, b: dict) -> str:
         return f"{a['model']} {100 * (a['test_accuracy'] - b['test_accuracy']):+.2f} points against {b['model']}"
 
-    on = by.get("softmax, trained on")
+    pairs, on = converted_pairs(by), by.get("softmax, trained on")
     if pairs:
         lines += ["", "## The paper found / we measured", "",
                   "- **A pretrained encoder is a better start.** The paper found ABC variants fine-tuned "
