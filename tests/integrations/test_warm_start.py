@@ -12,7 +12,7 @@ from memattn.config import AttentionConfig, ModelConfig
 from memattn.data.vocab import Vocab
 from memattn.models import CausalLM, Encoder
 from memattn.train import model_from_checkpoint
-from memattn.warmstart import Source, distill_loss, read_source, warm_start
+from memattn.warmstart import HF_VOCAB, Source, distill_loss, read_source, warm_start
 
 from conftest import tiny_overrides
 
@@ -103,6 +103,8 @@ def test_export_hf_pads_batched_prompts(text_file, tmp_path, corpus):
     pad = 0 if corpus == "text as bytes" else hf.config.vocab_size
     batch = tok(["the king", "a"], padding=True, return_tensors="pt", add_special_tokens=False)
     assert batch.input_ids[1].tolist()[:-1] == [pad] * 7 and tok.pad_token_id == pad
+    vocab = Vocab.from_json(json.loads((tmp_path / "hf" / HF_VOCAB).read_text()))
+    assert batch.input_ids[1, -1] == int(vocab.encode("a")[0]) == (ord("a") if corpus == "text as bytes" else 1)
     assert hf.config.pad_token_id == hf.generation_config.pad_token_id == pad
     out = hf.generate(**batch, max_new_tokens=4, do_sample=False)
     alone = hf.generate(**tok(["a"], return_tensors="pt", add_special_tokens=False), max_new_tokens=4,
