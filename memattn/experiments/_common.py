@@ -75,13 +75,18 @@ def command_of(out_dir: Path, name: str, quick: bool, overrides) -> str:
     return " ".join([f"memattn experiment {name}", *(["--quick"] if quick else []), *overrides])
 
 
-def setup_line(settings: list[str]) -> str:
-    """A results table's line of the shared `key=value` settings, each key once with the value
-    that holds (the last given), where it was first given."""
+def held_settings(settings: list[str]) -> list[str]:
+    """`key=value` settings with each key once, holding the value given last, where it was
+    first given: `[a=1, b=2, a=3]` -> `[a=3, b=2]`."""
     held: dict[str, str] = {}
     for setting in settings:
         held[setting.split("=", 1)[0]] = setting
-    return "Setup (shared `key=value` settings): `" + " ".join(held.values()) + "`"
+    return list(held.values())
+
+
+def setup_line(settings: list[str]) -> str:
+    """A results table's line of the shared `key=value` settings (`held_settings`)."""
+    return "Setup (shared `key=value` settings): `" + " ".join(held_settings(settings)) + "`"
 
 
 def write_results(out_dir: Path, results: dict[str, Any], markdown: str) -> None:

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from memattn.experiments._common import compare, save_figure, setup_line
+from memattn.experiments._common import compare, held_settings, save_figure, setup_line
 from memattn.experiments._lm_common import Model, bpc_cell, progress_note, run_lm_experiment, speed_note
 
 DESCRIPTION = ("bounded-memory control (Peng et al. 2022): softmax against ABC_MLP, Linformer, "
@@ -75,8 +75,10 @@ SWEEP = "abc-mlp, M="  # rows of plain ABC_MLP (exp control, model init) form th
 
 
 def run(out_dir: Path, *, quick: bool, overrides: list[str], jobs: int = 1) -> dict:
+    # Overrides replace the default they name, so `train.steps=N` makes the run folders that
+    # FULL with train.steps=N would (and keeps them reusable when the default changes).
     return run_lm_experiment(out_dir, "abc-lm", QUICK_MODELS if quick else MODELS,
-                             [*(QUICK if quick else FULL), *overrides], quick=quick,
+                             held_settings([*(QUICK if quick else FULL), *overrides]), quick=quick,
                              overrides=overrides, jobs=jobs, measure_kw=MEASURE[quick],
                              markdown=markdown, plots=plot_sweep)
 

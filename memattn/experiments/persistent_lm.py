@@ -22,7 +22,7 @@ import statistics
 from pathlib import Path
 
 from memattn.config import AttentionConfig, RunConfig, load_config
-from memattn.experiments._common import compare, setup_line
+from memattn.experiments._common import compare, held_settings, setup_line
 from memattn.experiments._lm_common import Model, bpc_cell, progress_note, run_lm_experiment, speed_note
 # abc-lm's trunk and budget, so that its softmax rows are this experiment's transformer rows;
 # `overrides` from the command line come after them
@@ -95,7 +95,7 @@ def with_matching_n(shared: list[str], rows: list[Model]) -> list[Model]:
 
 
 def run(out_dir: Path, *, quick: bool, overrides: list[str], jobs: int = 1) -> dict:
-    shared = [*(QUICK if quick else FULL), *overrides]
+    shared = held_settings([*(QUICK if quick else FULL), *overrides])  # as abc-lm's
     return run_lm_experiment(out_dir, "persistent-lm", with_matching_n(shared, models(quick)), shared,
                              quick=quick, overrides=overrides, jobs=jobs, measure_kw=MEASURE[quick],
                              markdown=markdown)

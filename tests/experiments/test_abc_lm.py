@@ -75,6 +75,21 @@ def test_seeds_share_everything_but_the_seed():
     assert len(seed_one) == 7 and min(seed_one) == len(pairs) - 7
 
 
+@pytest.mark.parametrize("name", ["abc-lm", "persistent-lm"])
+def test_an_override_replaces_the_default_it_names(name, monkeypatch, tmp_path):
+    """train.steps=N gives the run folders' settings of a default with train.steps=N, so runs made
+    with the override stay reusable once the default is changed to N."""
+    module = get_experiment(name)
+    seen = {}
+    monkeypatch.setattr(module, "run_lm_experiment", lambda out, label, models, shared, **kw: seen.update(shared=shared))
+    module.run(tmp_path, quick=False, overrides=["train.steps=4000", "train.lr=0.001"], jobs=1)
+    steps = module.FULL.index(next(s for s in module.FULL if s.startswith("train.steps=")))
+    lr = next((s for s in module.FULL if s.startswith("train.lr=")), None)
+    expected = [("train.steps=4000" if i == steps else "train.lr=0.001" if s == lr else s)
+                for i, s in enumerate(module.FULL)]
+    assert seen["shared"] == expected + ([] if lr else ["train.lr=0.001"])
+
+
 def test_summary_gives_mean_and_spread_over_seeds():
     run = {"attention": "softmax", "options": {}, "params": 10, "steps": 5, "context": 3, "test_tokens": 8,
            "context_tokens": 8, "val_bpc": 2.0, "train_tokens_per_s": 1.0, "decode_tokens_per_s": 1.0,
