@@ -30,7 +30,9 @@ DESCRIPTION = ("bounded-memory control (Peng et al. 2022): softmax against ABC_M
                "random, window and cluster control, a memory-size sweep and control variants, "
                "with seeds, on a character LM")
 
-# Shared by every row; `overrides` from the command line come after (e.g. train.steps=400).
+# Shared by every row. An override from the command line replaces the default it names, so
+# `train.steps=N` makes the run folders that FULL with train.steps=N would make (still
+# reusable once N becomes the default).
 # init_std ≈ 1/√d_model for every row (GPT-2's 0.02 is for d_model 768 and slow here).
 FULL = ["model.d_model=128", "model.n_layers=4", "model.n_heads=4", "model.ff_mult=4",
         "model.positions=rotary", "model.dropout=0.0", "model.max_len=512", "model.init_std=0.088",
@@ -75,8 +77,6 @@ SWEEP = "abc-mlp, M="  # rows of plain ABC_MLP (exp control, model init) form th
 
 
 def run(out_dir: Path, *, quick: bool, overrides: list[str], jobs: int = 1) -> dict:
-    # Overrides replace the default they name, so `train.steps=N` makes the run folders that
-    # FULL with train.steps=N would (and keeps them reusable when the default changes).
     return run_lm_experiment(out_dir, "abc-lm", QUICK_MODELS if quick else MODELS,
                              held_settings([*(QUICK if quick else FULL), *overrides]), quick=quick,
                              overrides=overrides, jobs=jobs, measure_kw=MEASURE[quick],

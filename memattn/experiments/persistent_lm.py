@@ -25,7 +25,7 @@ from memattn.config import AttentionConfig, RunConfig, load_config
 from memattn.experiments._common import compare, held_settings, setup_line
 from memattn.experiments._lm_common import Model, bpc_cell, progress_note, run_lm_experiment, speed_note
 # abc-lm's trunk and budget, so that its softmax rows are this experiment's transformer rows;
-# `overrides` from the command line come after them
+# `overrides` from the command line replace the defaults they name, as there
 from memattn.experiments.abc_lm import FULL, MEASURE, QUICK
 from memattn.models import CausalLM
 
@@ -95,7 +95,7 @@ def with_matching_n(shared: list[str], rows: list[Model]) -> list[Model]:
 
 
 def run(out_dir: Path, *, quick: bool, overrides: list[str], jobs: int = 1) -> dict:
-    shared = held_settings([*(QUICK if quick else FULL), *overrides])  # as abc-lm's
+    shared = held_settings([*(QUICK if quick else FULL), *overrides])
     return run_lm_experiment(out_dir, "persistent-lm", with_matching_n(shared, models(quick)), shared,
                              quick=quick, overrides=overrides, jobs=jobs, measure_kw=MEASURE[quick],
                              markdown=markdown)
