@@ -341,6 +341,22 @@ def findings(models: list[dict]) -> list[str]:
                      "Linformer and ABC_RD at the same sizes. We measured: " + "; ".join(
                          f"{m['model']} {m['test_bleu'] - r['test_bleu']:+.2f} BLEU against {r['model']}"
                          for r in rivals) + ".")
+    for plain, others, what in (("abc-mlp 32/32", ("abc-window 32/32", "abc-cluster 32/32"),
+                                 "window and clustering control"),
+                                ("abc-mlp 32/8", ("abc-mlp relu 32/8", "abc-mlp sigmoid 32/8"),
+                                 "relu and sigmoid in place of exp")):
+        rows = [by[n] for n in others if n in by]
+        if rows and plain in by:
+            lines.append(f"- **Table 8: {what}.** The paper compares them with ABC_MLP's learned exp "
+                         f"control, the one it proposes. We measured {plain} at "
+                         f"{by[plain]['test_bleu']:.2f} BLEU; " + "; ".join(
+                             f"{r['model']} {r['test_bleu'] - by[plain]['test_bleu']:+.2f}" for r in rows) + ".")
+    if base and "MLP-exp-all 32/8" in by and "abc-mlp 32/8" in by:
+        every, decoder = by["MLP-exp-all 32/8"], by["abc-mlp 32/8"]
+        lines.append(f"- **Every attention bounded** (MLP-exp-all: the encoder's too, 32 slots), a row of the "
+                     f"paper's Table 4. We "
+                     f"measured {every['test_bleu']:.2f} BLEU against {decoder['test_bleu']:.2f} with "
+                     f"the decoder's alone bounded and {base['test_bleu']:.2f} for BASE.")
     grid = grid_cells(models)
     column = [(causal, grid[(32, causal)]["test_bleu"]) for causal in (8, 16, 32) if (32, causal) in grid]
     if len(column) > 1:
