@@ -353,10 +353,10 @@ def findings(models: list[dict]) -> list[str]:
                              f"{r['model']} {r['test_bleu'] - by[plain]['test_bleu']:+.2f}" for r in rows) + ".")
     if base and "MLP-exp-all 32/8" in by and "abc-mlp 32/8" in by:
         every, decoder = by["MLP-exp-all 32/8"], by["abc-mlp 32/8"]
-        lines.append(f"- **Every attention bounded** (MLP-exp-all: the encoder's too, 32 slots), a row of the "
-                     f"paper's Table 4. We "
-                     f"measured {every['test_bleu']:.2f} BLEU against {decoder['test_bleu']:.2f} with "
-                     f"the decoder's alone bounded and {base['test_bleu']:.2f} for BASE.")
+        lines.append(f"- **Every attention bounded** (MLP-exp-all: the encoder's too, 32 slots), a row of "
+                     f"the paper's Table 4. We measured {every['test_bleu']:.2f} BLEU against "
+                     f"{decoder['test_bleu']:.2f} with the decoder's alone bounded and "
+                     f"{base['test_bleu']:.2f} for BASE.")
     grid = grid_cells(models)
     column = [(causal, grid[(32, causal)]["test_bleu"]) for causal in (8, 16, 32) if (32, causal) in grid]
     if len(column) > 1:
