@@ -54,6 +54,26 @@ def _abc_update(state: ABCState, k: torch.Tensor, v: torch.Tensor, s: torch.Tens
                     torch.lerp(state.v, v, write))
 
 
+def _torch_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, w: torch.Tensor, w_name: str,
+                state: ABCState | BoundedMemoryState | None, state_type: type, update,
+                scale: float | None, inplace: bool, nonnegative: bool = False) -> tuple:
+    """The checked PyTorch path of a step: w = s (ABCState, `_abc_update`) or φ
+    (BoundedMemoryState, `_bounded_update`); the state computed in float32 (float64 for
+    float64 inputs), the output in q's dtype."""
+    B, H, K, V, M = check_step_inputs(q, k, v, w, w_name, state, state_type,
+                                      nonnegative=nonnegative)
+    dt = compute_dtype(q, k, v, w, *(state or ()))
+    if inplace:
+        check_inplace_state(state, state_type, dt)
+    if state is None:
+        state = state_type.empty(B, H, M, K, V, device=q.device, dtype=dt)
+    elif not inplace:  # an in-place state is in dt already
+        state = state_type(*(t.to(dt) for t in state))
+    state = update(state, k.to(dt), v.to(dt), w.to(dt), inplace)
+    o = _read(q.to(dt), state.k, state.v, default_scale(scale, K))
+    return o.to(q.dtype), state
+
+
 def abc_attention_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, s: torch.Tensor,
                        state: ABCState | None = None, *, scale: float | None = None,
                        inplace: bool = False, backend: str = "auto"
@@ -71,18 +91,7 @@ def abc_attention_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, s: tor
     if use_kernels(backend, (q, k, v, s, *(state or ())), differentiable=False):
         from memattn.kernels.abc_decode import abc_step_triton
         return abc_step_triton(q, k, v, s, state, scale=scale, inplace=inplace)
-    B, H, K, V, M = check_step_inputs(q, k, v, s, "s", state, ABCState)
-    out_dtype = q.dtype
-    dt = compute_dtype(q, k, v, s, *(state or ()))
-    if inplace:
-        check_inplace_state(state, ABCState, dt)
-    if state is None:
-        state = ABCState.empty(B, H, M, K, V, device=q.device, dtype=dt)
-    elif not inplace:  # an in-place state is in dt already
-        state = ABCState(*(t.to(dt) for t in state))
-    state = _abc_update(state, k.to(dt), v.to(dt), s.to(dt), inplace)
-    o = _read(q.to(dt), state.k, state.v, default_scale(scale, K))
-    return o.to(out_dtype), state
+    return _torch_step(q, k, v, s, "s", state, ABCState, _abc_update, scale, inplace)
 
 
 def memory_step_(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, w: torch.Tensor,
@@ -133,19 +142,8 @@ def bounded_memory_attention_step(q: torch.Tensor, k: torch.Tensor, v: torch.Ten
     if use_kernels(backend, (q, k, v, phi, *(state or ())), differentiable=False):
         from memattn.kernels.abc_decode import bounded_memory_step_triton
         return bounded_memory_step_triton(q, k, v, phi, state, scale=scale, inplace=inplace)
-    B, H, K, V, M = check_step_inputs(q, k, v, phi, "phi", state, BoundedMemoryState,
-                                      nonnegative=True)
-    out_dtype = q.dtype
-    dt = compute_dtype(q, k, v, phi, *(state or ()))
-    if inplace:
-        check_inplace_state(state, BoundedMemoryState, dt)
-    if state is None:
-        state = BoundedMemoryState.empty(B, H, M, K, V, device=q.device, dtype=dt)
-    elif not inplace:  # an in-place state is in dt already
-        state = BoundedMemoryState(*(t.to(dt) for t in state))
-    state = _bounded_update(state, k.to(dt), v.to(dt), phi.to(dt), inplace)
-    o = _read(q.to(dt), state.k, state.v, default_scale(scale, K))
-    return o.to(out_dtype), state
+    return _torch_step(q, k, v, phi, "phi", state, BoundedMemoryState, _bounded_update, scale,
+                       inplace, nonnegative=True)
 
 
 def abc_recurrent(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, s: torch.Tensor, *,
