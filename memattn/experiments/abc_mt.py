@@ -235,10 +235,12 @@ def data_settings(out_dir: Path, quick: bool, overrides: list[str]) -> list[str]
 
 def run(out_dir: Path, *, quick: bool, overrides: list[str], jobs: int = 1) -> dict:
     shared = [*(QUICK if quick else FULL), *data_settings(out_dir, quick, overrides), *overrides]
-    return run_experiment(out_dir, "abc-mt", jobs_of(QUICK_MODELS if quick else MODELS, shared), shared,
+    models = QUICK_MODELS if quick else MODELS
+    return run_experiment(out_dir, "abc-mt", jobs_of(models, shared), shared,
                           quick=quick, overrides=overrides, jobs=jobs,
                           measure=functools.partial(measure, **MEASURE[quick]), summarise=summarise,
                           markdown=markdown, curve=("val_ppl", "perplexity"), plots=plot_decoding,
+                          extra={"grid_planned": sorted(grid_cells([{"model": m[0]} for m in models]))},
                           side_by_side=functools.partial(side_by_side, **FIGURE_1[quick]))
 
 
@@ -257,6 +259,26 @@ def grid_cells(models: list[dict]) -> dict[tuple[int, int], dict]:
             cross, causal = map(int, size.split("/"))
             out[(cross, causal)] = m
     return out
+
+
+def cell_names(cells) -> str:
+    return ", ".join(f"{cross}/{causal}" for cross, causal in cells)
+
+
+def grid_note(planned: list, finished: dict) -> list[str]:
+    """The lines under Table 7's grid naming its empty cells: those of cross × causal ≤ cross
+    (over the sizes of the planned cells) that were left out, and planned ones not finished."""
+    planned = {tuple(c) for c in planned}
+    sizes = sorted({s for c in planned for s in c})
+    crosses = sorted({cross for cross, _ in planned})
+    left_out = [(c, k) for c in crosses for k in sizes if k <= c and (c, k) not in planned]
+    waiting = sorted(planned - set(finished))
+    lines = []
+    if left_out:
+        lines.append(f"Cells left out for the CPU budget (cross/causal): {cell_names(left_out)}.")
+    if waiting:
+        lines.append(f"Not finished yet: {cell_names(waiting)}.")
+    return ["", " ".join(lines)] if lines else []
 
 
 def markdown(result: dict) -> str:
@@ -297,6 +319,7 @@ def markdown(result: dict) -> str:
         for cross in sorted({c for c, _ in grid}):
             lines.append(f"| {cross} | " + " | ".join(
                 f"{grid[(cross, c)]['test_bleu']:.2f}" if (cross, c) in grid else "" for c in sizes) + " |")
+        lines += grid_note(result.get("grid_planned", []), grid)
     profiled = [m for m in models if m["decoding"]]
     if profiled:
         lengths = [p["length"] for p in profiled[0]["decoding"]]

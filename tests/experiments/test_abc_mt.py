@@ -7,7 +7,8 @@ import pytest
 
 from memattn.experiments import get_experiment
 from memattn.experiments._runner import SPEED_FILE
-from memattn.experiments.abc_mt import FIGURE_1, FULL, MODELS, QUICK_MODELS, findings, grid_cells, jobs_of, quick_pairs
+from memattn.experiments.abc_mt import (FIGURE_1, FULL, MODELS, QUICK_MODELS, findings, grid_cells, grid_note,
+                                        jobs_of, quick_pairs)
 
 pytest.importorskip("sacrebleu")
 
@@ -70,3 +71,13 @@ def test_findings_set_table_8s_controls_and_mlp_exp_all_against_their_abc_mlp_ro
     assert "abc-window 32/32 -1.50; abc-cluster 32/32 +1.00." in text
     assert "abc-mlp sigmoid 32/8 -1.75." in text and "relu 32/8" not in text
     assert "We measured 11.00 BLEU against 14.00 with the decoder's alone bounded and 20.00 for BASE." in text
+
+
+def test_table_7s_note_names_the_cells_left_out_and_those_not_finished():
+    planned = sorted(grid_cells([{"model": m[0]} for m in MODELS]))
+    finished = {(8, 8): {}, (16, 8): {}, (16, 16): {}, (32, 8): {}, (32, 32): {}}
+    note = " ".join(grid_note(planned, finished))
+    assert "Cells left out for the CPU budget (cross/causal): 32/16, 64/16, 64/32." in note
+    assert "Not finished yet: 64/8, 64/64." in note
+    assert "finished" not in " ".join(grid_note(planned, {tuple(c): {} for c in planned}))
+    assert grid_note([], {}) == []
