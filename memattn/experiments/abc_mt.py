@@ -381,12 +381,18 @@ def findings(models: list[dict]) -> list[str]:
                      f"{decoder['test_bleu']:.2f} with the decoder's alone bounded and "
                      f"{base['test_bleu']:.2f} for BASE.")
     grid = grid_cells(models)
-    column = [(causal, grid[(32, causal)]["test_bleu"]) for causal in (8, 16, 32) if (32, causal) in grid]
-    if len(column) > 1:
+    pairs = [(cross, grid[(cross, 8)]["test_bleu"], grid[(cross, cross)]["test_bleu"])
+             for cross in sorted({c for c, _ in grid}) if cross > 8 and {(cross, 8), (cross, cross)} <= set(grid)]
+    if pairs:
         lines.append("- **A small causal memory is enough.** The paper found 8 causal slots enough next to "
-                     "32 cross slots. We measured at cross 32: " + ", ".join(
-                         f"causal {c}: {b:.2f}" for c, b in column) + " BLEU (Table 7's grid above "
-                     "has the other cells).")
+                     "32 cross slots. We measured causal 8 against causal = cross: " + "; ".join(
+                         f"cross {c}: {small:.2f} against {same:.2f} ({small - same:+.2f})"
+                         for c, small, same in pairs) + " BLEU.")
+    column = [(cross, grid[(cross, 8)]["test_bleu"]) for cross in sorted({c for c, _ in grid}) if (cross, 8) in grid]
+    if len(column) > 1:
+        lines.append("- **The cross memory's size** (Table 7's other axis). We measured at causal 8: " + ", ".join(
+            f"cross {c}: {b:.2f}" for c, b in column) + " BLEU" + (
+            f", against {base['test_bleu']:.2f} for BASE." if base else "."))
     profiled = {m["attention"]: m for m in models if m["decoding"]}
     if {"softmax", "abc-mlp"} <= set(profiled):
         s, a = profiled["softmax"]["decoding"], profiled["abc-mlp"]["decoding"]

@@ -81,3 +81,12 @@ def test_table_7s_note_names_the_cells_left_out_and_those_not_finished():
     assert "Not finished yet: 64/8, 64/64." in note
     assert "finished" not in " ".join(grid_note(planned, {tuple(c): {} for c in planned}))
     assert grid_note([], {}) == []
+
+
+def test_findings_read_table_7_along_both_axes():
+    bleu = {"softmax BASE": 20.0, "abc-mlp 8/8": 11.0, "abc-mlp 16/8": 12.0, "abc-mlp 16/16": 12.5,
+            "abc-mlp 32/8": 13.25, "abc-mlp 64/8": 15.0, "abc-mlp 64/64": 14.0}
+    text = "\n".join(findings([{"model": n, "test_bleu": b, "attention": "", "decoding": []} for n, b in bleu.items()]))
+    assert ("We measured causal 8 against causal = cross: cross 16: 12.00 against 12.50 (-0.50); "
+            "cross 64: 15.00 against 14.00 (+1.00) BLEU.") in text  # 32/32 not finished: no cross 32 pair
+    assert "at causal 8: cross 8: 11.00, cross 16: 12.00, cross 32: 13.25, cross 64: 15.00 BLEU, against 20.00 for BASE." in text
