@@ -381,14 +381,15 @@ def findings(models: list[dict]) -> list[str]:
                      f"{decoder['test_bleu']:.2f} with the decoder's alone bounded and "
                      f"{base['test_bleu']:.2f} for BASE.")
     grid = grid_cells(models)
+    crosses = sorted({c for c, _ in grid})
     pairs = [(cross, grid[(cross, 8)]["test_bleu"], grid[(cross, cross)]["test_bleu"])
-             for cross in sorted({c for c, _ in grid}) if cross > 8 and {(cross, 8), (cross, cross)} <= set(grid)]
+             for cross in crosses if cross > 8 and {(cross, 8), (cross, cross)} <= set(grid)]
     if pairs:
         lines.append("- **A small causal memory is enough.** The paper found 8 causal slots enough next to "
                      "32 cross slots. We measured causal 8 against causal = cross: " + "; ".join(
                          f"cross {c}: {small:.2f} against {same:.2f} ({small - same:+.2f})"
                          for c, small, same in pairs) + " BLEU.")
-    column = [(cross, grid[(cross, 8)]["test_bleu"]) for cross in sorted({c for c, _ in grid}) if (cross, 8) in grid]
+    column = [(cross, grid[(cross, 8)]["test_bleu"]) for cross in crosses if (cross, 8) in grid]
     if len(column) > 1:
         lines.append("- **The cross memory's size** (Table 7's other axis). We measured at causal 8: " + ", ".join(
             f"cross {c}: {b:.2f}" for c, b in column) + " BLEU" + (

@@ -56,7 +56,8 @@ def _abc_update(state: ABCState, k: torch.Tensor, v: torch.Tensor, s: torch.Tens
 
 def _torch_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, w: torch.Tensor, w_name: str,
                 state: ABCState | BoundedMemoryState | None, state_type: type, update,
-                scale: float | None, inplace: bool, nonnegative: bool = False) -> tuple:
+                scale: float | None, inplace: bool, nonnegative: bool = False
+                ) -> tuple[torch.Tensor, ABCState | BoundedMemoryState]:
     """The checked PyTorch path of a step: w = s (ABCState, `_abc_update`) or φ
     (BoundedMemoryState, `_bounded_update`); the state computed in float32 (float64 for
     float64 inputs), the output in q's dtype."""
