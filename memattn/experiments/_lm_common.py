@@ -112,19 +112,19 @@ def train_speed(model, cfg, ids: torch.Tensor, steps: int = SPEED_STEPS) -> floa
 
 
 def side_by_side_speeds(out_dir: Path, jobs: list[Job], *, decode_prompt: int, decode_tokens: int,
-                        **_) -> dict[str, dict[str, Any]] | None:
+                        stand_ins: bool = False, **_) -> dict[str, dict[str, Any]] | None:
     """Training and decoding tokens per second of every finished model, by job name, taken
-    side by side (`_runner.measured_side_by_side`)."""
+    side by side (`_runner.measured_side_by_side`, with its `stand_ins`)."""
     from memattn.evaluate import as_tensor
     from memattn.train import load_run_corpus, model_from_checkpoint
 
-    def speeds(job: Job) -> dict[str, float]:
-        model, cfg, _ = model_from_checkpoint(run_dir_of(out_dir, job))
+    def speeds(job: Job, run_dir: Path) -> dict[str, float]:
+        model, cfg, _ = model_from_checkpoint(run_dir)
         corpus = load_run_corpus(cfg)
         return {"train_tokens_per_s": train_speed(model, cfg, as_tensor(corpus.train)),
                 "decode_tokens_per_s": decode_speed(model, as_tensor(corpus.test)[:decode_prompt], decode_tokens)}
 
-    return measured_side_by_side(out_dir, jobs, speeds)
+    return measured_side_by_side(out_dir, jobs, speeds, stand_ins=stand_ins)
 
 
 def summarise(names: list[str], rows: list[dict]) -> list[dict]:
@@ -161,13 +161,16 @@ def bpc_cell(m: dict, key: str) -> str:
 def run_lm_experiment(out_dir: Path, name: str, models: list[Model], shared: list[str], *,
                       quick: bool, overrides: list[str], jobs: int, measure_kw: dict[str, Any],
                       markdown: Callable[[dict], str], extra: dict[str, Any] | None = None,
-                      plots: Callable[[Path, dict], None] | None = None) -> dict:
+                      plots: Callable[[Path, dict], None] | None = None, stand_ins: bool = False) -> dict:
     """`run_experiment` with the LM measurements: every seed of every model, tables and
-    validation bits per character written as models finish."""
+    validation bits per character written as models finish. stand_ins: speeds of runs whose
+    checkpoint is gone may be taken on a stand-in (`_runner.measured_side_by_side`), true only
+    where no model's cost depends on its weights."""
     return run_experiment(out_dir, name, jobs_of(models, shared), shared, quick=quick, overrides=overrides,
                           jobs=jobs, measure=functools.partial(measure, **measure_kw), summarise=summarise,
                           markdown=markdown, curve=("val_bpc", "bits per character"), plots=plots,
-                          extra=extra, side_by_side=functools.partial(side_by_side_speeds, **measure_kw))
+                          extra=extra, side_by_side=functools.partial(side_by_side_speeds, **measure_kw,
+                                                                      stand_ins=stand_ins))
 
 
 def speed_note(result: dict) -> str:

@@ -264,11 +264,18 @@ def format_duration(seconds: float) -> str:
 
 
 def measured_side_by_side(out_dir: Path, jobs: list[Job],
-                          measure_one: Callable[[Job], dict[str, Any]]) -> dict[str, dict[str, Any]] | None:
-    """measure_one(job) of every job (from its checkpoint), by job name, taken one after another
-    in this process on one thread, so that rows compare (a worker's own timings depend on what
-    ran beside it). Kept in out_dir/SPEED_FILE with the jobs' settings and the machine, and
-    taken again only when those change; None when some job's checkpoint is not there."""
+                          measure_one: Callable[[Job, Path], dict[str, Any]], *,
+                          stand_ins: bool = False) -> dict[str, dict[str, Any]] | None:
+    """measure_one(job, run folder) of every job (from the checkpoint there), by job name,
+    taken one after another in this process on one thread, so that rows compare (a worker's own
+    timings depend on what ran beside it). Kept in out_dir/SPEED_FILE with the jobs' settings
+    and the machine, and taken again only when those change.
+
+    A fresh clone keeps only the finished runs' rows, not their checkpoints. Where some job's
+    checkpoint is not there: with `stand_ins` (the figures are costs that do not depend on the
+    weights, e.g. time and memory of a mechanism without learned sparsity) the job's model
+    trained one step in `run folder/STAND_IN` is measured instead (its figures say
+    "stand_in": true); without, nothing is measured and the result is None."""
     import os
     import platform
 
@@ -282,13 +289,16 @@ def measured_side_by_side(out_dir: Path, jobs: list[Job],
         if {k: saved.get(k) for k in how} == how:
             return saved["speeds"]
     missing = [job.name for job in jobs if not (run_dir_of(out_dir, job) / CHECKPOINT_FILE).exists()]
-    if missing:  # e.g. a fresh clone, which keeps only the finished runs' rows
+    if missing and not stand_ins:
         print(f"not measured side by side: no checkpoint of {', '.join(missing)}", file=sys.stderr)
         return None
+    folders = {job.name: stand_in(run_dir_of(out_dir, job), job) if job.name in missing
+               else run_dir_of(out_dir, job) for job in jobs}
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        figures = {job.name: measure_one(job) for job in jobs}
+        figures = {job.name: {**measure_one(job, folders[job.name]), "stand_in": job.name in missing}
+                   for job in jobs}
     finally:
         torch.set_num_threads(threads)
     text = json.dumps({**how, "speeds": figures}, indent=2) + "\n"
@@ -296,12 +306,35 @@ def measured_side_by_side(out_dir: Path, jobs: list[Job],
     return figures
 
 
+STAND_IN = "stand-in"
+
+
+def stand_in(run_dir: Path, job: Job) -> Path:
+    """run_dir/STAND_IN, holding the job's model trained one step (made unless there): the
+    model, vocabulary and data of the job, for costs measured when its trained weights are gone."""
+    from memattn.config import load_config
+    from memattn.train import train
+
+    folder = run_dir / STAND_IN
+    if not (folder / CHECKPOINT_FILE).exists():
+        cfg = load_config(None, [*job.settings, "train.steps=1", "train.eval_batches=1",
+                                 f"train.out_dir={folder}"])
+        train(cfg, overwrite=True, progress=False)
+    return folder
+
+
 def side_by_side_note(result: dict, figures: str, how: str) -> str:
     """Where a table's `figures` (e.g. "Tokens/s") come from: the side-by-side pass (`how` they
-    were taken), or, until every run has finished, each run's own."""
+    were taken, and which models stood in for trained ones), or, until every run has finished,
+    each run's own."""
     if result.get("side_by_side"):
+        stood = [run for run in result["runs"] if run.get("stand_in")]
         return (f"{figures} were measured once every model was trained, one model after another in one "
-                f"process on one thread (`{SPEED_FILE}`): {how}.")
+                f"process on one thread (`{SPEED_FILE}`): {how}." + (
+                    f" The trained weights of {len(stood)} of the {result['runs_planned']} runs were no "
+                    "longer there (a fresh clone keeps the rows, not the checkpoints); each was measured "
+                    "on its model trained one step, the same cost: these mechanisms' time and memory do "
+                    "not depend on the weights." if stood else ""))
     later = ("the checkpoints they are measured from were not there when the last run finished"
              if result["finished"] == result["runs_planned"] else
              "they are measured side by side once every run has finished")

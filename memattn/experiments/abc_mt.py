@@ -159,15 +159,15 @@ def measure(model, cfg, run_dir: Path, *, beam: int, sentences: int) -> dict[str
 def side_by_side(out_dir: Path, jobs: list[Job], *, profiled: tuple[str, ...], lengths) -> dict[str, dict] | None:
     """Training target tokens per second of every model (step 0's batch) and the decoding
     profile of the `profiled` rows (the first test sentence), by job name, taken side by side
-    (`_runner.measured_side_by_side`)."""
+    (`_runner.measured_side_by_side`; no mechanism here has a cost that depends on its
+    weights, so runs whose checkpoint is gone are measured on stand-ins)."""
     import torch
 
     from memattn.experiments._common import training_tokens_per_s
     from memattn.train import model_from_checkpoint
     from memattn.translation import TranslationTask
 
-    def figures(job: Job) -> dict[str, Any]:
-        run_dir = run_dir_of(out_dir, job)
+    def figures(job: Job, run_dir: Path) -> dict[str, Any]:
         model, cfg, _ = model_from_checkpoint(run_dir)
         task = TranslationTask(cfg, corpus_of(cfg, run_dir))
         batch = task.batch(0, 0, 1)
@@ -181,7 +181,7 @@ def side_by_side(out_dir: Path, jobs: list[Job], *, profiled: tuple[str, ...], l
         return {"train_tokens_per_s": speed,
                 "decoding": decoding_profile(model, source, lengths, task.vocab.bos_id) if job.name in profiled else []}
 
-    return measured_side_by_side(out_dir, jobs, figures)
+    return measured_side_by_side(out_dir, jobs, figures, stand_ins=True)
 
 
 def summarise(names: list[str], rows: list[dict]) -> list[dict]:

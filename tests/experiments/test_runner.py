@@ -13,7 +13,10 @@ from pathlib import Path
 import pytest
 
 from memattn.errors import ConfigError
-from memattn.experiments._runner import Job, Progress, finished_row, run_dir_of, run_jobs
+from memattn.config import load_config
+from memattn.experiments._runner import (CHECKPOINT_FILE, STAND_IN, Job, Progress, finished_row,
+                                         measured_side_by_side, run_dir_of, run_jobs)
+from memattn.train import model_from_checkpoint
 
 
 def experiment_command(text_file, root, *extra):
@@ -78,12 +81,26 @@ def test_a_killed_experiment_continues_where_it_stopped(text_file, tmp_path):
     (tmp_path / "out" / "speeds.json").unlink()
     cloned = subprocess.run(command, capture_output=True, text=True, timeout=300)
     assert cloned.returncode == 0, cloned.stderr
-    assert "done 6/6" in cloned.stdout.splitlines()[0] and "no checkpoint of softmax" in cloned.stderr
+    assert "done 6/6" in cloned.stdout.splitlines()[0]
     assert {p.name: p.read_text() for p in (tmp_path / "out" / "logs").iterdir()} == logs
     after = json.loads((tmp_path / "out" / "results.json").read_text())
     assert [m["test_bpc"] for m in after["models"]] == [m["test_bpc"] for m in result["models"]]
-    assert result["side_by_side"] and not after["side_by_side"]
-    assert "checkpoints they are measured from were not there" in (tmp_path / "out" / "results.md").read_text()
+    # abc-lm's costs do not depend on the weights: each model gone stands in, trained one step
+    assert result["side_by_side"] and not any(run["stand_in"] for run in result["runs"])
+    assert after["side_by_side"] and all(run["stand_in"] and run["train_tokens_per_s"] > 0 for run in after["runs"])
+    _, cfg, _ = model_from_checkpoint(runs / "abc-mlp-m4" / STAND_IN)
+    settings = json.loads((runs / "abc-mlp-m4" / "settings.json").read_text())
+    assert cfg.train.steps == 1 and cfg.model.attention == load_config(None, settings).model.attention
+    assert "6 of the 6 runs were no longer there" in (tmp_path / "out" / "results.md").read_text()
+
+
+def test_side_by_side_figures_need_every_checkpoint_unless_stand_ins_may_serve(tmp_path, capsys):
+    jobs = [Job("a", ("attention=softmax",)), Job("b", ("attention=softmax", "train.seed=1"))]
+    (run_dir_of(tmp_path, jobs[0]) / CHECKPOINT_FILE).parent.mkdir(parents=True)
+    (run_dir_of(tmp_path, jobs[0]) / CHECKPOINT_FILE).write_bytes(b"")
+    seen = []
+    assert measured_side_by_side(tmp_path, jobs, lambda job, folder: seen.append(job)) is None
+    assert not seen and "no checkpoint of b" in capsys.readouterr().err
 
 
 def test_progress_times_steps_from_the_first_logged_step_it_saw_move(tmp_path):
