@@ -39,6 +39,17 @@ def test_quick_run_writes_the_tables_and_the_decoding_figure(tmp_path):
     # run again: every model is reused, nothing retrained
     again = get_experiment("abc-mt").run(out, quick=True, overrides=[f"data.cache_dir={tmp_path}/cache"], jobs=1)
     assert again["runs"] == result["runs"]
+    # a fresh clone keeps the rows, not the checkpoints: models trained one step stand in for
+    # the timings, with the trained models' state sizes
+    for path in (out / "runs").glob("*/*"):
+        if path.name not in ("row.json", "settings.json"):
+            path.unlink()
+    (out / SPEED_FILE).unlink()
+    cloned = get_experiment("abc-mt").run(out, quick=True, overrides=[f"data.cache_dir={tmp_path}/cache"], jobs=1)
+    assert cloned["side_by_side"] and all(run["stand_in"] for run in cloned["runs"])
+    profile = {m["model"]: m["decoding"] for m in cloned["models"]}["abc-mlp 4/2"]
+    assert [p["state_bytes"] for p in profile] == mlp and all(p["seconds"] > 0 for p in profile)
+    assert [r["test_bleu"] for r in cloned["runs"]] == [r["test_bleu"] for r in result["runs"]]
 
 
 def test_the_full_experiment_plans_every_row_and_table_7s_grid():
