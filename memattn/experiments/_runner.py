@@ -30,6 +30,7 @@ from memattn.fileio import atomic_write
 ROW_FILE = "row.json"
 CHECKPOINT_FILE = "checkpoint.safetensors"
 SPEED_FILE = "speeds.json"  # timings of every model, taken side by side once all are trained
+STAND_IN = "stand-in"  # a run folder's model trained one step, timed where the checkpoint is gone
 
 
 @dataclass(frozen=True)
@@ -292,11 +293,11 @@ def measured_side_by_side(out_dir: Path, jobs: list[Job],
     if missing and not stand_ins:
         print(f"not measured side by side: no checkpoint of {', '.join(missing)}", file=sys.stderr)
         return None
-    folders = {job.name: stand_in(run_dir_of(out_dir, job), job) if job.name in missing
-               else run_dir_of(out_dir, job) for job in jobs}
     threads = torch.get_num_threads()
-    torch.set_num_threads(1)
     try:
+        folders = {job.name: stand_in(run_dir_of(out_dir, job), job) if job.name in missing
+                   else run_dir_of(out_dir, job) for job in jobs}
+        torch.set_num_threads(1)
         figures = {job.name: {**measure_one(job, folders[job.name]), "stand_in": job.name in missing}
                    for job in jobs}
     finally:
@@ -304,9 +305,6 @@ def measured_side_by_side(out_dir: Path, jobs: list[Job],
     text = json.dumps({**how, "speeds": figures}, indent=2) + "\n"
     atomic_write(path, lambda tmp: tmp.write_text(text))
     return figures
-
-
-STAND_IN = "stand-in"
 
 
 def stand_in(run_dir: Path, job: Job) -> Path:
