@@ -126,3 +126,15 @@ def test_findings_say_every_seed_is_ahead_only_when_the_seeds_do_not_overlap():
 
     assert "every seed ahead of every seed" in line(2.238)   # 2.248 < 2.268
     assert "every seed ahead" not in line(2.260)             # 2.270 > 2.268: the seeds overlap
+
+
+def test_findings_set_table_8s_variants_against_abc_mlp_with_32_slots():
+    def model(name, bpc):
+        return {"model": name, "test_bpc": bpc, "seeds": 1, "options": {"num_slots": 32}}
+
+    rows = [model("abc-mlp, M=32", 2.100), model("abc-mlp relu, M=32", 2.600),
+            model("abc-window, n=64", 2.050), model("abc-cluster, M=32", 2.350)]
+    lines = "\n".join(findings(rows))
+    assert "abc-mlp relu, M=32 +0.500." in lines
+    assert "abc-window, n=64 -0.050; abc-cluster, M=32 +0.250." in lines
+    assert "Window and clustering" not in "\n".join(findings(rows[:2]))
