@@ -38,10 +38,12 @@ FLOPs (matmul multiply-adds × 2, "model" counts of the math, not of the kernels
 Bytes (the least a kernel must move): training, the inputs read and o written (fwd+bwd also
 reads them again with do and writes their gradients); decoding, ABC reads and writes its fp32
 state (log_z, K̃, Ṽ) plus the token's q, k, v, s; softmax reads the bf16 KV cache.
-TFLOP/s and GB/s are set against H100 SXM peaks: 989 TFLOP/s bf16 dense, 3.35 TB/s.
+TFLOP/s and GB/s are set against the device's peaks (`PEAKS`: H100 SXM 989 TFLOP/s bf16 dense
+and 3.35 TB/s; H200 989 TFLOP/s and 4.8 TB/s; an unknown device is set against the H100's).
 
 The kernels' tests run first (the CUDA tests among them); a failure stops the benchmark.
-Writes benchmarks/results/<device-name>/gpu_kernels.json and .md, with the exact command.
+Writes benchmarks/results/<device-name>/gpu_kernels.json and .md, with the exact command, after
+every configuration: a run cut short keeps what it measured ("complete": false).
 `--dry-run` lists the configurations (on any machine) and writes nothing.
 """
 
@@ -62,8 +64,8 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-PEAK_TFLOPS = 989.0  # H100 SXM, bf16 dense
-PEAK_TBPS = 3.35  # H100 SXM, HBM3
+# bf16 dense TFLOP/s and HBM TB/s, by a word of the device's name; the first is the default.
+PEAKS = {"H100": (989.0, 3.35), "H200": (989.0, 4.8)}
 BF16 = 2  # bytes
 TESTS = ["tests/ops/test_abc_decode_triton.py", "tests/ops/test_linear_triton.py"]
 TRAIN_OPS = ("softmax", "memattn-abc", "fla-abc", "linear")
@@ -104,10 +106,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def plan(args: argparse.Namespace) -> list[dict]:
     """Every configuration the run measures, in order (softmax does not depend on M: once
-    per D and T; linear attention has no slots)."""
+    per D and T; linear attention has no slots), head dim by head dim."""
     B, H = args.batch, args.heads
     configs = []
-    for D in args.dims:
+    for D in args.dims:  # D outermost: a run cut short has whole head dims
         for mode in args.modes:
             for T in args.lengths:
                 configs.append(dict(section="train", op="softmax", mode=mode, B=B, H=H, D=D, T=T))
@@ -116,7 +118,6 @@ def plan(args: argparse.Namespace) -> list[dict]:
                         configs.append(dict(section="train", op=op, mode=mode, B=B, H=H, D=D,
                                             M=M, T=T))
                 configs.append(dict(section="train", op="linear", mode=mode, B=B, H=H, D=D, T=T))
-    for D in args.dims:
         for Bd in args.decode_batches:
             for ctx in args.contexts:
                 for M in args.slots:
@@ -310,7 +311,12 @@ def decode_call(c: dict, args: argparse.Namespace):
     return run, ""
 
 
-def measure(c: dict, args: argparse.Namespace, peers: dict) -> dict:
+def device_peaks(name: str) -> tuple[float, float]:
+    """(bf16 dense TFLOP/s, TB/s) of the device named `name` (the H100's if unknown)."""
+    return next((v for k, v in PEAKS.items() if k in name), next(iter(PEAKS.values())))
+
+
+def measure(c: dict, args: argparse.Namespace, peers: dict, peaks: tuple[float, float]) -> dict:
     """The configuration's row: status ok / oom / error / skipped, ms, rates."""
     import torch
 
@@ -330,9 +336,9 @@ def measure(c: dict, args: argparse.Namespace, peers: dict) -> dict:
         row.update(status="ok", ms=ms, peak_gib=torch.cuda.max_memory_allocated() / 2**30)
         if flops(c):
             row["tflops"] = flops(c) / (ms / 1e3) / 1e12
-            row["tflops_pct_peak"] = 100 * row["tflops"] / PEAK_TFLOPS
+            row["tflops_pct_peak"] = 100 * row["tflops"] / peaks[0]
         row["gbps"] = bytes_moved(c) / (ms / 1e3) / 1e9
-        row["bw_pct_peak"] = 100 * row["gbps"] / (PEAK_TBPS * 1e3)
+        row["bw_pct_peak"] = 100 * row["gbps"] / (peaks[1] * 1e3)
     except Exception as e:  # noqa: BLE001  (OOM or a failing configuration: record, go on)
         row["status"], row["reason"] = failure(e)
     finally:
@@ -387,7 +393,11 @@ def markdown(res: dict) -> str:
               f"H={cfg['heads']}. Median of {cfg['repeats']} after {cfg['warmup']} warm-up "
               "calls (CUDA events)."),
              "", (f"FLOP and byte counts: see benchmarks/gpu_kernels.py. Peaks: "
-                  f"{PEAK_TFLOPS:g} TFLOP/s bf16 dense, {PEAK_TBPS:g} TB/s."), ""]
+                  f"{res['peaks']['tflops_bf16_dense']:g} TFLOP/s bf16 dense, "
+                  f"{res['peaks']['tbps']:g} TB/s."
+                  + ("" if res["complete"] else
+                     f" Cut short: {len(rows)} configurations measured, in the order of "
+                     "`--dry-run`.")), ""]
     B = cfg["batch"]
     for D in cfg["dims"]:
         for mode in cfg["modes"]:
@@ -487,31 +497,41 @@ def main(argv: list[str] | None = None) -> None:
     peers = peer_ops()
     command = " ".join(shlex.quote(a) for a in [".venv/bin/python", "benchmarks/gpu_kernels.py",
                                                 *(sys.argv[1:] if argv is None else argv)])
-    t0 = time.perf_counter()
-    rows = []
-    for i, c in enumerate(configs):
-        rows.append(measure(c, args, peers))
-        r = rows[-1]
-        done = (f"{r['ms']:.3f} ms" if r["status"] == "ok"
-                else f"{r['status']}: {r.get('reason', '')}")
-        print(f"[{i + 1}/{len(configs)}] {describe(c)}: {done}", flush=True)
+    name = torch.cuda.get_device_name(device)
     fla_reason = peers["fla-abc"][1]
     res = {
         "command": command,
-        "device": torch.cuda.get_device_name(device),
+        "device": name,
         "torch": torch.__version__,
         "triton": triton.__version__,
         "fla": "not installed" if "not installed" in fla_reason else (fla_reason or "installed"),
         "config": {k: v for k, v in vars(args).items() if k not in ("out", "dry_run")},
-        "peaks": {"tflops_bf16_dense": PEAK_TFLOPS, "tbps": PEAK_TBPS},
-        "rows": rows,
-        "wall_s": time.perf_counter() - t0,
+        "peaks": dict(zip(("tflops_bf16_dense", "tbps"), device_peaks(name))),
+        "rows": [],
+        "complete": False,
     }
     out = Path(args.out) if args.out else ROOT / "benchmarks" / "results" / device_slug(device)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "gpu_kernels.json").write_text(json.dumps(res, indent=2) + "\n")
-    (out / "gpu_kernels.md").write_text(markdown(res))
+    t0 = time.perf_counter()
+    for i, c in enumerate(configs):
+        r = measure(c, args, peers, device_peaks(name))
+        res["rows"].append(r)
+        res["complete"] = i + 1 == len(configs)
+        res["wall_s"] = time.perf_counter() - t0
+        write(out, res)
+        done = (f"{r['ms']:.3f} ms" if r["status"] == "ok"
+                else f"{r['status']}: {r.get('reason', '')}")
+        print(f"[{i + 1}/{len(configs)}] {describe(c)}: {done}", flush=True)
     print(markdown(res))
+
+
+def write(out: Path, res: dict) -> None:
+    """gpu_kernels.json and .md in `out`, each replaced whole (a kill leaves the last pair)."""
+    for name, text in (("gpu_kernels.json", json.dumps(res, indent=2) + "\n"),
+                       ("gpu_kernels.md", markdown(res))):
+        tmp = out / (name + ".tmp")
+        tmp.write_text(text)
+        tmp.replace(out / name)
 
 
 if __name__ == "__main__":

@@ -10,6 +10,11 @@
 #   bash benchmarks/gpu_session.sh kernels   benchmarks/gpu_kernels.py: memattn's Triton kernels
 #                                            against fla's chunk_abc and FlashAttention
 #   bash benchmarks/gpu_session.sh bench     memattn bench all --device cuda --dtype bf16
+#   bash benchmarks/gpu_session.sh all       the three above in one call of at most 9 minutes:
+#                                            the kernel tests beside the rest of the suite
+#                                            (CPU workers), then the two benchmarks alone on
+#                                            the GPU, each cut at its share of the time (the
+#                                            kernels benchmark keeps the rows it measured)
 #   bash benchmarks/gpu_session.sh experiment NAME [key=value ...]
 #                                            `memattn experiment NAME` on the GPU for at most
 #                                            9 minutes, its run folders under runs/gpu-NAME
@@ -33,10 +38,21 @@ case "$phase" in
   tests) python3 -m pytest -q -n 8 -p no:cacheprovider --durations=10 2>&1 | tee "$OUT/tests.log" ;;
   kernels) python3 benchmarks/gpu_kernels.py --out "$OUT/kernels" 2>&1 | tee "$OUT/kernels.log" ;;
   bench) python3 -m memattn bench all --device cuda --dtype bf16 --out "$OUT/bench" 2>&1 | tee "$OUT/bench.log" ;;
+  all)
+    kernel_tests=(tests/ops/test_abc_triton.py tests/ops/test_abc_decode_triton.py tests/ops/test_linear_triton.py)
+    timeout 150 python3 -m pytest -q -p no:cacheprovider "${kernel_tests[@]}" > "$OUT/kernel-tests.log" 2>&1 &
+    timeout 150 python3 -m pytest -q -n 8 -p no:cacheprovider --durations=10 \
+      $(printf -- '--ignore=%s ' "${kernel_tests[@]}") > "$OUT/tests.log" 2>&1 &
+    wait || true
+    tail -3 "$OUT/kernel-tests.log" "$OUT/tests.log"
+    timeout 240 python3 benchmarks/gpu_kernels.py --skip-tests --out "$OUT/kernels" > "$OUT/kernels.log" 2>&1 || true
+    tail -2 "$OUT/kernels.log"
+    timeout 120 python3 -m memattn bench all --device cuda --dtype bf16 --out "$OUT/bench" > "$OUT/bench.log" 2>&1 || true
+    tail -5 "$OUT/bench.log" ;;
   experiment)
     name=${2:?experiment name}; shift 2
     timeout 540 python3 -m memattn experiment "$name" --jobs 1 --out-dir "runs/gpu-$name" train.device=cuda "$@" \
       2>&1 | tee "$OUT/$name.log" || true
     cp runs/gpu-"$name"/results.md runs/gpu-"$name"/results.json "$OUT/" 2>/dev/null || true ;;
-  *) echo "usage: $0 tests|kernels|bench|experiment NAME [key=value ...]" >&2; exit 2 ;;
+  *) echo "usage: $0 tests|kernels|bench|all|experiment NAME [key=value ...]" >&2; exit 2 ;;
 esac
