@@ -44,11 +44,11 @@ case "$phase" in
     timeout 150 python3 -m pytest -q -n 8 -p no:cacheprovider --durations=10 \
       $(printf -- '--ignore=%s ' "${kernel_tests[@]}") > "$OUT/tests.log" 2>&1 &
     wait || true
-    tail -3 "$OUT/kernel-tests.log" "$OUT/tests.log"
+    tail -n 3 "$OUT/kernel-tests.log" "$OUT/tests.log"
     timeout 240 python3 benchmarks/gpu_kernels.py --skip-tests --out "$OUT/kernels" > "$OUT/kernels.log" 2>&1 || true
-    tail -2 "$OUT/kernels.log"
+    tail -n 2 "$OUT/kernels.log"
     timeout 120 python3 -m memattn bench all --device cuda --dtype bf16 --out "$OUT/bench" > "$OUT/bench.log" 2>&1 || true
-    tail -5 "$OUT/bench.log" ;;
+    tail -n 5 "$OUT/bench.log" ;;
   experiment)
     name=${2:?experiment name}; shift 2
     timeout 540 python3 -m memattn experiment "$name" --jobs 1 --out-dir "runs/gpu-$name" train.device=cuda "$@" \

@@ -28,16 +28,21 @@ SHARDED_KEY = "sharded"  # the checkpoint metadata entry naming the sharded fold
 
 def shard(model: nn.Module) -> nn.Module:
     """fully_shard every block (memattn's `Block`, a transformers decoder / encoder layer),
-    then the model itself (embeddings, norms, head); in place, returns the model."""
+    then the model itself (embeddings, norms, head); in place, returns the model. The mesh
+    spans every rank on the model's device type (fully_shard's default takes CUDA whenever
+    there is a GPU, and a CPU run with more ranks than GPUs then fails)."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
     from memattn.models.lm import Block
 
+    mesh = init_device_mesh(next(model.parameters()).device.type, (dist.get_world_size(),))
     for module in model.modules():
         name = type(module).__name__
         if isinstance(module, Block) or name.endswith(("DecoderLayer", "EncoderLayer")) or name == "GPT2Block":
-            fully_shard(module)
-    fully_shard(model)
+            fully_shard(module, mesh=mesh)
+    fully_shard(model, mesh=mesh)
     return model
 
 

@@ -51,6 +51,7 @@ count is read from cu_seqlens; see memattn/kernels/__init__.py).
 
 from __future__ import annotations
 
+import functools
 from typing import NamedTuple
 
 import torch
@@ -492,6 +493,13 @@ class _Plan(NamedTuple):
 
 def _plan(bounds: list[int], chunk: int, scale: float, precision: str,
           device: torch.device) -> _Plan:
+    return _Plan(*_layout(tuple(bounds), chunk, device), chunk, scale, precision)
+
+
+@functools.lru_cache(maxsize=64)
+def _layout(bounds: tuple[int, ...], chunk: int, device: torch.device):
+    """(cu, boff, sub_idx, n_seq, n_chunks) of a packed batch, kept for the next call with the
+    same boundaries: each copy to the GPU would wait for the work queued before it."""
     lens = torch.tensor(bounds[1:]) - torch.tensor(bounds[:-1])
     n_chunks = (lens + chunk - 1) // chunk
     n_sub = (lens + BC - 1) // BC
@@ -499,9 +507,9 @@ def _plan(bounds: list[int], chunk: int, scale: float, precision: str,
     first = torch.cumsum(n_sub, 0) - n_sub
     sub = torch.arange(int(n_sub.sum())) - first[seq]
     as_int = {"dtype": torch.int32, "device": device}
-    return _Plan(torch.tensor(bounds, **as_int), (torch.cumsum(n_chunks, 0) - n_chunks).to(**as_int),
-                 torch.stack((seq, sub), dim=1).to(**as_int).contiguous(), len(lens),
-                 int(n_chunks.sum()), chunk, scale, precision)
+    return (torch.tensor(bounds, **as_int), (torch.cumsum(n_chunks, 0) - n_chunks).to(**as_int),
+            torch.stack((seq, sub), dim=1).to(**as_int).contiguous(), len(lens),
+            int(n_chunks.sum()))
 
 
 def _state_blocks(M: int, D: int) -> tuple[int, int]:

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+from contextlib import nullcontext
+
 import torch
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from memattn.errors import ShapeError, check_tensor
 
@@ -61,6 +64,19 @@ def _softmax(q, k, v, causal, scale, attention_mask) -> torch.Tensor:
     if attention_mask is not None and Tq <= Tk:  # a query with no key left reads its own
         own = torch.arange(Tk, device=q.device)[None, :] == torch.arange(Tq, device=q.device)[:, None] + (Tk - Tq)
         mask = mask | (own & ~mask.any(-1, keepdim=True))  # [B, 1, Tq, Tk]
-    o = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-                                       attn_mask=mask, is_causal=is_causal, scale=scale)
+    with _backends(q, Tq, Tk):
+        o = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                           attn_mask=mask, is_causal=is_causal, scale=scale)
     return o.transpose(1, 2)
+
+
+# SDPA's backends for a query block that continues a cache on a GPU: all but cuDNN's, which
+# builds a graph for every new key length (a step of a 6-layer LM took 42 ms on an H200 at
+# every context from 256 to 32k tokens, benchmarks/results/nvidia-h200/decode.md).
+_CONTINUING = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+
+
+def _backends(q: torch.Tensor, Tq: int, Tk: int):
+    """The context SDPA runs in: decoding on CUDA (Tq < Tk, the key length grows each call)
+    keeps off cuDNN; anything else as torch chooses."""
+    return sdpa_kernel(_CONTINUING) if q.is_cuda and Tq < Tk else nullcontext()

@@ -21,11 +21,12 @@ from memattn.ops.abc import (
 )
 
 CUDA = torch.cuda.is_available()
+DEVICE = "cuda" if CUDA else "cpu"  # the kernel's own device; the CPU one under the interpreter
 needs_cuda = pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU (the interpreter covers "
                                                  "the CPU runs)")
 
 
-def sequence(B=2, T=20, H=2, K=16, V=16, M=8, *, dtype=torch.float32, device="cpu",
+def sequence(B=2, T=20, H=2, K=16, V=16, M=8, *, dtype=torch.float32, device=DEVICE,
              s_scale=2.0, seed=0):
     """q, k [B, T, H, K], v [B, T, H, V], s [B, T, H, M] slot logits, φ [B, T, H, M] >= 0."""
     g = torch.Generator().manual_seed(seed)
@@ -169,7 +170,7 @@ def test_auto_backend_keeps_the_torch_step_on_the_cpu(monkeypatch):
 
     monkeypatch.setattr(decode, "abc_step_triton", refuse)
     monkeypatch.setattr(decode, "bounded_memory_step_triton", refuse)
-    q, k, v, s, phi = sequence(T=1, K=16, V=8, M=5)
+    q, k, v, s, phi = sequence(T=1, K=16, V=8, M=5, device="cpu")
     abc_attention_step(q[:, 0], k[:, 0], v[:, 0], s[:, 0])
     bounded_memory_attention_step(q[:, 0], k[:, 0], v[:, 0], phi[:, 0])
 

@@ -16,12 +16,13 @@ from memattn.ops.linear import linear_attention, linear_attention_reference
 
 F64 = torch.float64
 CUDA = torch.cuda.is_available()
+DEVICE = "cuda" if CUDA else "cpu"  # the kernel's own device; the CPU one under the interpreter
 needs_cuda = pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU (the interpreter covers "
                                                  "the CPU runs)")
 
 
 def make_inputs(B=2, T=37, H=2, K=16, V=8, *, gates="gated", init=True, zero_at=(),
-                dtype=torch.float32, device="cpu", seed=0):
+                dtype=torch.float32, device=DEVICE, seed=0):
     """Random op arguments. gates: None, "beta" or "gated" (α in [0.5, 1] with α = 1e-6 at
     one step, β in [0, 1.5]); zero_at: time steps where α = 0 for every batch and head."""
     g = torch.Generator().manual_seed(seed)
@@ -126,7 +127,7 @@ def test_public_op_routes_by_backend(monkeypatch):
         raise AssertionError("the Triton kernel ran on the CPU under backend='auto'")
 
     monkeypatch.setattr(kernel, "linear_attention_triton", refuse)
-    linear_attention(**inputs)  # auto: torch on the CPU
+    linear_attention(**make_inputs(T=20, device="cpu"))  # auto: torch on the CPU
     with pytest.raises(ValueError, match="causal form"):
         linear_attention(**inputs, causal=False, backend="triton")
     with pytest.raises(ValueError, match="backend: expected one of"):
