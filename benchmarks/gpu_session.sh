@@ -9,7 +9,11 @@
 #                                            shapes run instead of skipping), log to $OUT
 #   bash benchmarks/gpu_session.sh kernels   benchmarks/gpu_kernels.py: memattn's Triton kernels
 #                                            against fla's chunk_abc and FlashAttention
-#   bash benchmarks/gpu_session.sh bench     memattn bench all --device cuda --dtype bf16
+#   bash benchmarks/gpu_session.sh bench [NAME ...]
+#                                            memattn bench NAME ... (default all) --device cuda
+#                                            --dtype bf16
+#   bash benchmarks/gpu_session.sh profile   benchmarks/gpu_profile.py: the ABC kernels' time
+#                                            per kernel against fla's, and against chunk size
 #   bash benchmarks/gpu_session.sh all       the three above in one call of at most 9 minutes:
 #                                            the kernel tests beside the rest of the suite
 #                                            (CPU workers), then the two benchmarks alone on
@@ -37,7 +41,8 @@ export PYTHONPATH="$PWD:/tmp/site" PYTHONUNBUFFERED=1
 case "$phase" in
   tests) python3 -m pytest -q -n 8 -p no:cacheprovider --durations=10 2>&1 | tee "$OUT/tests.log" ;;
   kernels) python3 benchmarks/gpu_kernels.py --out "$OUT/kernels" 2>&1 | tee "$OUT/kernels.log" ;;
-  bench) python3 -m memattn bench all --device cuda --dtype bf16 --out "$OUT/bench" 2>&1 | tee "$OUT/bench.log" ;;
+  bench) shift; python3 -m memattn bench "${@:-all}" --device cuda --dtype bf16 --out "$OUT/bench" 2>&1 | tee "$OUT/bench.log" ;;
+  profile) python3 benchmarks/gpu_profile.py --out "$OUT/profile" 2>&1 | tee "$OUT/profile.log" ;;
   all)
     kernel_tests=(tests/ops/test_abc_triton.py tests/ops/test_abc_decode_triton.py tests/ops/test_linear_triton.py)
     timeout 150 python3 -m pytest -q -p no:cacheprovider "${kernel_tests[@]}" > "$OUT/kernel-tests.log" 2>&1 &
@@ -54,5 +59,5 @@ case "$phase" in
     timeout 540 python3 -m memattn experiment "$name" --jobs 1 --out-dir "runs/gpu-$name" train.device=cuda "$@" \
       2>&1 | tee "$OUT/$name.log" || true
     cp runs/gpu-"$name"/results.md runs/gpu-"$name"/results.json "$OUT/" 2>/dev/null || true ;;
-  *) echo "usage: $0 tests|kernels|bench|all|experiment NAME [key=value ...]" >&2; exit 2 ;;
+  *) echo "usage: $0 tests|kernels|bench [NAME ...]|profile|all|experiment NAME [key=value ...]" >&2; exit 2 ;;
 esac

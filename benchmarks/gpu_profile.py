@@ -1,0 +1,186 @@
+"""Where the time of memattn's chunked ABC kernels goes, on a GPU: a profile per kernel
+against flash-linear-attention's `chunk_abc`, and the op's time against its chunk size.
+
+    python3 benchmarks/gpu_profile.py [--dims 64 128] [--slots 32 64] [--length 8192]
+        [--batch 8] [--heads 8] [--chunk-sizes 16 32 64 128 256] [--calls 3] [--out DIR]
+        [--device cuda|cpu]
+
+bf16 on CUDA, forward + backward, inputs [B, T, H, D] as in gpu_kernels.py.
+- Profile: `torch.profiler` over `--calls` calls of each op after one warm-up call; every
+  kernel's own device time per call, its launches per call and its share of the op.
+- Chunk sizes: memattn's op (`abc_chunk_triton(chunk_size=...)`) timed with CUDA events,
+  fwd and fwd+bwd (median of 10 after 3 warm-up calls).
+`--device cpu` runs the same report on the torch form in float32 (no fla, no chunk sizes): a
+check of the script itself on a machine without a GPU.
+Writes gpu_profile.json and .md in --out (default benchmarks/results/<device-name>).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shlex
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from memattn.bench.peers import fla_chunk_abc  # noqa: E402
+from memattn.bench.settings import device_slug  # noqa: E402
+from memattn.ops.abc import abc_attention  # noqa: E402
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--dims", type=int, nargs="+", default=[64, 128])
+    p.add_argument("--slots", type=int, nargs="+", default=[32, 64])
+    p.add_argument("--length", type=int, default=8192)
+    p.add_argument("--batch", type=int, default=8)
+    p.add_argument("--heads", type=int, default=8)
+    p.add_argument("--chunk-sizes", type=int, nargs="+", default=[16, 32, 64, 128, 256])
+    p.add_argument("--calls", type=int, default=3)
+    p.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
+    p.add_argument("--out", default=None)
+    return p.parse_args(argv)
+
+
+def inputs(B, T, H, D, M, device, dtype, requires_grad=True):
+    g = torch.Generator().manual_seed(T + D + M)
+    xs = [torch.randn(B, T, H, n, generator=g) for n in (D, D, D, M)]
+    do = torch.randn(B, T, H, D, generator=g).to(device, dtype)
+    return [x.to(device, dtype).requires_grad_(requires_grad) for x in xs], do
+
+
+def fwd_bwd(op, xs, do):
+    def run():
+        o = op(*xs)
+        torch.autograd.grad(o, xs, do)
+    return run
+
+
+def kernel_times(run, calls: int, device: torch.device) -> list[dict]:
+    """[{kernel, ms, launches}] per call, largest first, from torch.profiler."""
+    from torch.profiler import ProfilerActivity, profile
+
+    run()
+    cuda = device.type == "cuda"
+    if cuda:
+        torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA if cuda else ProfilerActivity.CPU]) as prof:
+        for _ in range(calls):
+            run()
+        if cuda:
+            torch.cuda.synchronize()
+    rows = []
+    for e in prof.key_averages():
+        us = (getattr(e, "self_device_time_total", 0) or 0) if cuda else e.self_cpu_time_total
+        if us > 0:
+            rows.append({"kernel": e.key, "ms": us / 1e3 / calls, "launches": e.count / calls})
+    return sorted(rows, key=lambda r: -r["ms"])
+
+
+def event_ms(run, warmup=3, repeats=10) -> float:
+    for _ in range(warmup):
+        run()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(repeats):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        run()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b))
+    return statistics.median(times)
+
+
+def attempt(fn):
+    """fn() or {"error": reason} (an OOM or a failing configuration does not end the run)."""
+    try:
+        return fn()
+    except Exception as e:  # noqa: BLE001
+        return {"error": f"{type(e).__name__}: {e}"[:300]}
+
+
+def markdown(res: dict) -> str:
+    lines = ["# memattn's chunked ABC kernels: a profile per kernel and the chunk size", "",
+             "```", res["command"], "```", "", f"{res['device']}, torch {res['torch']}; "
+             f"B={res['batch']}, H={res['heads']}, T={res['length']}, {res['dtype']}, "
+             f"fwd+bwd; {res['calls']} profiled calls after one warm-up.", ""]
+    for case in res["cases"]:
+        lines += [f"## D = {case['D']}, M = {case['M']}", ""]
+        for op, rows in case["profile"].items():
+            if isinstance(rows, dict):
+                lines += [f"{op}: {rows['error']}", ""]
+                continue
+            total = sum(r["ms"] for r in rows)
+            lines += [f"**{op}**: {total:.3f} ms of kernels a call", "",
+                      "| kernel | ms a call | launches a call | share |", "|---|---:|---:|---:|"]
+            lines += [f"| `{r['kernel'][:70]}` | {r['ms']:.3f} | {r['launches']:g} | "
+                      f"{100 * r['ms'] / total:.0f} % |" for r in rows[:12]]
+            lines.append("")
+        if case["chunks"]:
+            lines += ["| chunk size | fwd ms | fwd+bwd ms |", "|---:|---:|---:|"]
+            for c in case["chunks"]:
+                cells = [c.get(m, c.get("error", "")) for m in ("fwd", "fwd+bwd")]
+                lines.append(f"| {c['chunk']} | " + " | ".join(
+                    f"{x:.3f}" if isinstance(x, float) else str(x) for x in cells) + " |")
+            lines.append("")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    device = torch.device(args.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        sys.exit("gpu_profile.py: no CUDA GPU here; --device cpu checks the script")
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    backend = "triton" if device.type == "cuda" else "torch"
+    fla, fla_reason = fla_chunk_abc(device)
+    B, H, T = args.batch, args.heads, args.length
+    res = {"command": " ".join(shlex.quote(a) for a in ["python3", "benchmarks/gpu_profile.py",
+                                                        *(sys.argv[1:] if argv is None else argv)]),
+           "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+           "torch": torch.__version__, "dtype": str(dtype).removeprefix("torch."),
+           "batch": B, "heads": H, "length": T, "calls": args.calls, "fla": fla_reason or "installed",
+           "cases": []}
+    out = Path(args.out) if args.out else ROOT / "benchmarks" / "results" / device_slug(device)
+    out.mkdir(parents=True, exist_ok=True)
+    t0 = time.perf_counter()
+    for D in args.dims:
+        for M in args.slots:
+            xs, do = inputs(B, T, H, D, M, device, dtype)
+            ops = {"memattn": lambda q, k, v, s: abc_attention(q, k, v, s, backend=backend)[0]}
+            if fla is not None:
+                ops["fla chunk_abc"] = fla
+            case = {"D": D, "M": M, "chunks": [],
+                    "profile": {name: attempt(lambda op=op: kernel_times(fwd_bwd(op, xs, do), args.calls, device))
+                                for name, op in ops.items()}}
+            if device.type == "cuda":
+                from memattn.kernels.abc_chunk import abc_chunk_triton
+
+                for chunk in args.chunk_sizes:
+                    def op(q, k, v, s, chunk=chunk):
+                        return abc_chunk_triton(q, k, v, s, chunk_size=chunk)[0]
+
+                    def both(op=op):
+                        with torch.no_grad():
+                            fwd = event_ms(lambda: op(*xs))
+                        return {"fwd": fwd, "fwd+bwd": event_ms(fwd_bwd(op, xs, do))}
+                    case["chunks"].append({"chunk": chunk, **attempt(both)})
+            res["cases"].append(case)
+            res["wall_s"] = time.perf_counter() - t0
+            (out / "gpu_profile.json").write_text(json.dumps(res, indent=2) + "\n")
+            (out / "gpu_profile.md").write_text(markdown(res))
+            print(f"D={D} M={M} done ({res['wall_s']:.0f} s)", flush=True)
+    print(markdown(res))
+
+
+if __name__ == "__main__":
+    main()
