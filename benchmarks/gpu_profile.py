@@ -10,6 +10,9 @@ bf16 on CUDA, forward + backward, inputs [B, T, H, D] as in gpu_kernels.py.
   kernel's own device time per call, its launches per call and its share of the op.
 - Chunk sizes: memattn's op (`abc_chunk_triton(chunk_size=...)`) timed with CUDA events,
   fwd and fwd+bwd (median of 10 after 3 warm-up calls).
+- Variants, timed alike at the default chunk size: the scans' blocks along D capped at 32
+  and 16 (more programs for the scans), and 2, 4 or 8 warps for every kernel; each patches
+  `memattn.kernels.abc_chunk`'s `_state_blocks` or `_warps` for its run only.
 `--device cpu` runs the same report on the torch form in float32 (no fla, no chunk sizes): a
 check of the script itself on a machine without a GPU.
 Writes gpu_profile.json and .md in --out (default benchmarks/results/<device-name>).
@@ -100,6 +103,33 @@ def event_ms(run, warmup=3, repeats=10) -> float:
     return statistics.median(times)
 
 
+def variants() -> dict:
+    """name -> {attribute of memattn.kernels.abc_chunk: replacement} (see the docstring)."""
+    from memattn.kernels import abc_chunk as ac
+
+    def blocks(cap):
+        return lambda M, D: (min(64, ac._pad(M)), min(cap, ac._pad(D)))
+
+    out = {"default": {}}
+    out.update({f"scan blocks D <= {cap}": {"_state_blocks": blocks(cap)} for cap in (32, 16)})
+    out.update({f"{w} warps": {"_warps": lambda *b, w=w: w} for w in (2, 4, 8)})
+    return out
+
+
+def patched(changes: dict, fn):
+    """fn() with memattn.kernels.abc_chunk's attributes replaced by `changes` meanwhile."""
+    from memattn.kernels import abc_chunk as ac
+
+    saved = {name: getattr(ac, name) for name in changes}
+    try:
+        for name, value in changes.items():
+            setattr(ac, name, value)
+        return fn()
+    finally:
+        for name, value in saved.items():
+            setattr(ac, name, value)
+
+
 def attempt(fn):
     """fn() or {"error": reason} (an OOM or a failing configuration does not end the run)."""
     try:
@@ -125,11 +155,13 @@ def markdown(res: dict) -> str:
             lines += [f"| `{r['kernel'][:70]}` | {r['ms']:.3f} | {r['launches']:g} | "
                       f"{100 * r['ms'] / total:.0f} % |" for r in rows[:12]]
             lines.append("")
-        if case["chunks"]:
-            lines += ["| chunk size | fwd ms | fwd+bwd ms |", "|---:|---:|---:|"]
-            for c in case["chunks"]:
+        for key, head in (("chunks", "chunk size"), ("variants", "variant (chunk 64)")):
+            if not case.get(key):
+                continue
+            lines += [f"| {head} | fwd ms | fwd+bwd ms |", "|---|---:|---:|"]
+            for c in case[key]:
                 cells = [c.get(m, c.get("error", "")) for m in ("fwd", "fwd+bwd")]
-                lines.append(f"| {c['chunk']} | " + " | ".join(
+                lines.append(f"| {c['name']} | " + " | ".join(
                     f"{x:.3f}" if isinstance(x, float) else str(x) for x in cells) + " |")
             lines.append("")
     return "\n".join(lines)
@@ -159,21 +191,24 @@ def main(argv=None) -> None:
             ops = {"memattn": lambda q, k, v, s: abc_attention(q, k, v, s, backend=backend)[0]}
             if fla is not None:
                 ops["fla chunk_abc"] = fla
-            case = {"D": D, "M": M, "chunks": [],
+            case = {"D": D, "M": M, "chunks": [], "variants": [],
                     "profile": {name: attempt(lambda op=op: kernel_times(fwd_bwd(op, xs, do), args.calls, device))
                                 for name, op in ops.items()}}
             if device.type == "cuda":
                 from memattn.kernels.abc_chunk import abc_chunk_triton
 
-                for chunk in args.chunk_sizes:
-                    def op(q, k, v, s, chunk=chunk):
+                def both(chunk):
+                    def op(q, k, v, s):
                         return abc_chunk_triton(q, k, v, s, chunk_size=chunk)[0]
+                    with torch.no_grad():
+                        fwd = event_ms(lambda: op(*xs))
+                    return {"fwd": fwd, "fwd+bwd": event_ms(fwd_bwd(op, xs, do))}
 
-                    def both(op=op):
-                        with torch.no_grad():
-                            fwd = event_ms(lambda: op(*xs))
-                        return {"fwd": fwd, "fwd+bwd": event_ms(fwd_bwd(op, xs, do))}
-                    case["chunks"].append({"chunk": chunk, **attempt(both)})
+                for chunk in args.chunk_sizes:
+                    case["chunks"].append({"name": str(chunk), **attempt(lambda c=chunk: both(c))})
+                for name, changes in variants().items():
+                    case["variants"].append(
+                        {"name": name, **attempt(lambda ch=changes: patched(ch, lambda: both(64)))})
             res["cases"].append(case)
             res["wall_s"] = time.perf_counter() - t0
             (out / "gpu_profile.json").write_text(json.dumps(res, indent=2) + "\n")
