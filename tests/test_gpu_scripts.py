@@ -1,0 +1,93 @@
+"""benchmarks/gpu_kernels.py and benchmarks/gpu_profile.py where a CPU can check them: the
+plan, the report of a run cut short, the device peaks and the profile's torch path. Their
+GPU measurements run only on a GPU (benchmarks/gpu_session.sh)."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def load(name: str):
+    spec = importlib.util.spec_from_file_location(name, ROOT / "benchmarks" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(scope="module")
+def kernels():
+    return load("gpu_kernels")
+
+
+def test_plan_measures_one_head_dim_whole_before_the_next(kernels):
+    args = kernels.parse_args(["--dims", "64", "128", "--slots", "32", "--lengths", "1024",
+                               "2048", "--contexts", "4096", "--decode-batches", "1"])
+    configs = kernels.plan(args)
+    dims = [c["D"] for c in configs]
+    assert dims == sorted(dims) and set(dims) == {64, 128}
+    # per D: 2 modes x 2 lengths x (softmax + 2 ABC ops + linear), then 4 decoding ops
+    assert len(configs) == 2 * (2 * 2 * 4 + 4)
+    assert {c["section"] for c in configs if c["D"] == 64} == {"train", "decode"}
+
+
+def test_device_peaks(kernels):
+    assert kernels.device_peaks("NVIDIA H200") == (989.0, 4.8)
+    assert kernels.device_peaks("NVIDIA H100 80GB HBM3") == (989.0, 3.35)
+    assert kernels.device_peaks("Some GPU") == (989.0, 3.35)  # the first entry
+
+
+def test_a_run_cut_short_keeps_its_rows_and_says_so(kernels, tmp_path):
+    args = kernels.parse_args(["--dims", "64", "--slots", "32", "--lengths", "1024",
+                               "--contexts", "1024", "--decode-batches", "1"])
+    configs = kernels.plan(args)
+    softmax, ours, fla = configs[:3]
+    rows = [dict(softmax, status="ok", ms=2.0, tflops=1.0),
+            dict(ours, status="ok", ms=0.5, tflops=4.0),
+            dict(fla, status="oom", reason="CUDA out of memory")]
+    res = {"command": "cmd", "device": "NVIDIA H200", "torch": "t", "triton": "t",
+           "fla": "installed", "peaks": {"tflops_bf16_dense": 989.0, "tbps": 4.8},
+           "config": {k: v for k, v in vars(args).items() if k not in ("out", "dry_run")},
+           "rows": rows, "complete": False}
+    kernels.write(tmp_path, res)
+    text = (tmp_path / "gpu_kernels.md").read_text()
+    assert "Cut short: 3 configurations measured" in text and "4.8 TB/s" in text
+    row = next(line for line in text.splitlines() if line.startswith("| 1024 |"))
+    # softmax 2.000 ms, ours 0.500 ms, fla oom, softmax / ours = 4.00x, fla / ours empty
+    assert row.startswith("| 1024 | 2.000 (1) | 0.500 (4) | oom | 4.00x |  |")
+    assert "- op=fla-abc mode=fwd B=8 H=8 D=64 M=32 T=1024: oom (CUDA out of memory)" in text
+    assert json.loads((tmp_path / "gpu_kernels.json").read_text())["complete"] is False
+    assert not list(tmp_path.glob("*.tmp"))
+
+
+def test_profile_on_the_cpu_reports_the_torch_form(tmp_path):
+    profile = load("gpu_profile")
+    profile.main(["--device", "cpu", "--dims", "16", "--slots", "4", "--length", "32",
+                  "--batch", "1", "--heads", "1", "--calls", "1", "--out", str(tmp_path)])
+    res = json.loads((tmp_path / "gpu_profile.json").read_text())
+    (case,) = res["cases"]
+    rows = case["profile"]["memattn"]
+    assert rows and all(r["ms"] > 0 and r["launches"] > 0 for r in rows)
+    assert [r["ms"] for r in rows] == sorted((r["ms"] for r in rows), reverse=True)
+    assert "fla chunk_abc" not in case["profile"] and case["chunks"] == []
+    assert "**memattn**" in (tmp_path / "gpu_profile.md").read_text()
+
+
+def test_profile_variants_patch_the_module_only_meanwhile():
+    pytest.importorskip("triton", reason="the kernels' module imports triton")
+    profile = load("gpu_profile")
+    from memattn.kernels import abc_chunk
+
+    before = abc_chunk._state_blocks(32, 64), abc_chunk._warps(64, 64)
+    found = {name: profile.patched(changes, lambda: (abc_chunk._state_blocks(32, 64),
+                                                     abc_chunk._warps(64, 64)))
+             for name, changes in profile.variants().items()}
+    assert found["default"] == before == ((32, 64), 8)
+    assert found["scan blocks D <= 16"] == ((32, 16), 8)
+    assert found["2 warps"] == ((32, 64), 2)
+    assert (abc_chunk._state_blocks(32, 64), abc_chunk._warps(64, 64)) == before
