@@ -59,6 +59,7 @@ def context_mask(q: torch.Tensor, Tk: int, *, causal: bool, scale: float, rel=No
     """
     B, Tq, Hc, _ = q.shape
     dist = distances(Tq, Tk, q.device)  # [Tq, Tk]
+    ends = torch.tensor([1 - Tq, Tk - 1])  # its least and largest entries, on the host
     seen = visible(dist, causal=causal, window=window)[None, None]  # [1, 1, Tq, Tk]
     if attention_mask is not None:
         seen = seen & attention_mask[:, None, None, :]
@@ -69,7 +70,7 @@ def context_mask(q: torch.Tensor, Tk: int, *, causal: bool, scale: float, rel=No
         bias = torch.where(m > 0, m.clamp_min(tiny).log(), float("-inf"))[None]
     if rel is not None:
         idx = rel_index(dist, rel.shape[0], causal=causal)
-        lo, hi = int(idx.min()), int(idx.max())
+        lo, hi = rel_index(ends, rel.shape[0], causal=causal).tolist()  # rel_index is monotone
         qu = scale * torch.einsum("bthk,rk->bhtr", q, rel[lo:hi + 1].to(q.dtype))  # [B, Hc, Tq, R']
         term = qu.gather(-1, (idx - lo)[None, None].expand(B, Hc, Tq, Tk))
         bias = term if bias is None else bias + term
@@ -77,7 +78,10 @@ def context_mask(q: torch.Tensor, Tk: int, *, causal: bool, scale: float, rel=No
         return bias.masked_fill(~seen, float("-inf")), False
     plain_causal = (causal and Tq == Tk and attention_mask is None
                     and (window is None or window >= Tk))
-    if bool(seen.all()):
+    # Every key seen: read from the distances' ends (visible is monotone in each direction
+    # of |distance|) without a look at the GPU, or from the padding mask on the CPU only.
+    if bool(visible(ends, causal=causal, window=window).all()) and (
+            attention_mask is None or (not attention_mask.is_cuda and bool(seen.all()))):
         return None, False
     return seen, plain_causal
 
