@@ -21,11 +21,13 @@
 #                                            kernels benchmark keeps the rows it measured)
 #   bash benchmarks/gpu_session.sh experiment NAME [key=value ...]
 #                                            `memattn experiment NAME` on the GPU for at most
-#                                            9 minutes, its run folders under runs/gpu-NAME
-#                                            (kept on a warm machine: call again to go on),
-#                                            then its tables to $OUT. Data the machine cannot
-#                                            prepare travels in .data/ (e.g. the Bible pairs of
-#                                            abc-mt: data.path=.data/bible-en-es)
+#                                            EXPERIMENT_S seconds (540), JOBS models at once
+#                                            (4), its run folders under runs/gpu-NAME, then
+#                                            its tables and NAME.tgz (the folders, to go on
+#                                            from on another machine: .gpu/NAME.tgz) to
+#                                            $OUT. Data the machine cannot prepare travels in
+#                                            .data/ (e.g. the Bible pairs of abc-mt:
+#                                            data.path=.data/bible-en-es)
 #
 # $OUT (the device tool's) collects the logs and results; device.txt names the GPU, driver,
 # torch and Triton versions.
@@ -55,9 +57,20 @@ case "$phase" in
     timeout 120 python3 -m memattn bench all --device cuda --dtype bf16 --out "$OUT/bench" > "$OUT/bench.log" 2>&1 || true
     tail -n 5 "$OUT/bench.log" ;;
   experiment)
+    # Runs folders travel between machines as $OUT/NAME.tgz (every file but the finished
+    # runs' checkpoints); put it at .gpu/NAME.tgz here and carry .gpu to go on.
     name=${2:?experiment name}; shift 2
-    timeout 540 python3 -m memattn experiment "$name" --jobs 1 --out-dir "runs/gpu-$name" train.device=cuda "$@" \
-      2>&1 | tee "$OUT/$name.log" || true
-    cp runs/gpu-"$name"/results.md runs/gpu-"$name"/results.json "$OUT/" 2>/dev/null || true ;;
+    dir=runs/gpu-$name
+    mkdir -p "$dir"
+    if [ -f ".gpu/$name.tgz" ]; then tar xzf ".gpu/$name.tgz" -C "$dir"; fi
+    timeout "${EXPERIMENT_S:-540}" python3 -m memattn experiment "$name" --jobs "${JOBS:-4}" \
+      --out-dir "$dir" train.device=cuda "$@" 2>&1 | tee "$OUT/$name.log" || true
+    pkill -f multiprocessing.spawn || true  # the workers of a runner cut short
+    sleep 2
+    (cd "$dir" && find . -type f | while read -r f; do
+       case "$f" in */checkpoint.safetensors) [ -f "$(dirname "$f")/row.json" ] && continue ;; esac
+       echo "$f"; done) > /tmp/keep.txt
+    tar czf "$OUT/$name.tgz" -C "$dir" -T /tmp/keep.txt
+    cp "$dir"/results.md "$dir"/results.json "$OUT/" 2>/dev/null || true ;;
   *) echo "usage: $0 tests|kernels|bench [NAME ...]|profile|all|experiment NAME [key=value ...]" >&2; exit 2 ;;
 esac
