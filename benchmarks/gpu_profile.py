@@ -11,8 +11,9 @@ bf16 on CUDA, forward + backward, inputs [B, T, H, D] as in gpu_kernels.py.
 - Chunk sizes: memattn's op (`abc_chunk_triton(chunk_size=...)`) timed with CUDA events,
   fwd and fwd+bwd (median of 10 after 3 warm-up calls).
 - Variants, timed alike at the default chunk size: the scans' blocks along D capped at 32
-  and 16 (more programs for the scans), and 2, 4 or 8 warps for every kernel; each patches
-  `memattn.kernels.abc_chunk`'s `_state_blocks` or `_warps` for its run only.
+  and 16 (more programs for the scans), 2, 4 or 8 warps for every kernel, and the scans'
+  chunk loops software-pipelined with 2 or 3 stages; each patches `_state_blocks`, `_warps`
+  or `_scan_stages` of `memattn.kernels.abc_chunk` for its run only.
 `--device cpu` runs the same report on the torch form in float32 (no fla, no chunk sizes): a
 check of the script itself on a machine without a GPU.
 Writes gpu_profile.json and .md in --out (default benchmarks/results/<device-name>).
@@ -113,6 +114,7 @@ def variants() -> dict:
     out = {"default": {}}
     out.update({f"scan blocks D <= {cap}": {"_state_blocks": blocks(cap)} for cap in (32, 16)})
     out.update({f"{w} warps": {"_warps": lambda *b, w=w: w} for w in (2, 4, 8)})
+    out.update({f"scans pipelined, {n} stages": {"_scan_stages": lambda n=n: n} for n in (2, 3)})
     return out
 
 

@@ -46,7 +46,11 @@ padded to powers of two ≥ 16 (at most 128) and held whole in the sub-block ker
 scans take blocks of at most 64 along M and D. 4 warps when every tile side is ≤ 32, else
 8. Loads are upcast to fp32 and every tl.dot takes fp32 operands (IEEE precision for fp32
 inputs, TF32 for fp16 / bf16 ones). Sequential loops over chunks are `while` loops (their
-count is read from cu_seqlens; see memattn/kernels/__init__.py).
+count is read from cu_seqlens, which the interpreter cannot take as the bound of a `range`;
+see memattn/kernels/__init__.py). The scans also have a `for` form that compiled Triton
+software-pipelines (STAGES > 0, `_scan_stages`); compiled offline for sm_90 with the
+divisibility the JIT gives D = 64, it issues asynchronous copies for the next chunks' loads,
+the `while` form none. It is off until a GPU has timed it (benchmarks/gpu_profile.py).
 """
 
 from __future__ import annotations
@@ -159,16 +163,44 @@ def _chunk_decay(a, zprev, rows, r_ok, i_g, i_h, H, M, o_m):
 # --------------------------------------------------------------------------------------
 
 @triton.jit
+def _fwd_states_chunk(t, i_g, b_mem, b_lz, x, s, a, zprev, zend, h, eos, i_h, i_d, H, M, D,
+                      o_t, o_m, o_d, STORE_A: tl.constexpr, PREC: tl.constexpr):
+    """One chunk of `_fwd_states` (its first token t, global index i_g): stores the memory
+    before it, returns (the memory, log_z) after it."""
+    m_ok = o_m < M
+    rows = t + o_t
+    r_ok = rows < eos
+    b_s = _tile(s, rows, r_ok, i_h, H, M, o_m, _NEG)  # [BT, BM]
+    b_x = _tile(x, rows, r_ok, i_h, H, D, o_d, 0.0)  # [BT, BD]
+    mx = tl.max(b_s, 0)
+    b_end = _logaddexp(b_lz, mx + tl.log(tl.sum(tl.exp(b_s - mx[None, :]), 0)))  # [BM]
+    _put_block(h, b_mem, i_g, i_h, H, M, D, o_m, o_d)
+    if STORE_A and i_d == 0:
+        b_a = _logaddexp(b_lz[None, :], tl.associative_scan(b_s, 0, _logaddexp))
+        tl.store(a + (rows[:, None] * H + i_h) * M + o_m[None, :], b_a,
+                 mask=r_ok[:, None] & m_ok[None, :])
+        tl.store(zprev + (i_g * H + i_h) * M + o_m, b_lz, mask=m_ok)
+        tl.store(zend + (i_g * H + i_h) * M + o_m, b_end, mask=m_ok)
+    write = tl.exp(b_s - b_end[None, :])  # [BT, BM], ≤ 1
+    keep = tl.exp(b_lz - b_end)  # [BM], ≤ 1
+    b_mem = b_mem * keep[:, None] + tl.dot(tl.trans(write), b_x, input_precision=PREC)
+    return b_mem, b_end
+
+
+@triton.jit
 def _fwd_states(x, s, lz0, x0, a, zprev, zend, h, lzT, xT, cu, boff,
                 H, M, D,
                 HAS_INIT: tl.constexpr, STORE_A: tl.constexpr,
-                BT: tl.constexpr, BM: tl.constexpr, BD: tl.constexpr, PREC: tl.constexpr):
+                BT: tl.constexpr, BM: tl.constexpr, BD: tl.constexpr, PREC: tl.constexpr,
+                STAGES: tl.constexpr):
     """Memories at the chunk starts of one (sequence, head), slots o_m, features o_d.
 
     x [total, H, D] (k or v), s [total, H, M]; lz0 [N, H, M], x0 [N, H, M, D] the initial
     state. Stores h [chunks, H, M, D] (memory before each chunk), xT [N, H, M, D]; with
     STORE_A (the K̃ launch, first feature block) also a [total, H, M], zprev / zend
     [chunks, H, M] (log_z before / after each chunk) and lzT [N, H, M].
+    STAGES 0: a `while` loop over the chunks; else a `for` loop that compiled Triton
+    software-pipelines with that many stages (the interpreter cannot run it).
     """
     i_d, i_m, i_nh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     i_n, i_h = i_nh // H, i_nh % H
@@ -185,27 +217,18 @@ def _fwd_states(x, s, lz0, x0, a, zprev, zend, h, lzT, xT, cu, boff,
     else:
         b_lz = tl.full([BM], _NEG, tl.float32)
         b_mem = tl.zeros([BM, BD], tl.float32)
-    t = bos
-    while t < eos:  # the chunks of the sequence, in order
-        rows = t + o_t
-        r_ok = rows < eos
-        b_s = _tile(s, rows, r_ok, i_h, H, M, o_m, _NEG)  # [BT, BM]
-        b_x = _tile(x, rows, r_ok, i_h, H, D, o_d, 0.0)  # [BT, BD]
-        mx = tl.max(b_s, 0)
-        b_end = _logaddexp(b_lz, mx + tl.log(tl.sum(tl.exp(b_s - mx[None, :]), 0)))  # [BM]
-        _put_block(h, b_mem, i_g, i_h, H, M, D, o_m, o_d)
-        if STORE_A and i_d == 0:
-            b_a = _logaddexp(b_lz[None, :], tl.associative_scan(b_s, 0, _logaddexp))
-            tl.store(a + (rows[:, None] * H + i_h) * M + o_m[None, :], b_a,
-                     mask=r_ok[:, None] & m_ok[None, :])
-            tl.store(zprev + (i_g * H + i_h) * M + o_m, b_lz, mask=m_ok)
-            tl.store(zend + (i_g * H + i_h) * M + o_m, b_end, mask=m_ok)
-        write = tl.exp(b_s - b_end[None, :])  # [BT, BM], ≤ 1
-        keep = tl.exp(b_lz - b_end)  # [BM], ≤ 1
-        b_mem = b_mem * keep[:, None] + tl.dot(tl.trans(write), b_x, input_precision=PREC)
-        b_lz = b_end
-        t += BT
-        i_g += 1
+    if STAGES > 0:
+        for n in tl.range(0, tl.cdiv(eos - bos, BT), num_stages=STAGES):
+            b_mem, b_lz = _fwd_states_chunk(bos + n * BT, i_g + n, b_mem, b_lz, x, s, a, zprev,
+                                            zend, h, eos, i_h, i_d, H, M, D, o_t, o_m, o_d,
+                                            STORE_A, PREC)
+    else:
+        t = bos
+        while t < eos:  # the chunks of the sequence, in order
+            b_mem, b_lz = _fwd_states_chunk(t, i_g, b_mem, b_lz, x, s, a, zprev, zend, h, eos,
+                                            i_h, i_d, H, M, D, o_t, o_m, o_d, STORE_A, PREC)
+            t += BT
+            i_g += 1
     _put_block(xT, b_mem, i_n, i_h, H, M, D, o_m, o_d)
     if STORE_A and i_d == 0:
         tl.store(lzT + i_nh * M + o_m, b_lz, mask=m_ok)
@@ -332,10 +355,38 @@ def _bwd_dq(q, k, v, s, a, zprev, hk, hv, S, lse, do, dq, dS, c, cu, boff, sub_i
 
 
 @triton.jit
+def _bwd_states_chunk(i, b_dh, b_dc, x, coef, lse, c, a, zprev, zend, dh, dc, bos, eos, g0,
+                      scale, i_h, i_d, H, M, D, o_t, o_m, o_d, IS_V: tl.constexpr,
+                      BT: tl.constexpr, PREC: tl.constexpr):
+    """Chunk i of `_bwd_states`: stores the gradient after it, returns (dh, dc) before it."""
+    m_ok = o_m < M
+    i_g = g0 + i
+    rows = bos + i * BT + o_t
+    r_ok = rows < eos
+    _put_block(dh, b_dh, i_g, i_h, H, M, D, o_m, o_d)
+    if (not IS_V) and i_d == 0:
+        tl.store(dc + (i_g * H + i_h) * M + o_m, b_dc, mask=m_ok)
+    b_zp = tl.load(zprev + (i_g * H + i_h) * M + o_m, mask=m_ok, other=0.0)
+    keep = tl.exp(b_zp - tl.load(zend + (i_g * H + i_h) * M + o_m, mask=m_ok, other=0.0))
+    b_f = tl.exp(b_zp[None, :] - _tile(a, rows, r_ok, i_h, H, M, o_m, _POS))  # [BT, BM]
+    if IS_V:
+        b_coef, _s = _probs(coef, lse, rows, r_ok, i_h, H, M, o_m)
+        b_x = _tile(x, rows, r_ok, i_h, H, D, o_d, 0.0)
+    else:
+        b_coef = _tile(coef, rows, r_ok, i_h, H, M, o_m, 0.0)
+        b_x = _tile(x, rows, r_ok, i_h, H, D, o_d, 0.0) * scale
+    b_dh = b_dh * keep[:, None] + tl.dot(tl.trans(b_f * b_coef), b_x, input_precision=PREC)
+    if (not IS_V) and i_d == 0:
+        b_dc = b_dc * keep + tl.sum(b_f * _tile(c, rows, r_ok, i_h, H, M, o_m, 0.0), 0)
+    return b_dh, b_dc
+
+
+@triton.jit
 def _bwd_states(x, coef, lse, c, a, zprev, zend, dxT, dcT, dh, dc, dx0, dc0, cu, boff, scale,
                 H, M, D,
                 IS_V: tl.constexpr, HAS_DFINAL: tl.constexpr,
-                BT: tl.constexpr, BM: tl.constexpr, BD: tl.constexpr, PREC: tl.constexpr):
+                BT: tl.constexpr, BM: tl.constexpr, BD: tl.constexpr, PREC: tl.constexpr,
+                STAGES: tl.constexpr):
     """∂L/∂(memory after each chunk) of one (sequence, head), slots o_m, features o_d.
 
     K̃ launch: x = q, coef = dS, G^K_t[m] = scale dS_t[m] q_t; the first feature block also
@@ -343,6 +394,7 @@ def _bwd_states(x, coef, lse, c, a, zprev, zend, dxT, dcT, dh, dc, dx0, dc0, cu,
     dxT / dcT [N, H, M(, D)]: the gradient of the final memory and the c of the final
     state. Stores dh [chunks, H, M, D], dc [chunks, H, M] and, before the first chunk,
     dx0 [N, H, M, D] (the initial memory's gradient) and dc0 [N, H, M].
+    STAGES: as in `_fwd_states`.
     """
     i_d, i_m, i_nh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     i_n, i_h = i_nh // H, i_nh % H
@@ -359,27 +411,19 @@ def _bwd_states(x, coef, lse, c, a, zprev, zend, dxT, dcT, dh, dc, dx0, dc0, cu,
     else:
         b_dh = tl.zeros([BM, BD], tl.float32)
         b_dc = tl.zeros([BM], tl.float32)
-    i = (eos - bos + BT - 1) // BT - 1
-    while i >= 0:  # the chunks of the sequence, last first
-        i_g = g0 + i
-        rows = bos + i * BT + o_t
-        r_ok = rows < eos
-        _put_block(dh, b_dh, i_g, i_h, H, M, D, o_m, o_d)
-        if (not IS_V) and i_d == 0:
-            tl.store(dc + (i_g * H + i_h) * M + o_m, b_dc, mask=m_ok)
-        b_zp = tl.load(zprev + (i_g * H + i_h) * M + o_m, mask=m_ok, other=0.0)
-        keep = tl.exp(b_zp - tl.load(zend + (i_g * H + i_h) * M + o_m, mask=m_ok, other=0.0))
-        b_f = tl.exp(b_zp[None, :] - _tile(a, rows, r_ok, i_h, H, M, o_m, _POS))  # [BT, BM]
-        if IS_V:
-            b_coef, _s = _probs(coef, lse, rows, r_ok, i_h, H, M, o_m)
-            b_x = _tile(x, rows, r_ok, i_h, H, D, o_d, 0.0)
-        else:
-            b_coef = _tile(coef, rows, r_ok, i_h, H, M, o_m, 0.0)
-            b_x = _tile(x, rows, r_ok, i_h, H, D, o_d, 0.0) * scale
-        b_dh = b_dh * keep[:, None] + tl.dot(tl.trans(b_f * b_coef), b_x, input_precision=PREC)
-        if (not IS_V) and i_d == 0:
-            b_dc = b_dc * keep + tl.sum(b_f * _tile(c, rows, r_ok, i_h, H, M, o_m, 0.0), 0)
-        i -= 1
+    last = (eos - bos + BT - 1) // BT - 1
+    if STAGES > 0:
+        for n in tl.range(0, last + 1, num_stages=STAGES):  # the chunks, last first
+            b_dh, b_dc = _bwd_states_chunk(last - n, b_dh, b_dc, x, coef, lse, c, a, zprev,
+                                           zend, dh, dc, bos, eos, g0, scale, i_h, i_d, H, M,
+                                           D, o_t, o_m, o_d, IS_V, BT, PREC)
+    else:
+        i = last
+        while i >= 0:  # the chunks of the sequence, last first
+            b_dh, b_dc = _bwd_states_chunk(i, b_dh, b_dc, x, coef, lse, c, a, zprev, zend, dh,
+                                           dc, bos, eos, g0, scale, i_h, i_d, H, M, D, o_t,
+                                           o_m, o_d, IS_V, BT, PREC)
+            i -= 1
     _put_block(dx0, b_dh, i_n, i_h, H, M, D, o_m, o_d)
     if (not IS_V) and i_d == 0:
         tl.store(dc0 + i_nh * M + o_m, b_dc, mask=m_ok)
@@ -516,6 +560,13 @@ def _state_blocks(M: int, D: int) -> tuple[int, int]:
     return min(64, _pad(M)), min(64, _pad(D))
 
 
+def _scan_stages() -> int:
+    """Software-pipelining stages of the scans' chunk loops: 0 (a `while` loop, not pipelined)
+    under the interpreter, which cannot run the `for` form, and until the pipelined form is
+    measured on a GPU (benchmarks/gpu_profile.py times both)."""
+    return 0
+
+
 def _warps(*blocks: int) -> int:
     """4 warps for small tiles, else 8: with 4, tiles of 64 × 128 spill registers on sm_90."""
     return 4 if max(blocks) <= 32 else 8
@@ -540,7 +591,7 @@ def _forward(q, k, v, s, lz0, k0, v0, plan: _Plan):
         _fwd_states[grid](x, s, lz0 if has_init else lzT, x0 if has_init else xT, a, zprev,
                           zend, h, lzT, xT, plan.cu, plan.boff, H, M, D,
                           HAS_INIT=has_init, STORE_A=store_a, BT=BT, BM=BM, BD=BD, PREC=prec,
-                          num_warps=_warps(BT, BM, BD))
+                          STAGES=_scan_stages(), num_warps=_warps(BT, BM, BD))
     o = torch.empty(T, H, V, dtype=q.dtype, device=q.device)
     S, lse = torch.empty(T, H, M, **f32), torch.empty(T, H, **f32)
     _fwd_output[(plan.sub_idx.shape[0], H)](
@@ -584,7 +635,8 @@ def _backward(q, k, v, s, do, saved, final, dfinal, plan: _Plan):
         _bwd_states[grid](x, coef, lse, c, a, zprev, zend, dx0 if dxT is None else dxT,
                           dc0 if dcT is None else dcT, dh, dhc, dx0, dc0, plan.cu, plan.boff,
                           plan.scale, H, M, D, IS_V=is_v, HAS_DFINAL=dfinal is not None,
-                          BT=BT, BM=BM, BD=BD, PREC=prec, num_warps=_warps(BT, BM, BD))
+                          BT=BT, BM=BM, BD=BD, PREC=prec, STAGES=_scan_stages(),
+                          num_warps=_warps(BT, BM, BD))
 
     dk, dv, ds = torch.empty_like(k), torch.empty_like(v), torch.empty_like(s)
     _bwd_dkv[sub](q, k, v, s, a, zend, S, lse, do, dS, c, dhk, dhv, dhc, dk, dv, ds,

@@ -247,3 +247,20 @@ def test_on_gpu():
     cu = torch.tensor(bounds, device=DEVICE)
     assert_all_close(run(abc_attention, xs, torch.float32, cu_seqlens=cu),
                      run(abc_varlen, xs, torch.float64, cu_seqlens=cu), atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("stages", [2, 3])
+def test_pipelined_scans_on_gpu(monkeypatch, stages):
+    """The scans' `for` form (software-pipelined when compiled; the interpreter runs only the
+    `while` form) against the reference: several chunks, bf16, and a packed batch of 1, 129,
+    1 and 269 tokens."""
+    monkeypatch.setattr(abc_chunk, "_scan_stages", lambda: stages)
+    xs = make_inputs(B=2, T=300, H=3, K=64, V=40, M=24, seed=4)
+    want = run(abc_chunked, xs, torch.float64)
+    assert_all_close(run(abc_chunk_triton, xs, torch.float32), want, atol=1e-4, rtol=1e-4)
+    assert_all_close(run(abc_chunk_triton, xs, torch.bfloat16), want, atol=6e-2, rtol=6e-2)
+    xs = make_inputs(B=1, T=400, H=2, K=64, V=32, M=20, N=4, seed=5)
+    cu = torch.tensor([0, 1, 130, 131, 400], device=DEVICE)
+    assert_all_close(run(abc_attention, xs, torch.float32, cu_seqlens=cu),
+                     run(abc_varlen, xs, torch.float64, cu_seqlens=cu), atol=1e-4, rtol=1e-4)
