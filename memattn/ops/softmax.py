@@ -71,8 +71,8 @@ def _softmax(q, k, v, causal, scale, attention_mask) -> torch.Tensor:
 
 
 # SDPA's backends for a query block that continues a cache on a GPU: all but cuDNN's, which
-# builds a graph for every new key length (a step of a 6-layer LM took 42 ms on an H200 at
-# every context from 256 to 32k tokens, benchmarks/results/nvidia-h200/decode.md).
+# builds a graph for every new key length (with it allowed, a step of a 6-layer LM took 42 ms
+# on an H200 at every context from 256 to 32k tokens, benchmarks/results/nvidia-h200/decode.md).
 _CONTINUING = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
 
