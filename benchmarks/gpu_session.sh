@@ -57,7 +57,7 @@ case "$phase" in
     timeout 120 python3 -m memattn bench all --device cuda --dtype bf16 --out "$OUT/bench" > "$OUT/bench.log" 2>&1 || true
     tail -n 5 "$OUT/bench.log" ;;
   experiment)
-    # Runs folders travel between machines as $OUT/NAME.tgz (every file but the finished
+    # Run folders travel between machines as $OUT/NAME.tgz (every file but the finished
     # runs' checkpoints); put it at .gpu/NAME.tgz here and carry .gpu to go on.
     name=${2:?experiment name}; shift 2
     dir=runs/gpu-$name
