@@ -94,10 +94,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--dry-run", action="store_true",
                    help="list the configurations and exit (no GPU needed)")
     p.add_argument("--skip-tests", action="store_true", help="do not run the kernels' tests first")
+    p.add_argument("--scan-stages", type=int, default=None,
+                   help="memattn.kernels.SCAN_STAGES for this run: the kernels' scans over "
+                        "chunks as software-pipelined for loops with that many stages (0: while)")
     args = p.parse_args(argv)
     for name in ("dims", "slots", "lengths", "contexts", "decode_batches"):
         if any(x < 1 for x in getattr(args, name)):
             p.error(f"--{name.replace('_', '-')}: expected positive integers")
+    if args.scan_stages is not None and args.scan_stages < 0:
+        p.error("--scan-stages: expected 0 or a positive integer")
     for name in ("batch", "heads", "repeats", "decode_steps"):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')}: expected a positive integer")
@@ -494,6 +499,10 @@ def main(argv: list[str] | None = None) -> None:
     from memattn.bench.settings import device_slug
 
     device = torch.device("cuda")
+    if args.scan_stages is not None:
+        import memattn.kernels
+
+        memattn.kernels.SCAN_STAGES = args.scan_stages
     peers = peer_ops()
     command = " ".join(shlex.quote(a) for a in [".venv/bin/python", "benchmarks/gpu_kernels.py",
                                                 *(sys.argv[1:] if argv is None else argv)])

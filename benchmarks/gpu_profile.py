@@ -12,8 +12,8 @@ bf16 on CUDA, forward + backward, inputs [B, T, H, D] as in gpu_kernels.py.
   fwd and fwd+bwd (median of 10 after 3 warm-up calls).
 - Variants, timed alike at the default chunk size: the scans' blocks along D capped at 32
   and 16 (more programs for the scans), 2, 4 or 8 warps for every kernel, and the scans'
-  chunk loops software-pipelined with 2 or 3 stages; each patches `_state_blocks`, `_warps`
-  or `_scan_stages` of `memattn.kernels.abc_chunk` for its run only.
+  chunk loops software-pipelined with 2 or 3 stages; each patches `_state_blocks` or
+  `_warps` of `memattn.kernels.abc_chunk`, or `memattn.kernels.SCAN_STAGES`, for its run only.
 `--device cpu` runs the same report on the torch form in float32 (no fla, no chunk sizes): a
 check of the script itself on a machine without a GPU.
 Writes gpu_profile.json and .md in --out (default benchmarks/results/<device-name>).
@@ -114,22 +114,25 @@ def variants() -> dict:
     out = {"default": {}}
     out.update({f"scan blocks D <= {cap}": {"_state_blocks": blocks(cap)} for cap in (32, 16)})
     out.update({f"{w} warps": {"_warps": lambda *b, w=w: w} for w in (2, 4, 8)})
-    out.update({f"scans pipelined, {n} stages": {"_scan_stages": lambda n=n: n} for n in (2, 3)})
+    out.update({f"scans pipelined, {n} stages": {"SCAN_STAGES": n} for n in (2, 3)})
     return out
 
 
 def patched(changes: dict, fn):
-    """fn() with memattn.kernels.abc_chunk's attributes replaced by `changes` meanwhile."""
-    from memattn.kernels import abc_chunk as ac
+    """fn() with the attributes `changes` names replaced meanwhile: SCAN_STAGES of
+    memattn.kernels, the others of memattn.kernels.abc_chunk."""
+    import memattn.kernels
+    from memattn.kernels import abc_chunk
 
-    saved = {name: getattr(ac, name) for name in changes}
+    owner = {name: memattn.kernels if name == "SCAN_STAGES" else abc_chunk for name in changes}
+    saved = {name: getattr(owner[name], name) for name in changes}
     try:
         for name, value in changes.items():
-            setattr(ac, name, value)
+            setattr(owner[name], name, value)
         return fn()
     finally:
         for name, value in saved.items():
-            setattr(ac, name, value)
+            setattr(owner[name], name, value)
 
 
 def attempt(fn):

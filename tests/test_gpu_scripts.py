@@ -91,3 +91,8 @@ def test_profile_variants_patch_the_module_only_meanwhile():
     assert found["scan blocks D <= 16"] == ((32, 16), 8)
     assert found["2 warps"] == ((32, 64), 2)
     assert (abc_chunk._state_blocks(32, 64), abc_chunk._warps(64, 64)) == before
+    import memattn.kernels
+
+    stages = profile.patched(profile.variants()["scans pipelined, 3 stages"],
+                             lambda: memattn.kernels.SCAN_STAGES)
+    assert stages == 3 and memattn.kernels.SCAN_STAGES == 0

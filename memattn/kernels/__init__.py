@@ -58,6 +58,19 @@ def kernels_supported(*tensors: torch.Tensor | None) -> bool:
                for t in tensors if t is not None)
 
 
+# Software-pipelining stages of the kernels' scans over chunks (abc_chunk, linear). 0: a
+# `while` loop, which Triton does not pipeline: each chunk waits for its loads. N > 0: a `for`
+# loop pipelined with N stages, which the interpreter cannot run (a loaded or run-time count
+# cannot bound its `range`). 0 until the `for` form is timed on a GPU
+# (benchmarks/gpu_profile.py, benchmarks/gpu_kernels.py --scan-stages).
+SCAN_STAGES = 0
+
+
+def scan_stages() -> int:
+    """The STAGES a scan kernel is launched with: SCAN_STAGES, 0 under the interpreter."""
+    return 0 if interpreting() else SCAN_STAGES
+
+
 BACKENDS = ("auto", "torch", "triton")
 KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
@@ -86,5 +99,5 @@ def use_kernels(backend: str, tensors, *, differentiable: bool = True) -> bool:
     return kernels_supported(*given)
 
 
-__all__ = ["BACKENDS", "KERNEL_DTYPES", "interpreting", "kernels_supported", "triton_available",
-           "use_kernels"]
+__all__ = ["BACKENDS", "KERNEL_DTYPES", "SCAN_STAGES", "interpreting", "kernels_supported",
+           "scan_stages", "triton_available", "use_kernels"]

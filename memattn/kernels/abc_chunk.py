@@ -48,9 +48,9 @@ scans take blocks of at most 64 along M and D. 4 warps when every tile side is â
 inputs, TF32 for fp16 / bf16 ones). Sequential loops over chunks are `while` loops (their
 count is read from cu_seqlens, which the interpreter cannot take as the bound of a `range`;
 see memattn/kernels/__init__.py). The scans also have a `for` form that compiled Triton
-software-pipelines (STAGES > 0, `_scan_stages`); compiled offline for sm_90 with the
-divisibility the JIT gives D = 64, it issues asynchronous copies for the next chunks' loads,
-the `while` form none. It is off until a GPU has timed it (benchmarks/gpu_profile.py).
+software-pipelines (STAGES > 0, `memattn.kernels.SCAN_STAGES`); compiled offline for sm_90
+with the divisibility the JIT gives D = 64, it issues asynchronous copies for the next
+chunks' loads, the `while` form none. It is off until a GPU has timed it.
 """
 
 from __future__ import annotations
@@ -63,7 +63,7 @@ import triton
 import triton.language as tl
 
 from memattn.errors import ShapeError
-from memattn.kernels import KERNEL_DTYPES, kernels_supported
+from memattn.kernels import KERNEL_DTYPES, kernels_supported, scan_stages
 from memattn.ops.abc.common import ABCState, check_inputs, default_scale
 from memattn.ops.abc.varlen import check_varlen
 
@@ -560,13 +560,6 @@ def _state_blocks(M: int, D: int) -> tuple[int, int]:
     return min(64, _pad(M)), min(64, _pad(D))
 
 
-def _scan_stages() -> int:
-    """Software-pipelining stages of the scans' chunk loops: 0 (a `while` loop, not pipelined)
-    under the interpreter, which cannot run the `for` form, and until the pipelined form is
-    measured on a GPU (benchmarks/gpu_profile.py times both)."""
-    return 0
-
-
 def _warps(*blocks: int) -> int:
     """4 warps for small tiles, else 8: with 4, tiles of 64 Ã— 128 spill registers on sm_90."""
     return 4 if max(blocks) <= 32 else 8
@@ -591,7 +584,7 @@ def _forward(q, k, v, s, lz0, k0, v0, plan: _Plan):
         _fwd_states[grid](x, s, lz0 if has_init else lzT, x0 if has_init else xT, a, zprev,
                           zend, h, lzT, xT, plan.cu, plan.boff, H, M, D,
                           HAS_INIT=has_init, STORE_A=store_a, BT=BT, BM=BM, BD=BD, PREC=prec,
-                          STAGES=_scan_stages(), num_warps=_warps(BT, BM, BD))
+                          STAGES=scan_stages(), num_warps=_warps(BT, BM, BD))
     o = torch.empty(T, H, V, dtype=q.dtype, device=q.device)
     S, lse = torch.empty(T, H, M, **f32), torch.empty(T, H, **f32)
     _fwd_output[(plan.sub_idx.shape[0], H)](
@@ -635,7 +628,7 @@ def _backward(q, k, v, s, do, saved, final, dfinal, plan: _Plan):
         _bwd_states[grid](x, coef, lse, c, a, zprev, zend, dx0 if dxT is None else dxT,
                           dc0 if dcT is None else dcT, dh, dhc, dx0, dc0, plan.cu, plan.boff,
                           plan.scale, H, M, D, IS_V=is_v, HAS_DFINAL=dfinal is not None,
-                          BT=BT, BM=BM, BD=BD, PREC=prec, STAGES=_scan_stages(),
+                          BT=BT, BM=BM, BD=BD, PREC=prec, STAGES=scan_stages(),
                           num_warps=_warps(BT, BM, BD))
 
     dk, dv, ds = torch.empty_like(k), torch.empty_like(v), torch.empty_like(s)

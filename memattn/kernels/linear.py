@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import torch
 
+from memattn.kernels import scan_stages
 from memattn.ops.linear.common import check_alpha_values, check_inputs, resolve_scale
 
 try:
@@ -136,29 +137,43 @@ if triton is not None:
         return bh, bh // H, bh % H, ok, ov
 
     @triton.jit
+    def _states_chunk(S, n, k_ptr, v_ptr, alpha_ptr, beta_ptr, hs_ptr, bh, b, h, ok, ov,
+                      T, H, K: tl.constexpr, V: tl.constexpr, N, BT: tl.constexpr,
+                      HAS_ALPHA: tl.constexpr, HAS_BETA: tl.constexpr, LOWP: tl.constexpr):
+        """Chunk n of `_states_kernel`: stores S at its start, returns S at its end."""
+        _put_block(hs_ptr, (bh * N + n) * K * V, S, ok, ov, K, V)
+        cum, zeros, _, _, beta = _chunk_gates(alpha_ptr, beta_ptr, b, h, n, T, H,
+                                              BT, HAS_ALPHA, HAS_BETA)
+        to_end, total = _chunk_ends(cum, zeros, BT)
+        row, mt = _chunk_rows(b, h, n, T, H, BT)
+        kw = _rows(k_ptr, row, mt, ok, K, False) * (to_end * beta)[:, None]  # [BT, BK]
+        vc = _rows(v_ptr, row, mt, ov, V, LOWP)
+        return total * S + tl.dot(tl.trans(_operand(kw, v_ptr, LOWP)), vc,
+                                  input_precision="ieee")
+
+    @triton.jit
     def _states_kernel(k_ptr, v_ptr, alpha_ptr, beta_ptr, h0_ptr, hs_ptr, ht_ptr,
                        T, H, K: tl.constexpr, V: tl.constexpr, N,
                        BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
                        HAS_ALPHA: tl.constexpr, HAS_BETA: tl.constexpr, HAS_H0: tl.constexpr,
-                       LOWP: tl.constexpr):
-        """S at each chunk start -> hs [B, H, N, K, V]; S_T -> ht [B, H, K, V] (fp32)."""
+                       LOWP: tl.constexpr, STAGES: tl.constexpr):
+        """S at each chunk start -> hs [B, H, N, K, V]; S_T -> ht [B, H, K, V] (fp32).
+        STAGES: see memattn.kernels.SCAN_STAGES."""
         bh, b, h, ok, ov = _scan_program(H, BK, BV)
         if HAS_H0:
             S = _block(h0_ptr, bh * K * V, ok, ov, K, V).to(tl.float32)
         else:
             S = tl.zeros([BK, BV], dtype=tl.float32)
-        n = 0
-        while n < N:  # not range(N): the interpreter (numpy >= 2.4) cannot index by a runtime int
-            _put_block(hs_ptr, (bh * N + n) * K * V, S, ok, ov, K, V)
-            cum, zeros, _, _, beta = _chunk_gates(alpha_ptr, beta_ptr, b, h, n, T, H,
-                                                  BT, HAS_ALPHA, HAS_BETA)
-            to_end, total = _chunk_ends(cum, zeros, BT)
-            row, mt = _chunk_rows(b, h, n, T, H, BT)
-            kw = _rows(k_ptr, row, mt, ok, K, False) * (to_end * beta)[:, None]  # [BT, BK]
-            vc = _rows(v_ptr, row, mt, ov, V, LOWP)
-            S = total * S + tl.dot(tl.trans(_operand(kw, v_ptr, LOWP)), vc,
-                                   input_precision="ieee")
-            n += 1
+        if STAGES > 0:
+            for n in tl.range(0, N, num_stages=STAGES):
+                S = _states_chunk(S, n, k_ptr, v_ptr, alpha_ptr, beta_ptr, hs_ptr, bh, b, h, ok,
+                                  ov, T, H, K, V, N, BT, HAS_ALPHA, HAS_BETA, LOWP)
+        else:
+            n = 0
+            while n < N:  # not range(N): the interpreter (numpy >= 2.4) cannot index by a runtime int
+                S = _states_chunk(S, n, k_ptr, v_ptr, alpha_ptr, beta_ptr, hs_ptr, bh, b, h, ok,
+                                  ov, T, H, K, V, N, BT, HAS_ALPHA, HAS_BETA, LOWP)
+                n += 1
         _put_block(ht_ptr, bh * K * V, S, ok, ov, K, V)
 
     @triton.jit
@@ -193,26 +208,40 @@ if triton is not None:
                  mask=mt[:, None] & (ov[None, :] < V))
 
     @triton.jit
+    def _grad_states_chunk(G, n, q_ptr, do_ptr, alpha_ptr, dhs_ptr, scale, bh, b, h, ok, ov,
+                           T, H, K: tl.constexpr, V: tl.constexpr, N, BT: tl.constexpr,
+                           HAS_ALPHA: tl.constexpr, LOWP: tl.constexpr):
+        """Chunk n of `_grad_states_kernel`: stores G at its end, returns G before it."""
+        _put_block(dhs_ptr, (bh * N + n) * K * V, G, ok, ov, K, V)
+        cum, zeros, _, _, _ = _chunk_gates(alpha_ptr, alpha_ptr, b, h, n, T, H,
+                                           BT, HAS_ALPHA, False)
+        _, total = _chunk_ends(cum, zeros, BT)
+        g = tl.where(zeros == 0, tl.exp(cum), 0.0)
+        row, mt = _chunk_rows(b, h, n, T, H, BT)
+        qg = _rows(q_ptr, row, mt, ok, K, False) * (scale * g)[:, None]
+        doc = _rows(do_ptr, row, mt, ov, V, LOWP)
+        return total * G + tl.dot(tl.trans(_operand(qg, do_ptr, LOWP)), doc,
+                                  input_precision="ieee")
+
+    @triton.jit
     def _grad_states_kernel(q_ptr, do_ptr, alpha_ptr, dht_ptr, dhs_ptr, dh0_ptr, scale,
                             T, H, K: tl.constexpr, V: tl.constexpr, N,
                             BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-                            HAS_ALPHA: tl.constexpr, LOWP: tl.constexpr):
-        """G = ∂L/∂S at each chunk end -> dhs [B, H, N, K, V]; ∂L/∂S_0 -> dh0 (fp32)."""
+                            HAS_ALPHA: tl.constexpr, LOWP: tl.constexpr, STAGES: tl.constexpr):
+        """G = ∂L/∂S at each chunk end -> dhs [B, H, N, K, V]; ∂L/∂S_0 -> dh0 (fp32).
+        STAGES: see memattn.kernels.SCAN_STAGES."""
         bh, b, h, ok, ov = _scan_program(H, BK, BV)
         G = _block(dht_ptr, bh * K * V, ok, ov, K, V)
-        n = N - 1
-        while n >= 0:
-            _put_block(dhs_ptr, (bh * N + n) * K * V, G, ok, ov, K, V)
-            cum, zeros, _, _, _ = _chunk_gates(alpha_ptr, alpha_ptr, b, h, n, T, H,
-                                               BT, HAS_ALPHA, False)
-            _, total = _chunk_ends(cum, zeros, BT)
-            g = tl.where(zeros == 0, tl.exp(cum), 0.0)
-            row, mt = _chunk_rows(b, h, n, T, H, BT)
-            qg = _rows(q_ptr, row, mt, ok, K, False) * (scale * g)[:, None]
-            doc = _rows(do_ptr, row, mt, ov, V, LOWP)
-            G = total * G + tl.dot(tl.trans(_operand(qg, do_ptr, LOWP)), doc,
-                                   input_precision="ieee")
-            n -= 1
+        if STAGES > 0:
+            for i in tl.range(0, N, num_stages=STAGES):  # the chunks, last first
+                G = _grad_states_chunk(G, N - 1 - i, q_ptr, do_ptr, alpha_ptr, dhs_ptr, scale, bh,
+                                       b, h, ok, ov, T, H, K, V, N, BT, HAS_ALPHA, LOWP)
+        else:
+            n = N - 1
+            while n >= 0:
+                G = _grad_states_chunk(G, n, q_ptr, do_ptr, alpha_ptr, dhs_ptr, scale, bh, b, h,
+                                       ok, ov, T, H, K, V, N, BT, HAS_ALPHA, LOWP)
+                n -= 1
         _put_block(dh0_ptr, bh * K * V, G, ok, ov, K, V)
 
     @triton.jit
@@ -340,7 +369,7 @@ def _chunk_states(k, v, alpha, beta, initial_state, chunk_size):
     grid = (triton.cdiv(K, blocks["BK"]), triton.cdiv(V, blocks["BV"]), B * H)
     _states_kernel[grid](k, v, alpha, beta, initial_state, hs, ht, T, H, K, V, N, **blocks,
                          HAS_ALPHA=alpha is not None, HAS_BETA=beta is not None,
-                         HAS_H0=initial_state is not None, LOWP=_lowp(k))
+                         HAS_H0=initial_state is not None, LOWP=_lowp(k), STAGES=scan_stages())
     return hs, ht
 
 
@@ -378,7 +407,7 @@ class LinearAttentionTriton(torch.autograd.Function):
         dh0 = torch.empty_like(dht)
         _grad_states_kernel[(triton.cdiv(K, blocks["BK"]), triton.cdiv(V, blocks["BV"]), B * H)](
             q, do, alpha, dht, dhs, dh0, ctx.scale, T, H, K, V, N, **blocks,
-            HAS_ALPHA=alpha is not None, LOWP=_lowp(q))
+            HAS_ALPHA=alpha is not None, LOWP=_lowp(q), STAGES=scan_stages())
         dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
         dalpha = q.new_empty(B, T, H, dtype=torch.float32)
         dbeta = q.new_empty(B, T, H, dtype=torch.float32)

@@ -15,6 +15,8 @@ import torch
 
 pytest.importorskip("triton", reason="the Triton kernels need the triton package")
 
+import memattn.kernels  # noqa: E402
+
 from memattn.errors import ShapeError
 from memattn.kernels import abc_chunk, kernels_supported
 from memattn.kernels.abc_chunk import abc_chunk_triton
@@ -255,7 +257,7 @@ def test_pipelined_scans_on_gpu(monkeypatch, stages):
     """The scans' `for` form (software-pipelined when compiled; the interpreter runs only the
     `while` form) against the reference: several chunks, bf16, and a packed batch of 1, 129,
     1 and 269 tokens."""
-    monkeypatch.setattr(abc_chunk, "_scan_stages", lambda: stages)
+    monkeypatch.setattr(memattn.kernels, "SCAN_STAGES", stages)
     xs = make_inputs(B=2, T=300, H=3, K=64, V=40, M=24, seed=4)
     want = run(abc_chunked, xs, torch.float64)
     assert_all_close(run(abc_chunk_triton, xs, torch.float32), want, atol=1e-4, rtol=1e-4)

@@ -155,6 +155,21 @@ def test_cuda_model_sizes_match_reference(dtype, rtol):
 
 
 @needs_cuda
+@pytest.mark.parametrize("stages", [2, 3])
+def test_cuda_pipelined_scans_match_reference(monkeypatch, stages):
+    """The scans' `for` form (memattn.kernels.SCAN_STAGES > 0; the interpreter runs only the
+    `while` form), with resets at and between chunk edges, fp32 and bf16."""
+    import memattn.kernels
+
+    monkeypatch.setattr(memattn.kernels, "SCAN_STAGES", stages)
+    for dtype, rtol in ((torch.float32, 1e-4), (torch.bfloat16, 3e-2)):
+        inputs = make_inputs(B=2, T=300, H=4, K=64, V=128, zero_at=(64, 100), dtype=dtype,
+                             device="cuda")
+        assert_matches_reference(outputs_and_grads(linear_attention_triton, inputs), inputs,
+                                 rtol=rtol)
+
+
+@needs_cuda
 def test_cuda_auto_backend_takes_the_kernel():
     inputs = make_inputs(T=100, K=64, V=64, device="cuda")
     auto = outputs_and_grads(linear_attention, inputs)
