@@ -12,8 +12,9 @@ bf16 on CUDA, forward + backward, inputs [B, T, H, D] as in gpu_kernels.py.
   fwd and fwd+bwd (median of 10 after 3 warm-up calls).
 - Variants, timed alike at the default chunk size: the scans' blocks along D capped at 32
   and 16 (more programs for the scans), 2, 4 or 8 warps for every kernel, and the scans'
-  chunk loops software-pipelined with 2 or 3 stages; each patches `_state_blocks` or
-  `_warps` of `memattn.kernels.abc_chunk`, or `memattn.kernels.SCAN_STAGES`, for its run only.
+  chunk loops software-pipelined with 2 or 3 stages, and sub-blocks of 32 rows (16 by
+  default); each patches `_state_blocks`, `_warps` or `BC` of `memattn.kernels.abc_chunk`, or
+  `memattn.kernels.SCAN_STAGES`, for its run only.
 `--device cpu` runs the same report on the torch form in float32 (no fla, no chunk sizes): a
 check of the script itself on a machine without a GPU.
 Writes gpu_profile.json and .md in --out (default benchmarks/results/<device-name>).
@@ -115,6 +116,7 @@ def variants() -> dict:
     out.update({f"scan blocks D <= {cap}": {"_state_blocks": blocks(cap)} for cap in (32, 16)})
     out.update({f"{w} warps": {"_warps": lambda *b, w=w: w} for w in (2, 4, 8)})
     out.update({f"scans pipelined, {n} stages": {"SCAN_STAGES": n} for n in (2, 3)})
+    out["sub-blocks of 32 rows"] = {"BC": 32}
     return out
 
 

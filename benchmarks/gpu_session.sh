@@ -19,6 +19,10 @@
 #                                            (CPU workers), then the two benchmarks alone on
 #                                            the GPU, each cut at its share of the time (the
 #                                            kernels benchmark keeps the rows it measured)
+#   bash benchmarks/gpu_session.sh verify    after changes to the kernels or the contracts,
+#                                            in one call of at most 9 minutes: the suite (its
+#                                            GPU tests among them), then gpu_profile.py for
+#                                            D = 64 and 128 at M = 32, then bench decode
 #   bash benchmarks/gpu_session.sh experiment NAME [key=value ...]
 #                                            `memattn experiment NAME` on the GPU for at most
 #                                            EXPERIMENT_S seconds (540), JOBS models at once
@@ -56,6 +60,15 @@ case "$phase" in
     tail -n 2 "$OUT/kernels.log"
     timeout 120 python3 -m memattn bench all --device cuda --dtype bf16 --out "$OUT/bench" > "$OUT/bench.log" 2>&1 || true
     tail -n 5 "$OUT/bench.log" ;;
+  verify)
+    timeout 170 python3 -m pytest -q -n 8 -p no:cacheprovider --durations=10 > "$OUT/tests.log" 2>&1 || true
+    tail -n 3 "$OUT/tests.log"
+    timeout 200 python3 benchmarks/gpu_profile.py --dims 64 128 --slots 32 --out "$OUT/profile" \
+      > "$OUT/profile.log" 2>&1 || true
+    tail -n 2 "$OUT/profile.log"
+    timeout 150 python3 -m memattn bench decode --device cuda --dtype bf16 --out "$OUT/bench" \
+      > "$OUT/bench.log" 2>&1 || true
+    tail -n 3 "$OUT/bench.log" ;;
   experiment)
     # Run folders travel between machines as $OUT/NAME.tgz (every file but the finished
     # runs' checkpoints); put it at .gpu/NAME.tgz here and carry .gpu to go on.
@@ -72,5 +85,5 @@ case "$phase" in
        echo "$f"; done) > /tmp/keep.txt
     tar czf "$OUT/$name.tgz" -C "$dir" -T /tmp/keep.txt
     cp "$dir"/results.md "$dir"/results.json "$OUT/" 2>/dev/null || true ;;
-  *) echo "usage: $0 tests|kernels|bench [NAME ...]|profile|all|experiment NAME [key=value ...]" >&2; exit 2 ;;
+  *) echo "usage: $0 tests|kernels|bench [NAME ...]|profile|all|verify|experiment NAME [key=value ...]" >&2; exit 2 ;;
 esac

@@ -96,3 +96,5 @@ def test_profile_variants_patch_the_module_only_meanwhile():
     stages = profile.patched(profile.variants()["scans pipelined, 3 stages"],
                              lambda: memattn.kernels.SCAN_STAGES)
     assert stages == 3 and memattn.kernels.SCAN_STAGES == 0
+    assert profile.patched(profile.variants()["sub-blocks of 32 rows"], lambda: abc_chunk.BC) == 32
+    assert abc_chunk.BC == 16

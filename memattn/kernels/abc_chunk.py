@@ -537,16 +537,17 @@ class _Plan(NamedTuple):
 
 def _plan(bounds: list[int], chunk: int, scale: float, precision: str,
           device: torch.device) -> _Plan:
-    return _Plan(*_layout(tuple(bounds), chunk, device), chunk, scale, precision)
+    return _Plan(*_layout(tuple(bounds), chunk, BC, device), chunk, scale, precision)
 
 
 @functools.lru_cache(maxsize=64)
-def _layout(bounds: tuple[int, ...], chunk: int, device: torch.device):
-    """(cu, boff, sub_idx, n_seq, n_chunks) of a packed batch, kept for the next call with the
-    same boundaries: each copy to the GPU would wait for the work queued before it."""
+def _layout(bounds: tuple[int, ...], chunk: int, sub: int, device: torch.device):
+    """(cu, boff, sub_idx, n_seq, n_chunks) of a packed batch in chunks of `chunk` and
+    sub-blocks of `sub` tokens, kept for the next call with the same boundaries: each copy to
+    the GPU would wait for the work queued before it."""
     lens = torch.tensor(bounds[1:]) - torch.tensor(bounds[:-1])
     n_chunks = (lens + chunk - 1) // chunk
-    n_sub = (lens + BC - 1) // BC
+    n_sub = (lens + sub - 1) // sub
     seq = torch.repeat_interleave(torch.arange(len(lens)), n_sub)
     first = torch.cumsum(n_sub, 0) - n_sub
     sub = torch.arange(int(n_sub.sum())) - first[seq]

@@ -252,12 +252,14 @@ def test_on_gpu():
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-@pytest.mark.parametrize("stages", [2, 3])
-def test_pipelined_scans_on_gpu(monkeypatch, stages):
-    """The scans' `for` form (software-pipelined when compiled; the interpreter runs only the
-    `while` form) against the reference: several chunks, bf16, and a packed batch of 1, 129,
-    1 and 269 tokens."""
+@pytest.mark.parametrize("stages, sub", [(2, 16), (3, 16), (0, 32)])
+def test_kernel_variants_on_gpu(monkeypatch, stages, sub):
+    """The launch variants benchmarks/gpu_profile.py times, against the reference: the scans'
+    `for` form (software-pipelined when compiled; the interpreter runs only the `while`
+    form) and sub-blocks of 32 rows. Several chunks, bf16, and a packed batch of 1, 129, 1
+    and 269 tokens."""
     monkeypatch.setattr(memattn.kernels, "SCAN_STAGES", stages)
+    monkeypatch.setattr(abc_chunk, "BC", sub)
     xs = make_inputs(B=2, T=300, H=3, K=64, V=40, M=24, seed=4)
     want = run(abc_chunked, xs, torch.float64)
     assert_all_close(run(abc_chunk_triton, xs, torch.float32), want, atol=1e-4, rtol=1e-4)
