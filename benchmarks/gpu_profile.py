@@ -162,7 +162,7 @@ def markdown(res: dict) -> str:
             lines += [f"| `{r['kernel'][:70]}` | {r['ms']:.3f} | {r['launches']:g} | "
                       f"{100 * r['ms'] / total:.0f} % |" for r in rows[:12]]
             lines.append("")
-        for key, head in (("chunks", "chunk size"), ("variants", "variant (chunk 64)")):
+        for key, head in (("variants", "variant (chunk 64)"), ("chunks", "chunk size")):
             if not case.get(key):
                 continue
             lines += [f"| {head} | fwd ms | fwd+bwd ms |", "|---|---:|---:|"]
@@ -211,11 +211,11 @@ def main(argv=None) -> None:
                         fwd = event_ms(lambda: op(*xs))
                     return {"fwd": fwd, "fwd+bwd": event_ms(fwd_bwd(op, xs, do))}
 
-                for chunk in args.chunk_sizes:
-                    case["chunks"].append({"name": str(chunk), **attempt(lambda c=chunk: both(c))})
                 for name, changes in variants().items():
                     case["variants"].append(
                         {"name": name, **attempt(lambda ch=changes: patched(ch, lambda: both(64)))})
+                for chunk in args.chunk_sizes:
+                    case["chunks"].append({"name": str(chunk), **attempt(lambda c=chunk: both(c))})
             res["cases"].append(case)
             res["wall_s"] = time.perf_counter() - t0
             (out / "gpu_profile.json").write_text(json.dumps(res, indent=2) + "\n")

@@ -22,7 +22,8 @@
 #   bash benchmarks/gpu_session.sh verify    after changes to the kernels or the contracts,
 #                                            in one call of at most 9 minutes: the suite (its
 #                                            GPU tests among them), then gpu_profile.py for
-#                                            D = 64 and 128 at M = 32, then bench decode
+#                                            D = 64 and 128 at M = 32, then bench decode of
+#                                            softmax, abc-mlp and linear
 #   bash benchmarks/gpu_session.sh experiment NAME [key=value ...]
 #                                            `memattn experiment NAME` on the GPU for at most
 #                                            EXPERIMENT_S seconds (540), JOBS models at once
@@ -61,13 +62,13 @@ case "$phase" in
     timeout 120 python3 -m memattn bench all --device cuda --dtype bf16 --out "$OUT/bench" > "$OUT/bench.log" 2>&1 || true
     tail -n 5 "$OUT/bench.log" ;;
   verify)
-    timeout 170 python3 -m pytest -q -n 8 -p no:cacheprovider --durations=10 > "$OUT/tests.log" 2>&1 || true
+    timeout 150 python3 -m pytest -q -n 8 -p no:cacheprovider --durations=10 > "$OUT/tests.log" 2>&1 || true
     tail -n 3 "$OUT/tests.log"
-    timeout 200 python3 benchmarks/gpu_profile.py --dims 64 128 --slots 32 --out "$OUT/profile" \
-      > "$OUT/profile.log" 2>&1 || true
+    timeout 240 python3 benchmarks/gpu_profile.py --dims 64 128 --slots 32 --chunk-sizes 32 64 128 \
+      --out "$OUT/profile" > "$OUT/profile.log" 2>&1 || true
     tail -n 2 "$OUT/profile.log"
-    timeout 150 python3 -m memattn bench decode --device cuda --dtype bf16 --out "$OUT/bench" \
-      > "$OUT/bench.log" 2>&1 || true
+    timeout 100 python3 -m memattn bench decode --attention softmax abc-mlp linear --device cuda \
+      --dtype bf16 --out "$OUT/bench" > "$OUT/bench.log" 2>&1 || true
     tail -n 3 "$OUT/bench.log" ;;
   experiment)
     # Run folders travel between machines as $OUT/NAME.tgz (every file but the finished
