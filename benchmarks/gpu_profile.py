@@ -17,7 +17,8 @@ bf16 on CUDA, forward + backward, inputs [B, T, H, D] as in gpu_kernels.py.
   `memattn.kernels.SCAN_STAGES`, for its run only.
 `--device cpu` runs the same report on the torch form in float32 (no fla, no chunk sizes): a
 check of the script itself on a machine without a GPU.
-Writes gpu_profile.json and .md in --out (default benchmarks/results/<device-name>).
+Writes gpu_profile.json and .md in --out (default benchmarks/results/<device-name>) after
+every measurement.
 """
 
 from __future__ import annotations
@@ -192,15 +193,24 @@ def main(argv=None) -> None:
     out = Path(args.out) if args.out else ROOT / "benchmarks" / "results" / device_slug(device)
     out.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
+
+    def save():  # after every measurement: a run cut short keeps what it measured
+        res["wall_s"] = time.perf_counter() - t0
+        (out / "gpu_profile.json").write_text(json.dumps(res, indent=2) + "\n")
+        (out / "gpu_profile.md").write_text(markdown(res))
+
     for D in args.dims:
         for M in args.slots:
             xs, do = inputs(B, T, H, D, M, device, dtype)
             ops = {"memattn": lambda q, k, v, s: abc_attention(q, k, v, s, backend=backend)[0]}
             if fla is not None:
                 ops["fla chunk_abc"] = fla
-            case = {"D": D, "M": M, "chunks": [], "variants": [],
-                    "profile": {name: attempt(lambda op=op: kernel_times(fwd_bwd(op, xs, do), args.calls, device))
-                                for name, op in ops.items()}}
+            case = {"D": D, "M": M, "chunks": [], "variants": [], "profile": {}}
+            res["cases"].append(case)
+            for name, op in ops.items():
+                case["profile"][name] = attempt(
+                    lambda op=op: kernel_times(fwd_bwd(op, xs, do), args.calls, device))
+                save()
             if device.type == "cuda":
                 from memattn.kernels.abc_chunk import abc_chunk_triton
 
@@ -214,12 +224,10 @@ def main(argv=None) -> None:
                 for name, changes in variants().items():
                     case["variants"].append(
                         {"name": name, **attempt(lambda ch=changes: patched(ch, lambda: both(64)))})
+                    save()
                 for chunk in args.chunk_sizes:
                     case["chunks"].append({"name": str(chunk), **attempt(lambda c=chunk: both(c))})
-            res["cases"].append(case)
-            res["wall_s"] = time.perf_counter() - t0
-            (out / "gpu_profile.json").write_text(json.dumps(res, indent=2) + "\n")
-            (out / "gpu_profile.md").write_text(markdown(res))
+                    save()
             print(f"D={D} M={M} done ({res['wall_s']:.0f} s)", flush=True)
     print(markdown(res))
 
