@@ -26,7 +26,6 @@ from __future__ import annotations
 import argparse
 import json
 import shlex
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -37,6 +36,7 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
+from benchmarks.gpu_kernels import cuda_ms  # noqa: E402  (the same timing as there)
 from memattn.bench.peers import fla_chunk_abc  # noqa: E402
 from memattn.bench.settings import device_slug  # noqa: E402
 from memattn.ops.abc import abc_attention  # noqa: E402
@@ -89,21 +89,6 @@ def kernel_times(run, calls: int, device: torch.device) -> list[dict]:
         if us > 0:
             rows.append({"kernel": e.key, "ms": us / 1e3 / calls, "launches": e.count / calls})
     return sorted(rows, key=lambda r: -r["ms"])
-
-
-def event_ms(run, warmup=3, repeats=10) -> float:
-    for _ in range(warmup):
-        run()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(repeats):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        run()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b))
-    return statistics.median(times)
 
 
 def variants() -> dict:
@@ -218,8 +203,8 @@ def main(argv=None) -> None:
                     def op(q, k, v, s):
                         return abc_chunk_triton(q, k, v, s, chunk_size=chunk)[0]
                     with torch.no_grad():
-                        fwd = event_ms(lambda: op(*xs))
-                    return {"fwd": fwd, "fwd+bwd": event_ms(fwd_bwd(op, xs, do))}
+                        fwd = cuda_ms(lambda: op(*xs), 3, 10)
+                    return {"fwd": fwd, "fwd+bwd": cuda_ms(fwd_bwd(op, xs, do), 3, 10)}
 
                 for name, changes in variants().items():
                     case["variants"].append(
