@@ -10,11 +10,13 @@ bf16 on CUDA, forward + backward, inputs [B, T, H, D] as in gpu_kernels.py.
   kernel's own device time per call, its launches per call and its share of the op.
 - Chunk sizes: memattn's op (`abc_chunk_triton(chunk_size=...)`) timed with CUDA events,
   fwd and fwd+bwd (median of 10 after 3 warm-up calls).
-- Variants, timed alike at the default chunk size: the scans' blocks along D capped at 32
-  and 16 (more programs for the scans), 2, 4 or 8 warps for every kernel, and the scans'
-  chunk loops software-pipelined with 2 or 3 stages, and sub-blocks of 32 rows (16 by
-  default); each patches `_state_blocks`, `_warps` or `BC` of `memattn.kernels.abc_chunk`, or
-  `memattn.kernels.SCAN_STAGES`, for its run only.
+- Variants, timed alike at the default chunk size, with every kernel's own time (the
+  profile's), so that each kernel's launch choices can be taken from the variant that is
+  best for it: the scans' blocks along D capped at 32 and 16 (more programs for the scans),
+  1, 2, 4 or 8 warps for every kernel, the scans' chunk loops software-pipelined with 2 or 3
+  stages, sub-blocks of 32 rows (16 by default), and fp32 operands with TF32 products in
+  place of bf16 ones; each patches `_state_blocks`, `_warps`, `BC` or `HALF_DOTS` of
+  `memattn.kernels.abc_chunk`, or `memattn.kernels.SCAN_STAGES`, for its run only.
 `--device cpu` runs the same report on the torch form in float32 (no fla, no chunk sizes): a
 check of the script itself on a machine without a GPU.
 Writes gpu_profile.json and .md in --out (default benchmarks/results/<device-name>) after
@@ -100,9 +102,10 @@ def variants() -> dict:
 
     out = {"default": {}}
     out.update({f"scan blocks D <= {cap}": {"_state_blocks": blocks(cap)} for cap in (32, 16)})
-    out.update({f"{w} warps": {"_warps": lambda *b, w=w: w} for w in (2, 4, 8)})
+    out.update({f"{w} warps": {"_warps": lambda *b, w=w: w} for w in (1, 2, 4, 8)})
     out.update({f"scans pipelined, {n} stages": {"SCAN_STAGES": n} for n in (2, 3)})
     out["sub-blocks of 32 rows"] = {"BC": 32}
+    out["TF32 dots"] = {"HALF_DOTS": False}
     return out
 
 
@@ -151,9 +154,14 @@ def markdown(res: dict) -> str:
         for key, head in (("variants", "variant (chunk 64)"), ("chunks", "chunk size")):
             if not case.get(key):
                 continue
-            lines += [f"| {head} | fwd ms | fwd+bwd ms |", "|---|---:|---:|"]
+            # the six longest kernels of the first variant that has them, as columns
+            kernels = next((list(c["kernels"])[:6] for c in case[key] if "kernels" in c), [])
+            lines += [f"| {head} | fwd ms | fwd+bwd ms |" + "".join(f" `{k[:24]}` |"
+                                                                 for k in kernels),
+                      "|---|---:|---:|" + "---:|" * len(kernels)]
             for c in case[key]:
                 cells = [c.get(m, c.get("error", "")) for m in ("fwd", "fwd+bwd")]
+                cells += [c.get("kernels", {}).get(k, "") for k in kernels]
                 lines.append(f"| {c['name']} | " + " | ".join(
                     f"{x:.3f}" if isinstance(x, float) else str(x) for x in cells) + " |")
             lines.append("")
@@ -199,19 +207,25 @@ def main(argv=None) -> None:
             if device.type == "cuda":
                 from memattn.kernels.abc_chunk import abc_chunk_triton
 
-                def both(chunk):
-                    def op(q, k, v, s):
-                        return abc_chunk_triton(q, k, v, s, chunk_size=chunk)[0]
+                def chunked(chunk):
+                    return lambda q, k, v, s: abc_chunk_triton(q, k, v, s, chunk_size=chunk)[0]
+
+                def both(op):
                     with torch.no_grad():
                         fwd = cuda_ms(lambda: op(*xs), 3, 10)
                     return {"fwd": fwd, "fwd+bwd": cuda_ms(fwd_bwd(op, xs, do), 3, 10)}
 
+                def timed(op):
+                    kernels = kernel_times(fwd_bwd(op, xs, do), args.calls, device)
+                    return {**both(op), "kernels": {r["kernel"]: r["ms"] for r in kernels}}
+
                 for name, changes in variants().items():
-                    case["variants"].append(
-                        {"name": name, **attempt(lambda ch=changes: patched(ch, lambda: both(64)))})
+                    case["variants"].append({"name": name, **attempt(
+                        lambda ch=changes: patched(ch, lambda: timed(chunked(64))))})
                     save()
                 for chunk in args.chunk_sizes:
-                    case["chunks"].append({"name": str(chunk), **attempt(lambda c=chunk: both(c))})
+                    case["chunks"].append({"name": str(chunk),
+                                           **attempt(lambda c=chunk: both(chunked(c)))})
                     save()
             print(f"D={D} M={M} done ({res['wall_s']:.0f} s)", flush=True)
     print(markdown(res))

@@ -20,10 +20,11 @@
 #                                            the GPU, each cut at its share of the time (the
 #                                            kernels benchmark keeps the rows it measured)
 #   bash benchmarks/gpu_session.sh verify    after changes to the kernels or the contracts,
-#                                            in one call of at most 9 minutes: the suite (its
-#                                            GPU tests among them), then gpu_profile.py for
-#                                            D = 64 and 128 at M = 32, then bench decode of
-#                                            softmax, abc-mlp and linear
+#                                            in one call of at most 9 minutes: the kernel
+#                                            tests beside the rest of the suite, then
+#                                            gpu_profile.py for D = 64 and 128 at M = 32 (its
+#                                            variants with every kernel's time), then bench
+#                                            decode of softmax, abc-mlp and linear
 #   bash benchmarks/gpu_session.sh experiment NAME [key=value ...]
 #                                            `memattn experiment NAME` on the GPU for at most
 #                                            EXPERIMENT_S seconds (540), JOBS models at once
@@ -45,26 +46,30 @@ python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upg
 export PYTHONPATH="$PWD:/tmp/site" PYTHONUNBUFFERED=1
 { nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader || true
   python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"; } > "$OUT/device.txt"
+# The kernel tests (GPU shapes, one process: the GPU) beside the rest of the suite (8 CPU
+# workers), both cut at $1 seconds.
+tests_beside() {
+  kernel_tests=(tests/ops/test_abc_triton.py tests/ops/test_abc_decode_triton.py tests/ops/test_linear_triton.py)
+  timeout "$1" python3 -m pytest -q -p no:cacheprovider "${kernel_tests[@]}" > "$OUT/kernel-tests.log" 2>&1 &
+  timeout "$1" python3 -m pytest -q -n 8 -p no:cacheprovider --durations=10 \
+    $(printf -- '--ignore=%s ' "${kernel_tests[@]}") > "$OUT/tests.log" 2>&1 &
+  wait || true
+  tail -n 3 "$OUT/kernel-tests.log" "$OUT/tests.log"
+}
 case "$phase" in
   tests) python3 -m pytest -q -n 8 -p no:cacheprovider --durations=10 2>&1 | tee "$OUT/tests.log" ;;
   kernels) python3 benchmarks/gpu_kernels.py --out "$OUT/kernels" 2>&1 | tee "$OUT/kernels.log" ;;
   bench) shift; python3 -m memattn bench "${@:-all}" --device cuda --dtype bf16 --out "$OUT/bench" 2>&1 | tee "$OUT/bench.log" ;;
   profile) python3 benchmarks/gpu_profile.py --out "$OUT/profile" 2>&1 | tee "$OUT/profile.log" ;;
   all)
-    kernel_tests=(tests/ops/test_abc_triton.py tests/ops/test_abc_decode_triton.py tests/ops/test_linear_triton.py)
-    timeout 150 python3 -m pytest -q -p no:cacheprovider "${kernel_tests[@]}" > "$OUT/kernel-tests.log" 2>&1 &
-    timeout 150 python3 -m pytest -q -n 8 -p no:cacheprovider --durations=10 \
-      $(printf -- '--ignore=%s ' "${kernel_tests[@]}") > "$OUT/tests.log" 2>&1 &
-    wait || true
-    tail -n 3 "$OUT/kernel-tests.log" "$OUT/tests.log"
+    tests_beside 150
     timeout 240 python3 benchmarks/gpu_kernels.py --skip-tests --out "$OUT/kernels" > "$OUT/kernels.log" 2>&1 || true
     tail -n 2 "$OUT/kernels.log"
     timeout 120 python3 -m memattn bench all --device cuda --dtype bf16 --out "$OUT/bench" > "$OUT/bench.log" 2>&1 || true
     tail -n 5 "$OUT/bench.log" ;;
   verify)
-    timeout 150 python3 -m pytest -q -n 8 -p no:cacheprovider --durations=10 > "$OUT/tests.log" 2>&1 || true
-    tail -n 3 "$OUT/tests.log"
-    timeout 240 python3 benchmarks/gpu_profile.py --dims 64 128 --slots 32 --chunk-sizes 32 64 128 \
+    tests_beside 130
+    timeout 300 python3 benchmarks/gpu_profile.py --dims 64 128 --slots 32 --chunk-sizes 32 64 128 \
       --out "$OUT/profile" > "$OUT/profile.log" 2>&1 || true
     tail -n 2 "$OUT/profile.log"
     timeout 100 python3 -m memattn bench decode --attention softmax abc-mlp linear --device cuda \

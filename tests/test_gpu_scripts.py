@@ -98,3 +98,19 @@ def test_profile_variants_patch_the_module_only_meanwhile():
     assert stages == 3 and memattn.kernels.SCAN_STAGES == 0
     assert profile.patched(profile.variants()["sub-blocks of 32 rows"], lambda: abc_chunk.BC) == 32
     assert abc_chunk.BC == 16
+
+
+def test_profile_report_gives_each_variant_its_kernels_times():
+    profile = load("gpu_profile")
+    res = {"command": "python3 benchmarks/gpu_profile.py", "device": "GPU", "torch": "2",
+           "batch": 1, "heads": 1, "length": 64, "dtype": "bfloat16", "calls": 1,
+           "cases": [{"D": 64, "M": 32, "profile": {}, "chunks": [], "variants": [
+               {"name": "default", "fwd": 1.0, "fwd+bwd": 3.0,
+                "kernels": {"_bwd_dkv": 1.5, "_fwd_output": 0.75}},
+               {"name": "2 warps", "fwd": 0.5, "fwd+bwd": 2.0, "kernels": {"_fwd_output": 0.25}},
+               {"name": "8 warps", "error": "OutOfResources: shared memory"}]}]}
+    lines = profile.markdown(res).splitlines()
+    assert "| variant (chunk 64) | fwd ms | fwd+bwd ms | `_bwd_dkv` | `_fwd_output` |" in lines
+    assert "| default | 1.000 | 3.000 | 1.500 | 0.750 |" in lines
+    assert "| 2 warps | 0.500 | 2.000 |  | 0.250 |" in lines
+    assert "| 8 warps | OutOfResources: shared memory | OutOfResources: shared memory |  |  |" in lines

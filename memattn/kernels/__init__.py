@@ -12,7 +12,9 @@ On the CPU the kernels run in Triton's interpreter (TRITON_INTERPRET=1, read whe
 is defined; tests/conftest.py sets it when no GPU is present). Where the interpreter differs
 from compiled Triton, the kernels are written for both:
 
-- `tl.dot` on bf16 operands gives wrong results: operands are upcast to fp32 first.
+- `tl.dot` on bf16 operands gives wrong results: operands are upcast to fp32 first (where
+  compiled code multiplies half operands, the interpreter multiplies the rounded values in
+  fp32). Its fp32 -> bf16 conversion truncates, where compiled code rounds to nearest.
 - The variable of a `range` loop is a Python int, with no `.to()`; offsets built from it
   are cast through a tensor they join.
 - A scalar loaded from memory, or a scalar kernel argument, is a one-element array, not a

@@ -44,8 +44,11 @@ memories [chunks, H, M, K + V] and the normalisers, the initial and final states
 Tiles: BT = chunk_size (64 by default) tokens a chunk, BC = 16 rows a sub-block; K, V, M
 padded to powers of two ≥ 16 (at most 128) and held whole in the sub-block kernels; the
 scans take blocks of at most 64 along M and D. 4 warps when every tile side is ≤ 32, else
-8. Loads are upcast to fp32 and every tl.dot takes fp32 operands (IEEE precision for fp32
-inputs, TF32 for fp16 / bf16 ones). Sequential loops over chunks are `while` loops (their
+8. Loads are upcast to fp32 and the elementwise work (exp, log-sum-exp, decays) is fp32;
+every tl.dot accumulates in fp32. Its operands are fp32 for fp32 inputs (IEEE precision)
+and, for inputs all in bf16 or all in fp16, rounded to that dtype (`HALF_DOTS`; TF32 for
+mixed inputs or with HALF_DOTS off), as flash-linear-attention's kernels and
+memattn/kernels/linear.py do. Sequential loops over chunks are `while` loops (their
 count is read from cu_seqlens, which the interpreter cannot take as the bound of a `range`;
 see memattn/kernels/__init__.py). The scans also have a `for` form that compiled Triton
 software-pipelines (STAGES > 0, `memattn.kernels.SCAN_STAGES`); compiled offline for sm_90
@@ -63,7 +66,7 @@ import triton
 import triton.language as tl
 
 from memattn.errors import ShapeError
-from memattn.kernels import KERNEL_DTYPES, kernels_supported, scan_stages
+from memattn.kernels import KERNEL_DTYPES, interpreting, kernels_supported, scan_stages
 from memattn.ops.abc.common import ABCState, check_inputs, default_scale
 from memattn.ops.abc.varlen import check_varlen
 
@@ -71,6 +74,9 @@ from memattn.ops.abc.varlen import check_varlen
 # shared memory of an H100.
 MAX_DIM = 128
 BC = 16  # rows of a sub-block, the smallest tl.dot
+# Matmul operands of bf16 / fp16 inputs in that dtype (else fp32 operands, TF32 products).
+HALF_DOTS = True
+_INTERPRETED = tl.constexpr(interpreting())
 _NEG = tl.constexpr(-1e30)  # logit of padding: exp(_NEG - x) = 0, logaddexp(x, _NEG) = x
 _POS = tl.constexpr(1e30)  # log-normaliser of padding: exp(x - _POS) = 0
 
@@ -83,6 +89,27 @@ _POS = tl.constexpr(1e30)  # log-normaliser of padding: exp(x - _POS) = 0
 def _logaddexp(x, y):
     mx = tl.maximum(x, y)
     return mx + tl.log(1.0 + tl.exp(tl.minimum(x, y) - mx))
+
+
+@triton.jit
+def _dot(a, b, PREC: tl.constexpr):
+    """a @ b of fp32 tiles, accumulated in fp32. PREC "ieee" / "tf32": fp32 operands at that
+    precision; "bf16" / "fp16": operands rounded to that dtype. The interpreter multiplies
+    half operands wrongly, so there the rounded operands are multiplied in fp32: the same
+    products (its bf16 rounding truncates where compiled code rounds to nearest, so its
+    error is the larger)."""
+    if PREC == "ieee" or PREC == "tf32":
+        out = tl.dot(a, b, input_precision=PREC)
+    else:
+        if PREC == "bf16":
+            a, b = a.to(tl.bfloat16), b.to(tl.bfloat16)
+        else:
+            a, b = a.to(tl.float16), b.to(tl.float16)
+        if _INTERPRETED:
+            out = tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
+        else:
+            out = tl.dot(a, b)
+    return out
 
 
 @triton.jit
@@ -183,7 +210,7 @@ def _fwd_states_chunk(t, i_g, b_mem, b_lz, x, s, a, zprev, zend, h, eos, i_h, i_
         tl.store(zend + (i_g * H + i_h) * M + o_m, b_end, mask=m_ok)
     write = tl.exp(b_s - b_end[None, :])  # [BT, BM], ≤ 1
     keep = tl.exp(b_lz - b_end)  # [BM], ≤ 1
-    b_mem = b_mem * keep[:, None] + tl.dot(tl.trans(write), b_x, input_precision=PREC)
+    b_mem = b_mem * keep[:, None] + _dot(tl.trans(write), b_x, PREC)
     return b_mem, b_end
 
 
@@ -240,20 +267,18 @@ def _keys_to_slots(b_x, b_h, decay, y, s, a, b_a, t0, eos, bos, j0, i_s, i_h, H,
     """out[t, m] = decay[t, m] (x_t · h[m]) + Σ_{i≤t in the chunk} φ[t, i][m] (x_t · y_i) for
     the rows t of a sub-block -> [BC, BM]. b_x [BC, BD]; b_h [BM, BD] the memory before the
     chunk; y [total, H, D]. x = scale q, y = k, h = K̃: the scores; x = do, y = v, h = Ṽ: dp."""
-    b_out = decay * tl.dot(b_x, tl.trans(b_h), input_precision=PREC)
+    b_out = decay * _dot(b_x, tl.trans(b_h), PREC)
     j = j0
     while j < i_s:  # earlier sub-blocks of the chunk, split at r = a at their last token
         rows_j = bos + j * BC + o_c
         b_yj = _tile(y, rows_j, rows_j < eos, i_h, H, D, o_d, 0.0)
         b_sj = _tile(s, rows_j, rows_j < eos, i_h, H, M, o_m, _NEG)
         b_r = _row(a, bos + j * BC + BC - 1, True, i_h, H, M, o_m, _POS)  # [BM]
-        b_xy = tl.dot(b_x, tl.trans(b_yj), input_precision=PREC)  # [BC, BC]
-        b_out += tl.exp(b_r[None, :] - b_a) * tl.dot(b_xy, tl.exp(b_sj - b_r[None, :]),
-                                                     input_precision=PREC)
+        b_xy = _dot(b_x, tl.trans(b_yj), PREC)  # [BC, BC]
+        b_out += tl.exp(b_r[None, :] - b_a) * _dot(b_xy, tl.exp(b_sj - b_r[None, :]), PREC)
         j += 1
     rows = t0 + o_c
-    b_xy = tl.dot(b_x, tl.trans(_tile(y, rows, rows < eos, i_h, H, D, o_d, 0.0)),
-                  input_precision=PREC)
+    b_xy = _dot(b_x, tl.trans(_tile(y, rows, rows < eos, i_h, H, D, o_d, 0.0)), PREC)
     for i in range(BC):  # token i of the sub-block, read by the tokens t ≥ i
         b_si = _row(s, t0 + i, t0 + i < eos, i_h, H, M, o_m, _NEG)
         b_phi = tl.exp(tl.where(o_c[:, None] >= i, b_si[None, :] - b_a, _NEG))  # [BC, BM]
@@ -267,16 +292,16 @@ def _slots_to_values(b_w, b_h, decay, y, s, a, b_a, t0, eos, bos, j0, i_s, i_h, 
     """out[t] = Σ_m w[t, m] (decay[t, m] h[m] + Σ_{i≤t in the chunk} φ[t, i][m] y_i) for the
     rows t of a sub-block -> [BC, BD]. b_w [BC, BM]; b_h [BM, BD] the memory before the chunk;
     y [total, H, D]. w = p, y = v, h = Ṽ: o; w = dS, y = k, h = K̃: dq / scale."""
-    b_out = tl.dot(b_w * decay, b_h, input_precision=PREC)
+    b_out = _dot(b_w * decay, b_h, PREC)
     j = j0
     while j < i_s:
         rows_j = bos + j * BC + o_c
         b_yj = _tile(y, rows_j, rows_j < eos, i_h, H, D, o_d, 0.0)
         b_sj = _tile(s, rows_j, rows_j < eos, i_h, H, M, o_m, _NEG)
         b_r = _row(a, bos + j * BC + BC - 1, True, i_h, H, M, o_m, _POS)
-        b_g = tl.dot(b_w * tl.exp(b_r[None, :] - b_a), tl.trans(tl.exp(b_sj - b_r[None, :])),
-                     input_precision=PREC)  # [BC, BC]
-        b_out += tl.dot(b_g, b_yj, input_precision=PREC)
+        b_g = _dot(b_w * tl.exp(b_r[None, :] - b_a), tl.trans(tl.exp(b_sj - b_r[None, :])),
+                   PREC)  # [BC, BC]
+        b_out += _dot(b_g, b_yj, PREC)
         j += 1
     for i in range(BC):
         b_si = _row(s, t0 + i, t0 + i < eos, i_h, H, M, o_m, _NEG)
@@ -375,7 +400,7 @@ def _bwd_states_chunk(i, b_dh, b_dc, x, coef, lse, c, a, zprev, zend, dh, dc, bo
     else:
         b_coef = _tile(coef, rows, r_ok, i_h, H, M, o_m, 0.0)
         b_x = _tile(x, rows, r_ok, i_h, H, D, o_d, 0.0) * scale
-    b_dh = b_dh * keep[:, None] + tl.dot(tl.trans(b_f * b_coef), b_x, input_precision=PREC)
+    b_dh = b_dh * keep[:, None] + _dot(tl.trans(b_f * b_coef), b_x, PREC)
     if (not IS_V) and i_d == 0:
         b_dc = b_dc * keep + tl.sum(b_f * _tile(c, rows, r_ok, i_h, H, M, o_m, 0.0), 0)
     return b_dh, b_dc
@@ -453,10 +478,10 @@ def _bwd_dkv(q, k, v, s, a, zend, S, lse, do, dS, c, dhk, dhv, dhc, dk, dv, ds,
     b_hk = _block(dhk, i_g, i_h, H, M, K, o_m, o_k)
     b_hv = _block(dhv, i_g, i_h, H, M, V, o_m, o_v)
     b_hc = tl.load(dhc + (i_g * H + i_h) * M + o_m, mask=o_m < M, other=0.0)
-    b_dk = tl.dot(b_e, b_hk, input_precision=PREC)
-    b_dv = tl.dot(b_e, b_hv, input_precision=PREC)
-    b_ds = b_e * (tl.dot(b_k, tl.trans(b_hk), input_precision=PREC)
-                  + tl.dot(b_v, tl.trans(b_hv), input_precision=PREC) - b_hc[None, :])
+    b_dk = _dot(b_e, b_hk, PREC)
+    b_dv = _dot(b_e, b_hv, PREC)
+    b_ds = b_e * (_dot(b_k, tl.trans(b_hk), PREC) + _dot(b_v, tl.trans(b_hv), PREC)
+                  - b_hc[None, :])
 
     # Later sub-blocks of the chunk, through r = log_z at the last token of this one.
     n_sub = (eos - bos + BC - 1) // BC
@@ -474,21 +499,16 @@ def _bwd_dkv(q, k, v, s, a, zend, S, lse, do, dS, c, dhk, dhv, dhc, dk, dv, ds,
         b_pj, _sj = _probs(S, lse, rows_j, rj_ok, i_h, H, M, o_m)
         b_fp = b_f * b_pj
         b_fc = tl.sum(b_f * _tile(c, rows_j, rj_ok, i_h, H, M, o_m, 0.0), 0)  # [BM]
-        b_dk += tl.dot(tl.dot(b_e, tl.trans(b_fdS), input_precision=PREC), b_qj,
-                       input_precision=PREC)
-        b_dv += tl.dot(tl.dot(b_e, tl.trans(b_fp), input_precision=PREC), b_doj,
-                       input_precision=PREC)
-        b_kq = tl.dot(b_k, tl.trans(b_qj), input_precision=PREC)  # [BC, BC]
-        b_vdo = tl.dot(b_v, tl.trans(b_doj), input_precision=PREC)
-        b_ds += b_e * (tl.dot(b_kq, b_fdS, input_precision=PREC)
-                       + tl.dot(b_vdo, b_fp, input_precision=PREC) - b_fc[None, :])
+        b_dk += _dot(_dot(b_e, tl.trans(b_fdS), PREC), b_qj, PREC)
+        b_dv += _dot(_dot(b_e, tl.trans(b_fp), PREC), b_doj, PREC)
+        b_kq = _dot(b_k, tl.trans(b_qj), PREC)  # [BC, BC]
+        b_vdo = _dot(b_v, tl.trans(b_doj), PREC)
+        b_ds += b_e * (_dot(b_kq, b_fdS, PREC) + _dot(b_vdo, b_fp, PREC) - b_fc[None, :])
         j += 1
 
     # This sub-block: token t reads tokens i ≤ t.
-    b_kq = tl.dot(b_k, tl.trans(_tile(q, rows, r_ok, i_h, H, K, o_k, 0.0) * scale),
-                  input_precision=PREC)
-    b_vdo = tl.dot(b_v, tl.trans(_tile(do, rows, r_ok, i_h, H, V, o_v, 0.0)),
-                   input_precision=PREC)
+    b_kq = _dot(b_k, tl.trans(_tile(q, rows, r_ok, i_h, H, K, o_k, 0.0) * scale), PREC)
+    b_vdo = _dot(b_v, tl.trans(_tile(do, rows, r_ok, i_h, H, V, o_v, 0.0)), PREC)
     for i in range(BC):  # token t = t0 + i
         ok = t0 + i < eos
         b_at = _row(a, t0 + i, ok, i_h, H, M, o_m, _POS)
@@ -555,6 +575,16 @@ def _layout(bounds: tuple[int, ...], chunk: int, sub: int, device: torch.device)
     return (torch.tensor(bounds, **as_int), (torch.cumsum(n_chunks, 0) - n_chunks).to(**as_int),
             torch.stack((seq, sub), dim=1).to(**as_int).contiguous(), len(lens),
             int(n_chunks.sum()))
+
+
+def _precision(*inputs: torch.Tensor) -> str:
+    """PREC of the kernels' tl.dot for these inputs (see `_dot` and `HALF_DOTS`)."""
+    dtypes = {t.dtype for t in inputs}
+    if dtypes == {torch.float32}:
+        return "ieee"
+    if HALF_DOTS and len(dtypes) == 1:
+        return {torch.bfloat16: "bf16", torch.float16: "fp16"}[dtypes.pop()]
+    return "tf32"
 
 
 def _state_blocks(M: int, D: int) -> tuple[int, int]:
@@ -708,8 +738,7 @@ def abc_chunk_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, s: torch
         if size > MAX_DIM:
             raise ShapeError(f"q: the Triton kernels take {name} ≤ {MAX_DIM}, got {name}={size}")
 
-    half = any(t.dtype != torch.float32 for t in (q, k, v, s))
-    plan = _plan(bounds, chunk_size, default_scale(scale, K), "tf32" if half else "ieee",
+    plan = _plan(bounds, chunk_size, default_scale(scale, K), _precision(q, k, v, s),
                  q.device)
     packed = [x.reshape(B * T, H, x.shape[-1]).contiguous() for x in (q, k, v, s)]
     init = (None, None, None) if initial_state is None else \

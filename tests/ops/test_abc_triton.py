@@ -140,10 +140,24 @@ def test_varlen_matches_each_sequence():
         torch.testing.assert_close(want[1 + i], torch.cat([st[i] for _, st in per_seq]))
 
 
+def test_dot_precision_follows_the_inputs(monkeypatch):
+    f32, bf16, f16 = (torch.zeros(1, dtype=d) for d in (torch.float32, torch.bfloat16,
+                                                        torch.float16))
+    assert abc_chunk._precision(f32, f32) == "ieee"
+    assert abc_chunk._precision(bf16, bf16) == "bf16"
+    assert abc_chunk._precision(f16, f16) == "fp16"
+    assert abc_chunk._precision(bf16, f32) == abc_chunk._precision(bf16, f16) == "tf32"
+    monkeypatch.setattr(abc_chunk, "HALF_DOTS", False)
+    assert abc_chunk._precision(bf16, bf16) == "tf32"
+
+
+@pytest.mark.parametrize("half_dots", [True, False])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_half_precision(dtype):
+def test_half_precision(monkeypatch, dtype, half_dots):
     """fp16 / bf16 inputs (fp32 accumulation) against the float64 reference of the same
-    rounded inputs; o and the gradients come back in the input dtype."""
+    rounded inputs, with matmul operands in the input dtype or in fp32 (TF32); o and the
+    gradients come back in the input dtype."""
+    monkeypatch.setattr(abc_chunk, "HALF_DOTS", half_dots)
     xs = make_inputs(T=21, dtype=dtype)
     q = xs[0].to(dtype)
     o, state = abc_chunk_triton(q, *(x.to(dtype) for x in xs[1:4]), output_final_state=True,
@@ -252,14 +266,16 @@ def test_on_gpu():
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-@pytest.mark.parametrize("stages, sub", [(2, 16), (3, 16), (0, 32)])
-def test_kernel_variants_on_gpu(monkeypatch, stages, sub):
+@pytest.mark.parametrize("stages, sub, half_dots", [(2, 16, True), (3, 16, True),
+                                                     (0, 32, True), (0, 16, False)])
+def test_kernel_variants_on_gpu(monkeypatch, stages, sub, half_dots):
     """The launch variants benchmarks/gpu_profile.py times, against the reference: the scans'
     `for` form (software-pipelined when compiled; the interpreter runs only the `while`
-    form) and sub-blocks of 32 rows. Several chunks, bf16, and a packed batch of 1, 129, 1
-    and 269 tokens."""
+    form), sub-blocks of 32 rows, TF32 products for bf16 inputs. Several chunks, bf16, and
+    a packed batch of 1, 129, 1 and 269 tokens."""
     monkeypatch.setattr(memattn.kernels, "SCAN_STAGES", stages)
     monkeypatch.setattr(abc_chunk, "BC", sub)
+    monkeypatch.setattr(abc_chunk, "HALF_DOTS", half_dots)
     xs = make_inputs(B=2, T=300, H=3, K=64, V=40, M=24, seed=4)
     want = run(abc_chunked, xs, torch.float64)
     assert_all_close(run(abc_chunk_triton, xs, torch.float32), want, atol=1e-4, rtol=1e-4)
