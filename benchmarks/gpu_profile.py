@@ -12,7 +12,8 @@ bf16 on CUDA, forward + backward, inputs [B, T, H, D] as in gpu_kernels.py.
   fwd and fwd+bwd (median of 10 after 3 warm-up calls).
 - Variants, timed alike at the default chunk size, with every kernel's own time (the
   profile's), so that each kernel's launch choices can be taken from the variant that is
-  best for it: the scans' blocks along D capped at 32 and 16 (more programs for the scans),
+  best for it: the scans' blocks along D capped at 32 and 16, or along M at 16 and D at 32
+  (more programs for the scans),
   1, 2, 4 or 8 warps for every kernel, the scans' chunk loops software-pipelined with 2 or 3
   stages, sub-blocks of 32 rows (16 by default), and fp32 operands with TF32 products in
   place of bf16 ones; each patches `_state_blocks`, `_warps`, `BC` or `HALF_DOTS` of
@@ -97,11 +98,12 @@ def variants() -> dict:
     """name -> {attribute of memattn.kernels.abc_chunk: replacement} (see the docstring)."""
     from memattn.kernels import abc_chunk as ac
 
-    def blocks(cap):
-        return lambda M, D: (min(64, ac._pad(M)), min(cap, ac._pad(D)))
+    def blocks(cap_d, cap_m=64):
+        return lambda M, D: (min(cap_m, ac._pad(M)), min(cap_d, ac._pad(D)))
 
     out = {"default": {}}
     out.update({f"scan blocks D <= {cap}": {"_state_blocks": blocks(cap)} for cap in (32, 16)})
+    out["scan blocks M <= 16, D <= 32"] = {"_state_blocks": blocks(32, 16)}
     out.update({f"{w} warps": {"_warps": lambda *b, w=w: w} for w in (1, 2, 4, 8)})
     out.update({f"scans pipelined, {n} stages": {"SCAN_STAGES": n} for n in (2, 3)})
     out["sub-blocks of 32 rows"] = {"BC": 32}

@@ -89,6 +89,7 @@ def test_profile_variants_patch_the_module_only_meanwhile():
              for name, changes in profile.variants().items()}
     assert found["default"] == before == ((32, 64), 8)
     assert found["scan blocks D <= 16"] == ((32, 16), 8)
+    assert found["scan blocks M <= 16, D <= 32"] == ((16, 32), 8)
     assert found["2 warps"] == ((32, 64), 2)
     assert (abc_chunk._state_blocks(32, 64), abc_chunk._warps(64, 64)) == before
     import memattn.kernels

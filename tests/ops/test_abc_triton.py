@@ -85,6 +85,15 @@ def test_matches_reference(T, chunk):
     assert_all_close(got, want, **F32)
 
 
+def test_scans_split_into_blocks(monkeypatch):
+    """The scans' programs over blocks of 16 slots and 16 features (gpu_profile.py's variants
+    cap them for more parallel scans): M = 20, K = 40, V = 24 each span two or three blocks."""
+    monkeypatch.setattr(abc_chunk, "_state_blocks", lambda M, D: (16, 16))
+    xs = make_inputs(T=37, K=40, V=24, M=20)
+    got = run(abc_chunk_triton, xs, torch.float32, chunk_size=16)
+    assert_all_close(got, run(abc_reference, xs, torch.float64), **F32)
+
+
 def test_backend_triton_without_state():
     """abc_attention(backend="triton"), no initial state, a loss on o only."""
     xs = make_inputs(B=1, T=20, H=3, K=16, V=16, M=16)
