@@ -13,10 +13,9 @@ bf16 on CUDA, forward + backward, inputs [B, T, H, D] as in gpu_kernels.py.
 - Variants, timed alike at the default chunk size, with every kernel's own time (the
   profile's), so that each kernel's launch choices can be taken from the variant that is
   best for it: the scans' blocks along D capped at 32 and 16, or along M at 16 and D at 32
-  (more programs for the scans),
-  1, 2, 4 or 8 warps for every kernel, the scans' chunk loops software-pipelined with 2 or 3
-  stages, sub-blocks of 32 rows (16 by default), and fp32 operands with TF32 products in
-  place of bf16 ones; each patches `_state_blocks`, `_warps`, `BC` or `HALF_DOTS` of
+  (more programs for the scans), 1, 2, 4 or 8 warps for every kernel, the scans' chunk
+  loops software-pipelined with 2 or 3 stages, sub-blocks of 32 rows (16 by default), and
+  fp32 operands with TF32 products in place of bf16 ones; each patches `_state_blocks`, `_warps`, `BC` or `HALF_DOTS` of
   `memattn.kernels.abc_chunk`, or `memattn.kernels.SCAN_STAGES`, for its run only.
 `--device cpu` runs the same report on the torch form in float32 (no fla, no chunk sizes): a
 check of the script itself on a machine without a GPU.
