@@ -31,7 +31,8 @@ def segment_window(ids: torch.Tensor, streams: int, seq_len: int, segment: int) 
 @torch.no_grad()
 def evaluate(model: torch.nn.Module, ids: torch.Tensor, *, seq_len: int, batch_size: int,
              max_batches: int = 0, device: str | torch.device = "cpu",
-             segments: bool = False, context: int = 0, chars_per_token: float = 1.0) -> dict[str, float]:
+             segments: bool = False, context: int = 0, chars_per_token: float = 1.0,
+             by_position: bool = False) -> dict:
     """Loss over consecutive non-overlapping segments of `seq_len` scored tokens.
 
     ids: int64 [N]. max_batches > 0 evaluates only the first batches (deterministic).
@@ -45,11 +46,15 @@ def evaluate(model: torch.nn.Module, ids: torch.Tensor, *, seq_len: int, batch_s
     chars_per_token: the split's characters per token (`Corpus.chars_per_token`): 1 for
     character and byte vocabularies, more for BPE, where bits per character are bits per
     token over it (the split's average, also when only part of it is scored).
+    by_position: also "bpc_by_position", the bits per character at each of the seq_len scored
+    positions of a segment (the mean over the segments), where the loss falls in a window.
     Returns {"loss": nats/token, "bpc": bits/character, "bits_per_token", "ppl": perplexity,
     "tokens": count}.
     """
     if context < 0:
         raise ValueError(f"evaluate: context must be >= 0, got {context}")
+    if by_position and segments:
+        raise ValueError("evaluate: by_position scores the positions of a window; a stream has none")
     if segments:
         if context:
             raise ValueError("evaluate: a stream carries its whole past; context applies to windows only")
@@ -63,18 +68,21 @@ def evaluate(model: torch.nn.Module, ids: torch.Tensor, *, seq_len: int, batch_s
         n_windows = min(n_windows, max_batches * batch_size)
     was_training = model.training
     model.eval()
-    total, count = 0.0, 0
+    per_position = torch.zeros(seq_len, dtype=torch.float64)  # nats summed over the windows
     for start in range(0, n_windows, batch_size):
         rows = torch.arange(start, min(start + batch_size, n_windows)) * seq_len
         idx = rows[:, None] + torch.arange(context + seq_len + 1)[None, :]
         window = ids[idx].to(device)  # [b, context + seq_len + 1]
         logits = model(window[:, :-1])[:, context:]
         targets = window[:, context + 1:]
-        loss = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(), reduction="sum")
-        total += loss.item()
-        count += targets.numel()
+        loss = F.cross_entropy(logits.float().transpose(1, 2), targets, reduction="none")  # [b, seq_len]
+        per_position += loss.sum(0).double().cpu()
     model.train(was_training)
-    return _scores(total, count, chars_per_token)
+    scores = _scores(per_position.sum().item(), n_windows * seq_len, chars_per_token)
+    if by_position:
+        to_bpc = 1 / (n_windows * math.log(2) * chars_per_token)
+        scores["bpc_by_position"] = (per_position * to_bpc).tolist()
+    return scores
 
 
 def _scores(total: float, count: int, chars_per_token: float) -> dict[str, float]:

@@ -20,20 +20,25 @@ def small(name, **options):
     return CausalLM(cfg).double().eval()
 
 
-def by_hand(model, ids, *, context, seq_len, windows):
-    """Sum of target losses of each segment, scored token by token through the model's cache
-    after the context was read into it: (nats, tokens)."""
-    total, count = 0.0, 0
+def token_losses(model, ids, *, context, seq_len, windows):
+    """The loss of every target of every segment, scored token by token through the model's
+    cache after the context was read into it: [window][position] nats."""
+    out = []
     for i in range(windows):
         start = i * seq_len
         cache = model.init_cache(1)
         if context:
             model(ids[None, start:start + context], cache=cache)
-        for t in range(start + context, start + context + seq_len):
-            logits = model(ids[None, t:t + 1], cache=cache)[0, -1]
-            total += F.cross_entropy(logits[None], ids[t + 1:t + 2], reduction="sum").item()
-            count += 1
-    return total, count
+        out.append([F.cross_entropy(model(ids[None, t:t + 1], cache=cache)[0, -1][None],
+                                    ids[t + 1:t + 2]).item()
+                    for t in range(start + context, start + context + seq_len)])
+    return out
+
+
+def by_hand(model, ids, *, context, seq_len, windows):
+    """Sum of target losses of each segment (`token_losses`): (nats, tokens)."""
+    losses = token_losses(model, ids, context=context, seq_len=seq_len, windows=windows)
+    return sum(map(sum, losses)), sum(map(len, losses))
 
 
 @pytest.mark.parametrize("name,options", [("softmax", {}), ("abc-mlp", {"num_slots": 4}),
@@ -49,6 +54,22 @@ def test_context_scores_each_segment_after_reading_its_prefix(name, options, con
     assert got["tokens"] == tokens == windows * seq_len
     assert got["loss"] == pytest.approx(nats / tokens, rel=1e-6)
     assert got["bpc"] == pytest.approx(nats / tokens / math.log(2), rel=1e-6)
+
+
+@pytest.mark.parametrize("context", [0, 7])
+def test_loss_by_position_in_the_window(context):
+    """bpc_by_position[p]: the loss of each window's p-th scored target, token by token through
+    the cache, averaged over the windows (an incomplete last batch among them)."""
+    model = small("abc-mlp", num_slots=4)
+    ids = torch.randint(0, 29, (70,))
+    seq_len, chars = 9, 1.5
+    got = evaluate(model, ids, seq_len=seq_len, batch_size=4, context=context,
+                   chars_per_token=chars, by_position=True)
+    windows = (70 - 1 - context) // seq_len
+    losses = token_losses(model, ids, context=context, seq_len=seq_len, windows=windows)
+    want = [sum(w[p] for w in losses) / windows / math.log(2) / chars for p in range(seq_len)]
+    assert got["bpc_by_position"] == pytest.approx(want, rel=1e-6)
+    assert sum(got["bpc_by_position"]) / seq_len == pytest.approx(got["bpc"], rel=1e-9)
 
 
 def test_context_changes_the_score_of_a_memory_model():
@@ -83,6 +104,9 @@ def test_bad_context_is_a_clear_error():
         evaluate(model, torch.zeros(50, dtype=torch.long), seq_len=8, batch_size=2, context=-1)
     with pytest.raises(ValueError, match="shorter than context"):
         evaluate(model, torch.zeros(50, dtype=torch.long), seq_len=8, batch_size=2, context=45)
+    with pytest.raises(ValueError, match="by_position scores the positions of a window"):
+        evaluate(model, torch.zeros(50, dtype=torch.long), seq_len=8, batch_size=2,
+                 segments=True, by_position=True)
 
 
 def test_eval_command_context_and_stream(text_file, tmp_path, capsys):

@@ -22,6 +22,14 @@ Model = tuple[str, str, dict[str, Any], int]
 SCORED = 32  # tokens of each segment scored at the long context (ABC's Table 3a: 480 + 32 = 512)
 USAGE_WINDOWS = 4  # test windows of seq_len for ABC_MLP's slot statistics
 SPEED_STEPS = 4  # timed training steps of a model in that pass
+POSITION_EDGES = (0, 8, 32, 64, 128, 256)  # buckets of the positions in a test segment
+
+
+def by_position_buckets(bpc: list[float]) -> dict[str, float]:
+    """Bits per character at each position of a segment -> their mean over the positions
+    [0, 8), [8, 32), … up to the segment's end, keyed "first-last"."""
+    edges = [e for e in POSITION_EDGES if e < len(bpc)] + [len(bpc)]
+    return {f"{lo}-{hi - 1}": statistics.fmean(bpc[lo:hi]) for lo, hi in zip(edges, edges[1:])}
 SEED_FIGURES = ("test_bpc", "test_bpc_context", "val_bpc", "train_tokens_per_s",
                 "decode_tokens_per_s", "train_s")
 
@@ -44,7 +52,8 @@ def measure(model, cfg, run_dir: Path, *, test_tokens: int, decode_prompt: int,
             decode_tokens: int) -> dict[str, Any]:
     """Figures of a trained model on the test split of its corpus.
 
-    test_bpc: segments of seq_len, each read from an empty memory. test_bpc_context: each
+    test_bpc: segments of seq_len, each read from an empty memory (test_bpc_by_position: the
+    same by where in the segment the target lies, `by_position_buckets`). test_bpc_context: each
     segment of SCORED tokens read after the seq_len − SCORED before it; for a model trained on
     segments (train.segments) instead one stream per batch row, each layer's state carried
     over the whole split (context -1). Both over about test_tokens targets. Decoding: greedy
@@ -60,7 +69,7 @@ def measure(model, cfg, run_dir: Path, *, test_tokens: int, decode_prompt: int,
     test, ratio = as_tensor(corpus.test), corpus.chars_per_token("test")
     seq_len, batch = cfg.train.seq_len, cfg.train.batch_size
     short = evaluate(model, test, seq_len=seq_len, batch_size=batch, chars_per_token=ratio,
-                     max_batches=-(-test_tokens // (seq_len * batch)))
+                     max_batches=-(-test_tokens // (seq_len * batch)), by_position=True)
     if cfg.train.segments:
         context = -1
         long = evaluate(model, test, seq_len=seq_len, batch_size=batch, segments=True, chars_per_token=ratio)
@@ -75,6 +84,7 @@ def measure(model, cfg, run_dir: Path, *, test_tokens: int, decode_prompt: int,
     initial = CausalLM(cfg.model).eval()
     return {"attention": cfg.model.attention.name, "options": cfg.model.attention.options,
             "seed": cfg.train.seed, "test_bpc": short["bpc"], "test_tokens": short["tokens"],
+            "test_bpc_by_position": by_position_buckets(short["bpc_by_position"]),
             "test_bpc_context": long["bpc"], "context": context, "context_tokens": long["tokens"],
             "decode_tokens_per_s": decode, "spans": learned_spans(model),
             "slots_init": mean_statistics(abc_slot_usage(initial, windows)),
@@ -148,8 +158,39 @@ def summarise(names: list[str], rows: list[dict]) -> list[dict]:
         for when in ("slots_init", "slots_trained"):
             if runs[0][when]:
                 entry[when] = {k: statistics.fmean(r[when][k] for r in runs) for k in runs[0][when]}
+        having = [r for r in runs if r.get("test_bpc_by_position")]  # rows measured since it was
+        if having:
+            entry["by_position_seeds"] = [r["seed"] for r in having]
+            entry["test_bpc_by_position"] = {
+                k: statistics.fmean(r["test_bpc_by_position"][k] for r in having)
+                for k in having[0]["test_bpc_by_position"]}
         models.append(entry)
     return models
+
+
+def by_position_lines(models: list[dict], base: dict) -> list[str]:
+    """A table of test bits per character by position in the segment (context 0) for the
+    models measured so (`by_position_buckets`), each against `base` over the same seeds."""
+    rows = [m for m in models if m.get("test_bpc_by_position")]
+    if not rows:
+        return []
+    buckets = list(rows[0]["test_bpc_by_position"])
+    lines = ["## Where in the segment the loss falls (context 0)", "",
+             "Test bits per character by the target's position in its segment (read from an empty "
+             "memory), the mean over each range of positions; in parentheses the difference from "
+             f"{base['model']} over the same seeds. Only runs measured since this figure was "
+             "added have it: their seeds are listed.", "",
+             "| model | seeds | " + " | ".join(f"positions {b}" for b in buckets) + " |",
+             "|---|---|" + "---:|" * len(buckets)]
+    ref = base.get("test_bpc_by_position") if base.get("by_position_seeds") else None
+    for m in rows:
+        same = ref is not None and m["by_position_seeds"] == base["by_position_seeds"]
+        cells = [f"{m['test_bpc_by_position'][b]:.3f}"
+                 + (f" ({m['test_bpc_by_position'][b] - ref[b]:+.3f})" if same and m is not base else "")
+                 for b in buckets]
+        lines.append(f"| {m['model']} | {', '.join(map(str, m['by_position_seeds']))} | "
+                     + " | ".join(cells) + " |")
+    return lines
 
 
 def bpc_cell(m: dict, key: str) -> str:

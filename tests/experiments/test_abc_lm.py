@@ -9,7 +9,8 @@ from conftest import run_quick_lm_experiment
 
 from memattn.evaluate import as_tensor, evaluate
 from memattn.experiments import get_experiment
-from memattn.experiments._lm_common import jobs_of, summarise
+from memattn.experiments._lm_common import (by_position_buckets, by_position_lines, jobs_of,
+                                             summarise)
 from memattn.experiments._runner import SPEED_FILE, Job
 from memattn.experiments.abc_lm import FULL, MEASURE, MODELS, QUICK, QUICK_MODELS, findings
 from memattn.train import load_run_corpus, model_from_checkpoint
@@ -31,12 +32,19 @@ def test_quick_run_writes_the_table_sweep_and_slot_usage(text_file, tmp_path):
     again = evaluate(model, test, seq_len=cfg.train.seq_len, batch_size=cfg.train.batch_size,
                      max_batches=2)
     assert models["abc-mlp, M=8"]["test_bpc"] == pytest.approx(again["bpc"], rel=1e-6)
+    # and by position: the buckets' means, weighted by their sizes, give the test figure back
+    buckets = models["abc-mlp, M=8"]["test_bpc_by_position"]
+    sizes = [int(b.split("-")[1]) - int(b.split("-")[0]) + 1 for b in buckets]
+    assert sum(sizes) == cfg.train.seq_len
+    assert sum(n * x for n, x in zip(sizes, buckets.values())) / sum(sizes) == pytest.approx(
+        again["bpc"], rel=1e-6)
     # slot statistics for ABC_MLP only; the larger W_φ init parts the slots' writes
     assert "slots_trained" not in models["softmax"] and "slots_trained" not in models["abc-random, M=8"]
     plain, parted = models["abc-mlp, M=4"]["slots_init"], models["abc-mlp, M=4, W_phi init"]["slots_init"]
     assert parted["write_spread"] < plain["write_spread"] and parted["key_cosine"] < plain["key_cosine"]
     table = (out / "results.md").read_text()
     assert result["command"] in table and "| abc-random, M=8 | 1 |" in table and "In progress" not in table
+    assert "## Where in the segment the loss falls (context 0)" in table
     assert (out / "memory_sweep.png").stat().st_size > 1000
     assert (out / "learning_curves.png").stat().st_size > 1000
     # tokens/s of every run come from one pass once all were trained, kept in speeds.json
@@ -86,6 +94,27 @@ def test_an_override_replaces_the_default_it_names(name, monkeypatch, tmp_path):
     replaced = {"train.steps": "train.steps=4000", "train.lr": "train.lr=0.001"}
     assert {s.split("=", 1)[0] for s in module.FULL} >= set(replaced)
     assert seen["shared"] == [replaced.get(s.split("=", 1)[0], s) for s in module.FULL]
+
+
+def test_position_buckets_and_their_table():
+    bpc = [float(p) for p in range(40)]  # bpc = position
+    assert by_position_buckets(bpc) == {"0-7": 3.5, "8-31": 19.5, "32-39": 35.5}
+    run = {"attention": "softmax", "options": {}, "params": 10, "steps": 5, "context": 3,
+           "test_tokens": 8, "context_tokens": 8, "val_bpc": 2.0, "train_tokens_per_s": 1.0,
+           "decode_tokens_per_s": 1.0, "train_s": 1.0, "slots_init": {}, "slots_trained": {},
+           "test_bpc": 2.0, "test_bpc_context": 1.5}
+    rows = [dict(run, seed=0),  # measured before the figure existed
+            dict(run, seed=1, test_bpc_by_position={"0-7": 3.0, "8-15": 2.0}),
+            dict(run, seed=0, test_bpc_by_position={"0-7": 3.5, "8-15": 2.5}),
+            dict(run, seed=1, test_bpc_by_position={"0-7": 3.25, "8-15": 2.0})]
+    base, abc, window = summarise(["softmax", "softmax", "abc", "window"], rows)
+    assert base["by_position_seeds"] == [1] and base["test_bpc_by_position"]["0-7"] == 3.0
+    lines = by_position_lines([base, abc, window], base)
+    assert "| model | seeds | positions 0-7 | positions 8-15 |" in lines
+    assert "| softmax | 1 | 3.000 | 2.000 |" in lines
+    assert "| abc | 0 | 3.500 | 2.500 |" in lines  # other seeds: no difference drawn
+    assert "| window | 1 | 3.250 (+0.250) | 2.000 (+0.000) |" in lines
+    assert by_position_lines([dict(base, test_bpc_by_position=None)], base) == []
 
 
 def test_summary_gives_mean_and_spread_over_seeds():
