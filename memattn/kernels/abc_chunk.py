@@ -11,7 +11,8 @@ split into chunks of BT (the memory recurrence) and sub-blocks of BC = 16 (the m
 For a token t of sub-block I and i of an earlier sub-block J of the same chunk, with r the
 log-normaliser at the last token of J: φ[t, i] = exp(s_i - r) · exp(r - a_t), both ≤ 1,
 so a pair of sub-blocks is two tl.dot; inside I, φ is built per column (a loop over the
-BC tokens). Earlier chunks are read through the memory at the chunk start.
+BC tokens) or, with `DIAG_3D`, whole as a [BC, BC, M] tile. Earlier chunks are read through
+the memory at the chunk start.
 
 Forward, two passes:
 
@@ -76,6 +77,10 @@ MAX_DIM = 128
 BC = 16  # rows of a sub-block, the smallest tl.dot
 # Matmul operands of bf16 / fp16 inputs in that dtype (else fp32 operands, TF32 products).
 HALF_DOTS = True
+# A sub-block's own (diagonal) block in one step over [BC, BC, BM] tiles, where they hold at
+# most DIAG_3D_MAX numbers (else, and with DIAG_3D off, a loop over its BC tokens).
+DIAG_3D = False
+DIAG_3D_MAX = 16 * 16 * 64
 _INTERPRETED = tl.constexpr(interpreting())
 _NEG = tl.constexpr(-1e30)  # logit of padding: exp(_NEG - x) = 0, logaddexp(x, _NEG) = x
 _POS = tl.constexpr(1e30)  # log-normaliser of padding: exp(x - _POS) = 0
@@ -262,8 +267,17 @@ def _fwd_states(x, s, lz0, x0, a, zprev, zend, h, lzT, xT, cu, boff,
 
 
 @triton.jit
+def _diag_phi(s, b_a, rows, eos, i_h, H, M, o_c, o_m):
+    """φ[t, i][m] = exp(s_i[m] - a_t[m]) for the tokens t (axis 0, their a in b_a [BC, BM]) and
+    i ≤ t (axis 1) of one sub-block, 0 for i > t -> [BC, BC, BM]: its diagonal block at once."""
+    b_s = _tile(s, rows, rows < eos, i_h, H, M, o_m, _NEG)  # [BC, BM]
+    seen = (o_c[:, None] >= o_c[None, :])[:, :, None]
+    return tl.exp(tl.where(seen, b_s[None, :, :] - b_a[:, None, :], _NEG))
+
+
+@triton.jit
 def _keys_to_slots(b_x, b_h, decay, y, s, a, b_a, t0, eos, bos, j0, i_s, i_h, H, D, M,
-                   o_c, o_d, o_m, BC: tl.constexpr, PREC: tl.constexpr):
+                   o_c, o_d, o_m, BC: tl.constexpr, PREC: tl.constexpr, DIAG3: tl.constexpr):
     """out[t, m] = decay[t, m] (x_t · h[m]) + Σ_{i≤t in the chunk} φ[t, i][m] (x_t · y_i) for
     the rows t of a sub-block -> [BC, BM]. b_x [BC, BD]; b_h [BM, BD] the memory before the
     chunk; y [total, H, D]. x = scale q, y = k, h = K̃: the scores; x = do, y = v, h = Ṽ: dp."""
@@ -279,16 +293,19 @@ def _keys_to_slots(b_x, b_h, decay, y, s, a, b_a, t0, eos, bos, j0, i_s, i_h, H,
         j += 1
     rows = t0 + o_c
     b_xy = _dot(b_x, tl.trans(_tile(y, rows, rows < eos, i_h, H, D, o_d, 0.0)), PREC)
-    for i in range(BC):  # token i of the sub-block, read by the tokens t ≥ i
-        b_si = _row(s, t0 + i, t0 + i < eos, i_h, H, M, o_m, _NEG)
-        b_phi = tl.exp(tl.where(o_c[:, None] >= i, b_si[None, :] - b_a, _NEG))  # [BC, BM]
-        b_out += _col(b_xy, o_c, i)[:, None] * b_phi
+    if DIAG3:
+        b_out += tl.sum(b_xy[:, :, None] * _diag_phi(s, b_a, rows, eos, i_h, H, M, o_c, o_m), 1)
+    else:
+        for i in range(BC):  # token i of the sub-block, read by the tokens t ≥ i
+            b_si = _row(s, t0 + i, t0 + i < eos, i_h, H, M, o_m, _NEG)
+            b_phi = tl.exp(tl.where(o_c[:, None] >= i, b_si[None, :] - b_a, _NEG))  # [BC, BM]
+            b_out += _col(b_xy, o_c, i)[:, None] * b_phi
     return b_out
 
 
 @triton.jit
 def _slots_to_values(b_w, b_h, decay, y, s, a, b_a, t0, eos, bos, j0, i_s, i_h, H, D, M,
-                     o_c, o_d, o_m, BC: tl.constexpr, PREC: tl.constexpr):
+                     o_c, o_d, o_m, BC: tl.constexpr, PREC: tl.constexpr, DIAG3: tl.constexpr):
     """out[t] = Σ_m w[t, m] (decay[t, m] h[m] + Σ_{i≤t in the chunk} φ[t, i][m] y_i) for the
     rows t of a sub-block -> [BC, BD]. b_w [BC, BM]; b_h [BM, BD] the memory before the chunk;
     y [total, H, D]. w = p, y = v, h = Ṽ: o; w = dS, y = k, h = K̃: dq / scale."""
@@ -303,11 +320,16 @@ def _slots_to_values(b_w, b_h, decay, y, s, a, b_a, t0, eos, bos, j0, i_s, i_h, 
                    PREC)  # [BC, BC]
         b_out += _dot(b_g, b_yj, PREC)
         j += 1
-    for i in range(BC):
-        b_si = _row(s, t0 + i, t0 + i < eos, i_h, H, M, o_m, _NEG)
-        b_phi = tl.exp(tl.where(o_c[:, None] >= i, b_si[None, :] - b_a, _NEG))
-        b_yi = _row(y, t0 + i, t0 + i < eos, i_h, H, D, o_d, 0.0)
-        b_out += tl.sum(b_w * b_phi, 1)[:, None] * b_yi[None, :]
+    if DIAG3:
+        rows = t0 + o_c
+        b_g = tl.sum(b_w[:, None, :] * _diag_phi(s, b_a, rows, eos, i_h, H, M, o_c, o_m), 2)
+        b_out += _dot(b_g, _tile(y, rows, rows < eos, i_h, H, D, o_d, 0.0), PREC)
+    else:
+        for i in range(BC):
+            b_si = _row(s, t0 + i, t0 + i < eos, i_h, H, M, o_m, _NEG)
+            b_phi = tl.exp(tl.where(o_c[:, None] >= i, b_si[None, :] - b_a, _NEG))
+            b_yi = _row(y, t0 + i, t0 + i < eos, i_h, H, D, o_d, 0.0)
+            b_out += tl.sum(b_w * b_phi, 1)[:, None] * b_yi[None, :]
     return b_out
 
 
@@ -315,7 +337,7 @@ def _slots_to_values(b_w, b_h, decay, y, s, a, b_a, t0, eos, bos, j0, i_s, i_h, 
 def _fwd_output(q, k, v, s, a, zprev, hk, hv, o, S, lse, cu, boff, sub_idx, scale,
                 H, K, V, M,
                 BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-                BM: tl.constexpr, PREC: tl.constexpr):
+                BM: tl.constexpr, PREC: tl.constexpr, DIAG3: tl.constexpr):
     """o, S, lse of one sub-block of BC tokens of one head."""
     i_h = tl.program_id(1)
     t0, rows, r_ok, eos, bos, i_s, j0, i_g = _locate(cu, boff, sub_idx, BT, BC)
@@ -327,7 +349,7 @@ def _fwd_output(q, k, v, s, a, zprev, hk, hv, o, S, lse, cu, boff, sub_idx, scal
     b_q = _tile(q, rows, r_ok, i_h, H, K, o_k, 0.0) * scale  # [BC, BK]
 
     b_S = _keys_to_slots(b_q, _block(hk, i_g, i_h, H, M, K, o_m, o_k), decay, k, s, a, b_a,
-                         t0, eos, bos, j0, i_s, i_h, H, K, M, o_c, o_k, o_m, BC, PREC)
+                         t0, eos, bos, j0, i_s, i_h, H, K, M, o_c, o_k, o_m, BC, PREC, DIAG3)
     b_S = tl.where((o_m < M)[None, :], b_S, float("-inf"))
     mx = tl.max(b_S, 1)
     b_p = tl.exp(b_S - mx[:, None])
@@ -338,7 +360,7 @@ def _fwd_output(q, k, v, s, a, zprev, hk, hv, o, S, lse, cu, boff, sub_idx, scal
     tl.store(lse + rows * H + i_h, mx + tl.log(den), mask=r_ok)
 
     b_o = _slots_to_values(b_p, _block(hv, i_g, i_h, H, M, V, o_m, o_v), decay, v, s, a, b_a,
-                           t0, eos, bos, j0, i_s, i_h, H, V, M, o_c, o_v, o_m, BC, PREC)
+                           t0, eos, bos, j0, i_s, i_h, H, V, M, o_c, o_v, o_m, BC, PREC, DIAG3)
     tl.store(o + (rows[:, None] * H + i_h) * V + o_v[None, :], b_o.to(o.dtype.element_ty),
              mask=r_ok[:, None] & (o_v < V)[None, :])
 
@@ -351,7 +373,7 @@ def _fwd_output(q, k, v, s, a, zprev, hk, hv, o, S, lse, cu, boff, sub_idx, scal
 def _bwd_dq(q, k, v, s, a, zprev, hk, hv, S, lse, do, dq, dS, c, cu, boff, sub_idx, scale,
             H, K, V, M,
             BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-            BM: tl.constexpr, PREC: tl.constexpr):
+            BM: tl.constexpr, PREC: tl.constexpr, DIAG3: tl.constexpr):
     """dq, dS, c of one sub-block of one head."""
     i_h = tl.program_id(1)
     t0, rows, r_ok, eos, bos, i_s, j0, i_g = _locate(cu, boff, sub_idx, BT, BC)
@@ -364,7 +386,7 @@ def _bwd_dq(q, k, v, s, a, zprev, hk, hv, S, lse, do, dq, dS, c, cu, boff, sub_i
 
     # dp_t[m] = do_t · Ṽ_t[m]
     b_dp = _keys_to_slots(b_do, _block(hv, i_g, i_h, H, M, V, o_m, o_v), decay, v, s, a, b_a,
-                          t0, eos, bos, j0, i_s, i_h, H, V, M, o_c, o_v, o_m, BC, PREC)
+                          t0, eos, bos, j0, i_s, i_h, H, V, M, o_c, o_v, o_m, BC, PREC, DIAG3)
     b_p, b_S = _probs(S, lse, rows, r_ok, i_h, H, M, o_m)
     b_dS = b_p * (b_dp - tl.sum(b_p * b_dp, 1)[:, None])
     b_c = b_dS * b_S + b_p * b_dp  # K̃_t·G^K_t + Ṽ_t·G^V_t per slot
@@ -374,7 +396,7 @@ def _bwd_dq(q, k, v, s, a, zprev, hk, hv, S, lse, do, dq, dS, c, cu, boff, sub_i
 
     # dq_t = scale Σ_m dS_t[m] K̃_t[m]
     b_dq = _slots_to_values(b_dS, _block(hk, i_g, i_h, H, M, K, o_m, o_k), decay, k, s, a, b_a,
-                            t0, eos, bos, j0, i_s, i_h, H, K, M, o_c, o_k, o_m, BC, PREC)
+                            t0, eos, bos, j0, i_s, i_h, H, K, M, o_c, o_k, o_m, BC, PREC, DIAG3)
     tl.store(dq + (rows[:, None] * H + i_h) * K + o_k[None, :],
              (b_dq * scale).to(dq.dtype.element_ty), mask=r_ok[:, None] & (o_k < K)[None, :])
 
@@ -459,7 +481,7 @@ def _bwd_dkv(q, k, v, s, a, zend, S, lse, do, dS, c, dhk, dhv, dhc, dk, dv, ds,
              cu, boff, sub_idx, scale,
              H, K, V, M,
              BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-             BM: tl.constexpr, PREC: tl.constexpr):
+             BM: tl.constexpr, PREC: tl.constexpr, DIAG3: tl.constexpr):
     """dk, dv, ds of one sub-block of one head."""
     i_h = tl.program_id(1)
     t0, rows, r_ok, eos, bos, i_s, j0, i_g = _locate(cu, boff, sub_idx, BT, BC)
@@ -507,23 +529,37 @@ def _bwd_dkv(q, k, v, s, a, zend, S, lse, do, dS, c, dhk, dhv, dhc, dk, dv, ds,
         j += 1
 
     # This sub-block: token t reads tokens i ≤ t.
-    b_kq = _dot(b_k, tl.trans(_tile(q, rows, r_ok, i_h, H, K, o_k, 0.0) * scale), PREC)
-    b_vdo = _dot(b_v, tl.trans(_tile(do, rows, r_ok, i_h, H, V, o_v, 0.0)), PREC)
-    for i in range(BC):  # token t = t0 + i
-        ok = t0 + i < eos
-        b_at = _row(a, t0 + i, ok, i_h, H, M, o_m, _POS)
-        b_dSt = _row(dS, t0 + i, ok, i_h, H, M, o_m, 0.0)
-        b_St = _row(S, t0 + i, ok, i_h, H, M, o_m, 0.0)
-        b_lse = tl.load(lse + (t0 + i) * H + i_h, mask=ok, other=0.0)
-        b_pt = tl.where(ok & (o_m < M), tl.exp(b_St - b_lse), 0.0)
-        b_ct = _row(c, t0 + i, ok, i_h, H, M, o_m, 0.0)
-        b_qt = _row(q, t0 + i, ok, i_h, H, K, o_k, 0.0) * scale
-        b_dot = _row(do, t0 + i, ok, i_h, H, V, o_v, 0.0)
-        b_phi = tl.exp(tl.where(o_c[:, None] <= i, b_s - b_at[None, :], _NEG))  # [BC, BM]
-        b_dk += tl.sum(b_phi * b_dSt[None, :], 1)[:, None] * b_qt[None, :]
-        b_dv += tl.sum(b_phi * b_pt[None, :], 1)[:, None] * b_dot[None, :]
-        b_ds += b_phi * (_col(b_kq, o_c, i)[:, None] * b_dSt[None, :]
-                         + _col(b_vdo, o_c, i)[:, None] * b_pt[None, :] - b_ct[None, :])
+    b_qs = _tile(q, rows, r_ok, i_h, H, K, o_k, 0.0) * scale  # [BC, BK]
+    b_do = _tile(do, rows, r_ok, i_h, H, V, o_v, 0.0)  # [BC, BV]
+    b_kq = _dot(b_k, tl.trans(b_qs), PREC)  # [BC (i), BC (t)]
+    b_vdo = _dot(b_v, tl.trans(b_do), PREC)
+    if DIAG3:  # axes (i, t, m)
+        b_dSt = _tile(dS, rows, r_ok, i_h, H, M, o_m, 0.0)  # [BC (t), BM]
+        b_pt, _St = _probs(S, lse, rows, r_ok, i_h, H, M, o_m)
+        b_ct = _tile(c, rows, r_ok, i_h, H, M, o_m, 0.0)
+        b_at = _tile(a, rows, r_ok, i_h, H, M, o_m, _POS)
+        seen = (o_c[:, None] <= o_c[None, :])[:, :, None]
+        b_phi = tl.exp(tl.where(seen, b_s[:, None, :] - b_at[None, :, :], _NEG))
+        b_dk += _dot(tl.sum(b_phi * b_dSt[None, :, :], 2), b_qs, PREC)
+        b_dv += _dot(tl.sum(b_phi * b_pt[None, :, :], 2), b_do, PREC)
+        b_ds += tl.sum(b_phi * (b_kq[:, :, None] * b_dSt[None, :, :]
+                                + b_vdo[:, :, None] * b_pt[None, :, :] - b_ct[None, :, :]), 1)
+    else:
+        for i in range(BC):  # token t = t0 + i
+            ok = t0 + i < eos
+            b_at = _row(a, t0 + i, ok, i_h, H, M, o_m, _POS)
+            b_dSt = _row(dS, t0 + i, ok, i_h, H, M, o_m, 0.0)
+            b_St = _row(S, t0 + i, ok, i_h, H, M, o_m, 0.0)
+            b_lse = tl.load(lse + (t0 + i) * H + i_h, mask=ok, other=0.0)
+            b_pt = tl.where(ok & (o_m < M), tl.exp(b_St - b_lse), 0.0)
+            b_ct = _row(c, t0 + i, ok, i_h, H, M, o_m, 0.0)
+            b_qt = _row(q, t0 + i, ok, i_h, H, K, o_k, 0.0) * scale
+            b_dot = _row(do, t0 + i, ok, i_h, H, V, o_v, 0.0)
+            b_phi = tl.exp(tl.where(o_c[:, None] <= i, b_s - b_at[None, :], _NEG))  # [BC, BM]
+            b_dk += tl.sum(b_phi * b_dSt[None, :], 1)[:, None] * b_qt[None, :]
+            b_dv += tl.sum(b_phi * b_pt[None, :], 1)[:, None] * b_dot[None, :]
+            b_ds += b_phi * (_col(b_kq, o_c, i)[:, None] * b_dSt[None, :]
+                             + _col(b_vdo, o_c, i)[:, None] * b_pt[None, :] - b_ct[None, :])
 
     tl.store(dk + (rows[:, None] * H + i_h) * K + o_k[None, :], b_dk.to(dk.dtype.element_ty),
              mask=r_ok[:, None] & (o_k < K)[None, :])
@@ -587,6 +623,11 @@ def _precision(*inputs: torch.Tensor) -> str:
     return "tf32"
 
 
+def _diag3(M: int) -> bool:
+    """Whether the sub-block kernels take their diagonal blocks in one step (`DIAG_3D`)."""
+    return DIAG_3D and BC * BC * _pad(M) <= DIAG_3D_MAX
+
+
 def _state_blocks(M: int, D: int) -> tuple[int, int]:
     return min(64, _pad(M)), min(64, _pad(D))
 
@@ -621,7 +662,7 @@ def _forward(q, k, v, s, lz0, k0, v0, plan: _Plan):
     _fwd_output[(plan.sub_idx.shape[0], H)](
         q, k, v, s, a, zprev, hk, hv, o, S, lse, plan.cu, plan.boff, plan.sub_idx, plan.scale,
         H, K, V, M, BT=BT, BC=BC, BK=_pad(K), BV=_pad(V), BM=_pad(M), PREC=prec,
-        num_warps=_warps(_pad(K), _pad(V), _pad(M)))
+        DIAG3=_diag3(M), num_warps=_warps(_pad(K), _pad(V), _pad(M)))
     return o, (lzT, kT, vT), (a, zprev, zend, hk, hv, S, lse)
 
 
@@ -634,7 +675,7 @@ def _backward(q, k, v, s, do, saved, final, dfinal, plan: _Plan):
     f32 = {"dtype": torch.float32, "device": q.device}
     sub = (plan.sub_idx.shape[0], H)
     blocks = {"BT": BT, "BC": BC, "BK": _pad(K), "BV": _pad(V), "BM": _pad(M), "PREC": prec,
-              "num_warps": _warps(_pad(K), _pad(V), _pad(M))}
+              "DIAG3": _diag3(M), "num_warps": _warps(_pad(K), _pad(V), _pad(M))}
 
     dq = torch.empty_like(q)
     dS, c = torch.empty(T, H, M, **f32), torch.empty(T, H, M, **f32)

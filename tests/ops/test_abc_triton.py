@@ -122,6 +122,28 @@ def test_gradients_through_the_final_state_only():
         torch.testing.assert_close(a.double(), b, **F32)
 
 
+def test_diagonal_blocks_in_one_step(monkeypatch):
+    """DIAG_3D: each sub-block's own block as one [BC, BC, M] tile instead of a loop over its
+    tokens; several chunks and sub-blocks, a packed batch, bf16 operands, logits of 1e3."""
+    monkeypatch.setattr(abc_chunk, "DIAG_3D", True)
+    assert abc_chunk._diag3(64) and not abc_chunk._diag3(65)  # at most DIAG_3D_MAX numbers
+    xs = make_inputs(T=37)
+    want = run(abc_reference, xs, torch.float64)
+    for chunk in (16, 32):
+        assert_all_close(run(abc_chunk_triton, xs, torch.float32, chunk_size=chunk), want, **F32)
+    xs = make_inputs(T=37, dtype=torch.bfloat16)
+    assert_all_close(run(abc_chunk_triton, xs, torch.bfloat16, chunk_size=16),
+                     run(abc_reference, xs, torch.float64), **HALF)
+    xs = make_inputs(B=1, T=37, s_scale=1e3)
+    assert_all_close(run(abc_chunk_triton, xs, torch.float32, chunk_size=32),
+                     run(abc_reference, xs, torch.float64), atol=1e-4, rtol=1e-4)
+    bounds = [0, 1, 20, 45]
+    xs = make_inputs(B=1, T=45, N=3, M=6)
+    cu = torch.tensor(bounds, dtype=torch.int32, device=DEVICE)
+    assert_all_close(run(abc_attention, xs, torch.float32, cu_seqlens=cu, backend="triton"),
+                     run(abc_varlen, xs, torch.float64, cu_seqlens=cu.long()), **F32)
+
+
 def test_large_logits():
     """s and log_z0 of ±1e3: every weight is a product of factors ≤ 1, nothing overflows."""
     xs = make_inputs(B=1, T=37, s_scale=1e3)
@@ -275,16 +297,18 @@ def test_on_gpu():
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-@pytest.mark.parametrize("stages, sub, half_dots", [(2, 16, True), (3, 16, True),
-                                                     (0, 32, True), (0, 16, False)])
-def test_kernel_variants_on_gpu(monkeypatch, stages, sub, half_dots):
+@pytest.mark.parametrize("stages, sub, half_dots, diag3", [
+    (2, 16, True, False), (3, 16, True, False), (0, 32, True, False), (0, 16, False, False),
+    (0, 16, True, True), (2, 16, True, True)])
+def test_kernel_variants_on_gpu(monkeypatch, stages, sub, half_dots, diag3):
     """The launch variants benchmarks/gpu_profile.py times, against the reference: the scans'
     `for` form (software-pipelined when compiled; the interpreter runs only the `while`
-    form), sub-blocks of 32 rows, TF32 products for bf16 inputs. Several chunks, bf16, and
-    a packed batch of 1, 129, 1 and 269 tokens."""
+    form), sub-blocks of 32 rows, TF32 products for bf16 inputs, diagonal blocks in one
+    step. Several chunks, bf16, and a packed batch of 1, 129, 1 and 269 tokens."""
     monkeypatch.setattr(memattn.kernels, "SCAN_STAGES", stages)
     monkeypatch.setattr(abc_chunk, "BC", sub)
     monkeypatch.setattr(abc_chunk, "HALF_DOTS", half_dots)
+    monkeypatch.setattr(abc_chunk, "DIAG_3D", diag3)
     xs = make_inputs(B=2, T=300, H=3, K=64, V=40, M=24, seed=4)
     want = run(abc_chunked, xs, torch.float64)
     assert_all_close(run(abc_chunk_triton, xs, torch.float32), want, atol=1e-4, rtol=1e-4)
