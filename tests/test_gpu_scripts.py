@@ -6,6 +6,9 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -115,3 +118,33 @@ def test_profile_report_gives_each_variant_its_kernels_times():
     assert "| default | 1.000 | 3.000 | 1.500 | 0.750 |" in lines
     assert "| 2 warps | 0.500 | 2.000 |  | 0.250 |" in lines
     assert "| 8 warps | OutOfResources: shared memory | OutOfResources: shared memory |  |  |" in lines
+
+
+def test_programs_per_sm_follow_the_scarcest_resource():
+    registers = load("kernel_registers")
+    assert registers.programs_per_sm(255, 16384, 8) == 1  # 32 × 255 -> 8,192 a warp: all 65,536
+    assert registers.programs_per_sm(128, 8192, 2) == 8  # registers: 65,536 / (4,096 × 2)
+    assert registers.programs_per_sm(32, 100 * 1024, 1) == 2  # shared memory: 228 KB / 101 KB
+    assert registers.programs_per_sm(16, 0, 1) == 32  # at most 32 programs an SM
+
+
+def test_kernel_registers_compiles_offline(tmp_path):
+    """One sub-block kernel compiled for sm_90 with the ptxas Triton ships, both variants."""
+    triton = pytest.importorskip("triton", reason="compiles with Triton")
+    if not (Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas").exists():
+        pytest.skip("this Triton ships no ptxas")
+    registers = load("kernel_registers")
+    # in a process of its own: the tests define the kernels for Triton's interpreter
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    subprocess.run([sys.executable, str(ROOT / "benchmarks" / "kernel_registers.py"), "--dims", "16",
+                    "--slots", "16", "--kernels", "fwd_output", "--warps", "2", "--out",
+                    str(tmp_path)], env=env, check=True, capture_output=True)
+    res = json.loads((tmp_path / "kernel_registers.json").read_text())
+    rows = res["cases"][0]["rows"]
+    assert [r["variant"] for r in rows] == ["diagonal: loop", "diagonal: one step"]
+    for r in rows:
+        cell = r["warps"]["2"]
+        assert 16 <= cell["registers"] <= 255 and cell["spill_bytes"] >= 0
+        assert cell["programs_per_sm"] == registers.programs_per_sm(
+            cell["registers"], cell["shared_bytes"], 2) >= 1
+    assert "| `fwd_output` | diagonal: loop |" in (tmp_path / "kernel_registers.md").read_text()

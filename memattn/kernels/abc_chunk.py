@@ -533,17 +533,17 @@ def _bwd_dkv(q, k, v, s, a, zend, S, lse, do, dS, c, dhk, dhv, dhc, dk, dv, ds,
     b_do = _tile(do, rows, r_ok, i_h, H, V, o_v, 0.0)  # [BC, BV]
     b_kq = _dot(b_k, tl.trans(b_qs), PREC)  # [BC (i), BC (t)]
     b_vdo = _dot(b_v, tl.trans(b_do), PREC)
-    if DIAG3:  # axes (i, t, m)
-        b_dSt = _tile(dS, rows, r_ok, i_h, H, M, o_m, 0.0)  # [BC (t), BM]
+    if DIAG3:  # φ [t, i, m] with t the reading token (the rows of the tiles below)
+        b_dSt = _tile(dS, rows, r_ok, i_h, H, M, o_m, 0.0)  # [BC, BM]
         b_pt, _St = _probs(S, lse, rows, r_ok, i_h, H, M, o_m)
         b_ct = _tile(c, rows, r_ok, i_h, H, M, o_m, 0.0)
-        b_at = _tile(a, rows, r_ok, i_h, H, M, o_m, _POS)
-        seen = (o_c[:, None] <= o_c[None, :])[:, :, None]
-        b_phi = tl.exp(tl.where(seen, b_s[:, None, :] - b_at[None, :, :], _NEG))
-        b_dk += _dot(tl.sum(b_phi * b_dSt[None, :, :], 2), b_qs, PREC)
-        b_dv += _dot(tl.sum(b_phi * b_pt[None, :, :], 2), b_do, PREC)
-        b_ds += tl.sum(b_phi * (b_kq[:, :, None] * b_dSt[None, :, :]
-                                + b_vdo[:, :, None] * b_pt[None, :, :] - b_ct[None, :, :]), 1)
+        b_phi = _diag_phi(s, _tile(a, rows, r_ok, i_h, H, M, o_m, _POS), rows, eos, i_h, H, M,
+                          o_c, o_m)
+        b_dk += _dot(tl.trans(tl.sum(b_phi * b_dSt[:, None, :], 2)), b_qs, PREC)
+        b_dv += _dot(tl.trans(tl.sum(b_phi * b_pt[:, None, :], 2)), b_do, PREC)
+        b_ds += tl.sum(b_phi * (tl.trans(b_kq)[:, :, None] * b_dSt[:, None, :]
+                                + tl.trans(b_vdo)[:, :, None] * b_pt[:, None, :]
+                                - b_ct[:, None, :]), 0)
     else:
         for i in range(BC):  # token t = t0 + i
             ok = t0 + i < eos
