@@ -15,9 +15,10 @@ bf16 on CUDA, forward + backward, inputs [B, T, H, D] as in gpu_kernels.py.
   best for it: the scans' blocks along D capped at 32 and 16, or along M at 16 and D at 32
   (more programs for the scans), 1, 2, 4 or 8 warps for every kernel, the scans' chunk
   loops software-pipelined with 2 or 3 stages, sub-blocks of 32 rows (16 by default), fp32
-  operands with TF32 products in place of bf16 ones, and each sub-block's diagonal block in
-  one step (with the default warps and with 4); each patches `_state_blocks`, `_warps`,
-  `BC`, `HALF_DOTS` or `DIAG_3D` of `memattn.kernels.abc_chunk`, or
+  operands with TF32 products in place of bf16 ones, each sub-block's diagonal block in one
+  step (with the default warps and with 4), and the backward's dk / dv in two launches
+  (with the diagonal blocks either way); each patches `_state_blocks`, `_warps`, `BC`,
+  `HALF_DOTS`, `DIAG_3D` or `SPLIT_DKV` of `memattn.kernels.abc_chunk`, or
   `memattn.kernels.SCAN_STAGES`, for its run only.
 `--device cpu` runs the same report on the torch form in float32 (no fla, no chunk sizes): a
 check of the script itself on a machine without a GPU.
@@ -111,6 +112,9 @@ def variants() -> dict:
     out["TF32 dots"] = {"HALF_DOTS": False}
     out["diagonal blocks in one step"] = {"DIAG_3D": True}
     out["diagonal blocks in one step, 4 warps"] = {"DIAG_3D": True, "_warps": lambda *b: 4}
+    out["backward dk / dv in two launches"] = {"SPLIT_DKV": True}
+    out["dk / dv in two launches, diagonal blocks in one step"] = {"SPLIT_DKV": True,
+                                                                  "DIAG_3D": True}
     return out
 
 

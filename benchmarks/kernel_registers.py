@@ -6,7 +6,7 @@ offline for a GPU architecture: no GPU needed.
 
 Each kernel of `memattn.kernels.abc_chunk` is built as its launch builds it (block sizes,
 PREC, chunk of 64 tokens, sub-blocks of BC rows; the sub-block kernels with their diagonal
-block as a loop and in one step, `DIAG_3D`) with the divisibility the JIT gives head sizes
+block as a loop and in one step, `DIAG_3D`; `_bwd_dkv` whole and split, `SPLIT_DKV`) with the divisibility the JIT gives head sizes
 that are multiples of 16, compiled by Triton for `sm_<arch>` and assembled by the ptxas
 Triton ships, whose report gives the registers per thread and the bytes spilled. Programs
 per SM: the fewest that the registers (65,536 per SM, allocated 256 per warp), the shared
@@ -75,8 +75,10 @@ def builds(name: str, D: int, M: int, dtype: str) -> list[tuple[str, object, dic
     fn = getattr(ac, f"_{name}")
     blocks = {"BT": 64, "BC": ac.BC, "BK": ac._pad(D), "BV": ac._pad(D), "BM": ac._pad(M),
               "PREC": prec}
-    return [("diagonal: loop", fn, {**blocks, "DIAG3": False}),
-            ("diagonal: one step", fn, {**blocks, "DIAG3": True})]
+    sides = {"": {}} if name != "bwd_dkv" else {
+        "": {"SIDES": 0}, ", keys' side": {"SIDES": 1}, ", values' side": {"SIDES": 2}}
+    return [(f"diagonal: {diag}{side}", fn, {**blocks, "DIAG3": diag == "one step", **extra})
+            for side, extra in sides.items() for diag in ("loop", "one step")]
 
 
 def compile_report(fn, constexprs: dict, *, D: int, M: int, dtype: str, warps: int,

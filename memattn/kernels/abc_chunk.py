@@ -37,7 +37,8 @@ gradients join the last token, its log_z gradient as -c.
                   over the chunks; stores ∂L/∂(memory after each chunk) and the gradient
                   of the initial state.
     _bwd_dkv      grid (sub-blocks, H): dk, dv, ds from the later chunks (through the
-                  stored gradients) and from the later tokens of the chunk.
+                  stored gradients) and from the later tokens of the chunk; with
+                  `SPLIT_DKV` two launches, the keys' side (dk) then the values' (dv).
 
 Saved for backward: q, k, v, s, a [T, H, M], S [T, H, M], lse [T, H], the chunk-start
 memories [chunks, H, M, K + V] and the normalisers, the initial and final states.
@@ -81,6 +82,9 @@ HALF_DOTS = True
 # most DIAG_3D_MAX numbers (else, and with DIAG_3D off, a loop over its BC tokens).
 DIAG_3D = False
 DIAG_3D_MAX = 16 * 16 * 64
+# The backward's dk / dv / ds in two launches, the keys' side then the values' (fewer tiles
+# live in one program), instead of one.
+SPLIT_DKV = False
 _INTERPRETED = tl.constexpr(interpreting())
 _NEG = tl.constexpr(-1e30)  # logit of padding: exp(_NEG - x) = 0, logaddexp(x, _NEG) = x
 _POS = tl.constexpr(1e30)  # log-normaliser of padding: exp(x - _POS) = 0
@@ -477,33 +481,40 @@ def _bwd_states(x, coef, lse, c, a, zprev, zend, dxT, dcT, dh, dc, dx0, dc0, cu,
 
 
 @triton.jit
-def _bwd_dkv(q, k, v, s, a, zend, S, lse, do, dS, c, dhk, dhv, dhc, dk, dv, ds,
+def _bwd_dkv(q, k, v, s, a, zend, S, lse, do, dS, c, dhk, dhv, dhc, dk, dv, ds, ds_part,
              cu, boff, sub_idx, scale,
              H, K, V, M,
              BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-             BM: tl.constexpr, PREC: tl.constexpr, DIAG3: tl.constexpr):
-    """dk, dv, ds of one sub-block of one head."""
+             BM: tl.constexpr, PREC: tl.constexpr, DIAG3: tl.constexpr, SIDES: tl.constexpr):
+    """dk, dv, ds of one sub-block of one head. ds has a term from the keys' side (K̃: with
+    k, q, dS and c) and one from the values' side (Ṽ: with v, do and p). SIDES 0: both, in one
+    program; 1: the keys' side, dk and its ds term, stored to ds_part [total, H, M] fp32; 2:
+    the values' side, dv, and ds with the term in ds_part added (fewer tiles live at once)."""
     i_h = tl.program_id(1)
     t0, rows, r_ok, eos, bos, i_s, j0, i_g = _locate(cu, boff, sub_idx, BT, BC)
     o_c = tl.arange(0, BC)
     o_k = tl.arange(0, BK)
     o_v = tl.arange(0, BV)
     o_m = tl.arange(0, BM)
-
-    b_k = _tile(k, rows, r_ok, i_h, H, K, o_k, 0.0)  # [BC, BK]
-    b_v = _tile(v, rows, r_ok, i_h, H, V, o_v, 0.0)  # [BC, BV]
     b_s = _tile(s, rows, r_ok, i_h, H, M, o_m, _NEG)  # [BC, BM]
+    if SIDES != 2:
+        b_k = _tile(k, rows, r_ok, i_h, H, K, o_k, 0.0)  # [BC, BK]
+    if SIDES != 1:
+        b_v = _tile(v, rows, r_ok, i_h, H, V, o_v, 0.0)  # [BC, BV]
 
     # Later chunks, through the gradient of the memory after this chunk.
     b_ze = tl.load(zend + (i_g * H + i_h) * M + o_m, mask=o_m < M, other=0.0)
     b_e = tl.exp(b_s - b_ze[None, :])  # [BC, BM], ≤ 1
-    b_hk = _block(dhk, i_g, i_h, H, M, K, o_m, o_k)
-    b_hv = _block(dhv, i_g, i_h, H, M, V, o_m, o_v)
-    b_hc = tl.load(dhc + (i_g * H + i_h) * M + o_m, mask=o_m < M, other=0.0)
-    b_dk = _dot(b_e, b_hk, PREC)
-    b_dv = _dot(b_e, b_hv, PREC)
-    b_ds = b_e * (_dot(b_k, tl.trans(b_hk), PREC) + _dot(b_v, tl.trans(b_hv), PREC)
-                  - b_hc[None, :])
+    b_ds = tl.zeros([BC, BM], tl.float32)
+    if SIDES != 2:
+        b_hk = _block(dhk, i_g, i_h, H, M, K, o_m, o_k)
+        b_hc = tl.load(dhc + (i_g * H + i_h) * M + o_m, mask=o_m < M, other=0.0)
+        b_dk = _dot(b_e, b_hk, PREC)
+        b_ds += b_e * (_dot(b_k, tl.trans(b_hk), PREC) - b_hc[None, :])
+    if SIDES != 1:
+        b_hv = _block(dhv, i_g, i_h, H, M, V, o_m, o_v)
+        b_dv = _dot(b_e, b_hv, PREC)
+        b_ds += b_e * _dot(b_v, tl.trans(b_hv), PREC)
 
     # Later sub-blocks of the chunk, through r = log_z at the last token of this one.
     n_sub = (eos - bos + BC - 1) // BC
@@ -514,59 +525,75 @@ def _bwd_dkv(q, k, v, s, a, zend, S, lse, do, dS, c, dhk, dhv, dhc, dk, dv, ds,
     while j < j_end:
         rows_j = bos + j * BC + o_c
         rj_ok = rows_j < eos
-        b_qj = _tile(q, rows_j, rj_ok, i_h, H, K, o_k, 0.0) * scale
-        b_doj = _tile(do, rows_j, rj_ok, i_h, H, V, o_v, 0.0)
         b_f = tl.exp(b_r[None, :] - _tile(a, rows_j, rj_ok, i_h, H, M, o_m, _POS))  # ≤ 1
-        b_fdS = b_f * _tile(dS, rows_j, rj_ok, i_h, H, M, o_m, 0.0)
-        b_pj, _sj = _probs(S, lse, rows_j, rj_ok, i_h, H, M, o_m)
-        b_fp = b_f * b_pj
-        b_fc = tl.sum(b_f * _tile(c, rows_j, rj_ok, i_h, H, M, o_m, 0.0), 0)  # [BM]
-        b_dk += _dot(_dot(b_e, tl.trans(b_fdS), PREC), b_qj, PREC)
-        b_dv += _dot(_dot(b_e, tl.trans(b_fp), PREC), b_doj, PREC)
-        b_kq = _dot(b_k, tl.trans(b_qj), PREC)  # [BC, BC]
-        b_vdo = _dot(b_v, tl.trans(b_doj), PREC)
-        b_ds += b_e * (_dot(b_kq, b_fdS, PREC) + _dot(b_vdo, b_fp, PREC) - b_fc[None, :])
+        if SIDES != 2:
+            b_qj = _tile(q, rows_j, rj_ok, i_h, H, K, o_k, 0.0) * scale
+            b_fdS = b_f * _tile(dS, rows_j, rj_ok, i_h, H, M, o_m, 0.0)
+            b_fc = tl.sum(b_f * _tile(c, rows_j, rj_ok, i_h, H, M, o_m, 0.0), 0)  # [BM]
+            b_dk += _dot(_dot(b_e, tl.trans(b_fdS), PREC), b_qj, PREC)
+            b_kq = _dot(b_k, tl.trans(b_qj), PREC)  # [BC, BC]
+            b_ds += b_e * (_dot(b_kq, b_fdS, PREC) - b_fc[None, :])
+        if SIDES != 1:
+            b_doj = _tile(do, rows_j, rj_ok, i_h, H, V, o_v, 0.0)
+            b_pj, _sj = _probs(S, lse, rows_j, rj_ok, i_h, H, M, o_m)
+            b_fp = b_f * b_pj
+            b_dv += _dot(_dot(b_e, tl.trans(b_fp), PREC), b_doj, PREC)
+            b_ds += b_e * _dot(_dot(b_v, tl.trans(b_doj), PREC), b_fp, PREC)
         j += 1
 
     # This sub-block: token t reads tokens i ≤ t.
-    b_qs = _tile(q, rows, r_ok, i_h, H, K, o_k, 0.0) * scale  # [BC, BK]
-    b_do = _tile(do, rows, r_ok, i_h, H, V, o_v, 0.0)  # [BC, BV]
-    b_kq = _dot(b_k, tl.trans(b_qs), PREC)  # [BC (i), BC (t)]
-    b_vdo = _dot(b_v, tl.trans(b_do), PREC)
+    if SIDES != 2:
+        b_qs = _tile(q, rows, r_ok, i_h, H, K, o_k, 0.0) * scale  # [BC, BK]
+        b_kq = _dot(b_k, tl.trans(b_qs), PREC)  # [BC (i), BC (t)]
+    if SIDES != 1:
+        b_do = _tile(do, rows, r_ok, i_h, H, V, o_v, 0.0)  # [BC, BV]
+        b_vdo = _dot(b_v, tl.trans(b_do), PREC)
     if DIAG3:  # φ [t, i, m] with t the reading token (the rows of the tiles below)
-        b_dSt = _tile(dS, rows, r_ok, i_h, H, M, o_m, 0.0)  # [BC, BM]
-        b_pt, _St = _probs(S, lse, rows, r_ok, i_h, H, M, o_m)
-        b_ct = _tile(c, rows, r_ok, i_h, H, M, o_m, 0.0)
         b_phi = _diag_phi(s, _tile(a, rows, r_ok, i_h, H, M, o_m, _POS), rows, eos, i_h, H, M,
                           o_c, o_m)
-        b_dk += _dot(tl.trans(tl.sum(b_phi * b_dSt[:, None, :], 2)), b_qs, PREC)
-        b_dv += _dot(tl.trans(tl.sum(b_phi * b_pt[:, None, :], 2)), b_do, PREC)
-        b_ds += tl.sum(b_phi * (tl.trans(b_kq)[:, :, None] * b_dSt[:, None, :]
-                                + tl.trans(b_vdo)[:, :, None] * b_pt[:, None, :]
-                                - b_ct[:, None, :]), 0)
+        if SIDES != 2:
+            b_dSt = _tile(dS, rows, r_ok, i_h, H, M, o_m, 0.0)  # [BC, BM]
+            b_ct = _tile(c, rows, r_ok, i_h, H, M, o_m, 0.0)
+            b_dk += _dot(tl.trans(tl.sum(b_phi * b_dSt[:, None, :], 2)), b_qs, PREC)
+            b_ds += tl.sum(b_phi * (tl.trans(b_kq)[:, :, None] * b_dSt[:, None, :]
+                                    - b_ct[:, None, :]), 0)
+        if SIDES != 1:
+            b_pt, _St = _probs(S, lse, rows, r_ok, i_h, H, M, o_m)
+            b_dv += _dot(tl.trans(tl.sum(b_phi * b_pt[:, None, :], 2)), b_do, PREC)
+            b_ds += tl.sum(b_phi * tl.trans(b_vdo)[:, :, None] * b_pt[:, None, :], 0)
     else:
         for i in range(BC):  # token t = t0 + i
             ok = t0 + i < eos
             b_at = _row(a, t0 + i, ok, i_h, H, M, o_m, _POS)
-            b_dSt = _row(dS, t0 + i, ok, i_h, H, M, o_m, 0.0)
-            b_St = _row(S, t0 + i, ok, i_h, H, M, o_m, 0.0)
-            b_lse = tl.load(lse + (t0 + i) * H + i_h, mask=ok, other=0.0)
-            b_pt = tl.where(ok & (o_m < M), tl.exp(b_St - b_lse), 0.0)
-            b_ct = _row(c, t0 + i, ok, i_h, H, M, o_m, 0.0)
-            b_qt = _row(q, t0 + i, ok, i_h, H, K, o_k, 0.0) * scale
-            b_dot = _row(do, t0 + i, ok, i_h, H, V, o_v, 0.0)
             b_phi = tl.exp(tl.where(o_c[:, None] <= i, b_s - b_at[None, :], _NEG))  # [BC, BM]
-            b_dk += tl.sum(b_phi * b_dSt[None, :], 1)[:, None] * b_qt[None, :]
-            b_dv += tl.sum(b_phi * b_pt[None, :], 1)[:, None] * b_dot[None, :]
-            b_ds += b_phi * (_col(b_kq, o_c, i)[:, None] * b_dSt[None, :]
-                             + _col(b_vdo, o_c, i)[:, None] * b_pt[None, :] - b_ct[None, :])
+            if SIDES != 2:
+                b_dSt = _row(dS, t0 + i, ok, i_h, H, M, o_m, 0.0)
+                b_ct = _row(c, t0 + i, ok, i_h, H, M, o_m, 0.0)
+                b_qt = _row(q, t0 + i, ok, i_h, H, K, o_k, 0.0) * scale
+                b_dk += tl.sum(b_phi * b_dSt[None, :], 1)[:, None] * b_qt[None, :]
+                b_ds += b_phi * (_col(b_kq, o_c, i)[:, None] * b_dSt[None, :] - b_ct[None, :])
+            if SIDES != 1:
+                b_St = _row(S, t0 + i, ok, i_h, H, M, o_m, 0.0)
+                b_lse = tl.load(lse + (t0 + i) * H + i_h, mask=ok, other=0.0)
+                b_pt = tl.where(ok & (o_m < M), tl.exp(b_St - b_lse), 0.0)
+                b_dot = _row(do, t0 + i, ok, i_h, H, V, o_v, 0.0)
+                b_dv += tl.sum(b_phi * b_pt[None, :], 1)[:, None] * b_dot[None, :]
+                b_ds += b_phi * _col(b_vdo, o_c, i)[:, None] * b_pt[None, :]
 
-    tl.store(dk + (rows[:, None] * H + i_h) * K + o_k[None, :], b_dk.to(dk.dtype.element_ty),
-             mask=r_ok[:, None] & (o_k < K)[None, :])
-    tl.store(dv + (rows[:, None] * H + i_h) * V + o_v[None, :], b_dv.to(dv.dtype.element_ty),
-             mask=r_ok[:, None] & (o_v < V)[None, :])
-    tl.store(ds + (rows[:, None] * H + i_h) * M + o_m[None, :], b_ds.to(ds.dtype.element_ty),
-             mask=r_ok[:, None] & (o_m < M)[None, :])
+    m_ok = r_ok[:, None] & (o_m < M)[None, :]
+    at_m = (rows[:, None] * H + i_h) * M + o_m[None, :]
+    if SIDES != 2:
+        tl.store(dk + (rows[:, None] * H + i_h) * K + o_k[None, :],
+                 b_dk.to(dk.dtype.element_ty), mask=r_ok[:, None] & (o_k < K)[None, :])
+    if SIDES != 1:
+        tl.store(dv + (rows[:, None] * H + i_h) * V + o_v[None, :],
+                 b_dv.to(dv.dtype.element_ty), mask=r_ok[:, None] & (o_v < V)[None, :])
+    if SIDES == 1:
+        tl.store(ds_part + at_m, b_ds, mask=m_ok)
+    else:
+        if SIDES == 2:
+            b_ds += tl.load(ds_part + at_m, mask=m_ok, other=0.0)
+        tl.store(ds + at_m, b_ds.to(ds.dtype.element_ty), mask=m_ok)
 
 
 # --------------------------------------------------------------------------------------
@@ -704,8 +731,11 @@ def _backward(q, k, v, s, do, saved, final, dfinal, plan: _Plan):
                           num_warps=_warps(BT, BM, BD))
 
     dk, dv, ds = torch.empty_like(k), torch.empty_like(v), torch.empty_like(s)
-    _bwd_dkv[sub](q, k, v, s, a, zend, S, lse, do, dS, c, dhk, dhv, dhc, dk, dv, ds,
-                  plan.cu, plan.boff, plan.sub_idx, plan.scale, H, K, V, M, **blocks)
+    ds_part = torch.empty(T, H, M, **f32) if SPLIT_DKV else ds
+    for sides in (1, 2) if SPLIT_DKV else (0,):
+        _bwd_dkv[sub](q, k, v, s, a, zend, S, lse, do, dS, c, dhk, dhv, dhc, dk, dv, ds, ds_part,
+                      plan.cu, plan.boff, plan.sub_idx, plan.scale, H, K, V, M, SIDES=sides,
+                      **blocks)
     return dq, dk, dv, ds, (dc0, dk0, dv0)
 
 

@@ -122,11 +122,14 @@ def test_gradients_through_the_final_state_only():
         torch.testing.assert_close(a.double(), b, **F32)
 
 
-def test_diagonal_blocks_in_one_step(monkeypatch):
+@pytest.mark.parametrize("diag3, split", [(True, False), (False, True), (True, True)])
+def test_kernel_variants(monkeypatch, diag3, split):
     """DIAG_3D: each sub-block's own block as one [BC, BC, M] tile instead of a loop over its
-    tokens; several chunks and sub-blocks, a packed batch, bf16 operands, logits of 1e3."""
-    monkeypatch.setattr(abc_chunk, "DIAG_3D", True)
-    assert abc_chunk._diag3(64) and not abc_chunk._diag3(65)  # at most DIAG_3D_MAX numbers
+    tokens; SPLIT_DKV: the backward's dk / dv / ds in two launches. Several chunks and
+    sub-blocks, a packed batch, bf16 operands, logits of 1e3."""
+    monkeypatch.setattr(abc_chunk, "DIAG_3D", diag3)
+    monkeypatch.setattr(abc_chunk, "SPLIT_DKV", split)
+    assert abc_chunk._diag3(64) == diag3 and not abc_chunk._diag3(65)  # ≤ DIAG_3D_MAX numbers
     xs = make_inputs(T=37)
     want = run(abc_reference, xs, torch.float64)
     for chunk in (16, 32):
@@ -297,18 +300,21 @@ def test_on_gpu():
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-@pytest.mark.parametrize("stages, sub, half_dots, diag3", [
-    (2, 16, True, False), (3, 16, True, False), (0, 32, True, False), (0, 16, False, False),
-    (0, 16, True, True), (2, 16, True, True)])
-def test_kernel_variants_on_gpu(monkeypatch, stages, sub, half_dots, diag3):
+@pytest.mark.parametrize("stages, sub, half_dots, diag3, split", [
+    (2, 16, True, False, False), (3, 16, True, False, False), (0, 32, True, False, False),
+    (0, 16, False, False, False), (0, 16, True, True, False), (0, 16, True, False, True),
+    (2, 16, True, True, True)])
+def test_kernel_variants_on_gpu(monkeypatch, stages, sub, half_dots, diag3, split):
     """The launch variants benchmarks/gpu_profile.py times, against the reference: the scans'
     `for` form (software-pipelined when compiled; the interpreter runs only the `while`
     form), sub-blocks of 32 rows, TF32 products for bf16 inputs, diagonal blocks in one
-    step. Several chunks, bf16, and a packed batch of 1, 129, 1 and 269 tokens."""
+    step, the backward's dk / dv in two launches. Several chunks, bf16, and a packed batch
+    of 1, 129, 1 and 269 tokens."""
     monkeypatch.setattr(memattn.kernels, "SCAN_STAGES", stages)
     monkeypatch.setattr(abc_chunk, "BC", sub)
     monkeypatch.setattr(abc_chunk, "HALF_DOTS", half_dots)
     monkeypatch.setattr(abc_chunk, "DIAG_3D", diag3)
+    monkeypatch.setattr(abc_chunk, "SPLIT_DKV", split)
     xs = make_inputs(B=2, T=300, H=3, K=64, V=40, M=24, seed=4)
     want = run(abc_chunked, xs, torch.float64)
     assert_all_close(run(abc_chunk_triton, xs, torch.float32), want, atol=1e-4, rtol=1e-4)
