@@ -220,6 +220,17 @@ def speed_note(result: dict) -> str:
                              "batch of the run's shape, decoding is greedy at batch 1 after a prompt")
 
 
+def copied_note(result: dict) -> str:
+    """A sentence naming the runs whose row another experiment trained with the same settings
+    (their row.json carries "copied_from", the folder it came from), or ''."""
+    copied = [f"{run['model']} from `{run['copied_from']}`" for run in result["runs"]
+              if run.get("copied_from")]
+    if not copied:
+        return ""
+    return ("Trained by another experiment with the same settings and batches, their rows "
+            f"copied: {'; '.join(copied)}. ")
+
+
 def progress_note(result: dict) -> list[str]:
     """A line for a table that does not hold every run yet."""
     if result["finished"] == result["runs_planned"]:

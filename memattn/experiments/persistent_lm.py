@@ -23,7 +23,8 @@ from pathlib import Path
 
 from memattn.config import AttentionConfig, RunConfig, load_config
 from memattn.experiments._common import compare, held_settings, setup_line
-from memattn.experiments._lm_common import Model, bpc_cell, progress_note, run_lm_experiment, speed_note
+from memattn.experiments._lm_common import (Model, bpc_cell, copied_note, progress_note,
+                                            run_lm_experiment, speed_note)
 # abc-lm's trunk and budget, so that its softmax rows are this experiment's transformer rows;
 # `overrides` from the command line replace the defaults they name, as there
 from memattn.experiments.abc_lm import FULL, MEASURE, QUICK
@@ -125,7 +126,8 @@ def markdown(result: dict) -> str:
         f"the test split in segments of {seq}, each read from an empty memory, and with context: each "
         f"{seq - context}-character segment after the {context} before it, except for the long-context "
         "model, which reads the whole test split as streams with its segment memory carried (its "
-        "training reads). ± is half the spread of two seeds. " + speed_note(result),
+        "training reads). ± is half the spread of two seeds. " + copied_note(result)
+        + speed_note(result),
         "",
         f"| model | seeds | N | parameters | test bpc, segments of {seq} | vs transformer | with context "
         "| vs transformer | val bpc | train tokens/s |",

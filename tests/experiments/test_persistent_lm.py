@@ -1,6 +1,7 @@
 """`memattn experiment persistent-lm --quick`: every model trains, parameters match, the
 long-context model trains on segments and is tested as a stream, files are written."""
 
+import json
 import math
 
 import pytest
@@ -41,6 +42,17 @@ def test_quick_run_writes_the_table_curves_and_command(text_file, tmp_path):
     assert f"layer 1: {sum(spans[0]) / len(spans[0]):.0f} (largest {max(spans[0]):.0f})" in table
     assert (out / "learning_curves.png").stat().st_size > 1000
     assert len(list((out / "logs").glob("*.jsonl"))) == 9
+    assert "rows copied" not in table
+    # a row trained by another experiment with the same settings (abc-lm's softmax) is reused
+    # where it is put, and the table says where it came from
+    row_file = out / "runs" / "transformer" / "row.json"
+    row = json.loads(row_file.read_text())
+    row_file.write_text(json.dumps(dict(row, copied_from="results/abc-lm/runs/softmax")))
+    _, again = run_quick_lm_experiment("persistent-lm", text_file, tmp_path)
+    (reused,) = [run for run in again["runs"] if run["model"] == "transformer"]
+    assert reused["test_bpc"] == row["test_bpc"] and reused["copied_from"]
+    assert ("rows copied: transformer from `results/abc-lm/runs/softmax`"
+            in (out / "results.md").read_text())
 
 
 def test_is_listed_with_a_description():
