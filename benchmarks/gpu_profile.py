@@ -177,7 +177,25 @@ def markdown(res: dict) -> str:
                 lines.append(f"| {c['name']} | " + " | ".join(
                     f"{x:.3f}" if isinstance(x, float) else str(x) for x in cells) + " |")
             lines.append("")
+            if key == "variants":
+                lines += fastest_per_kernel(case[key], kernels)
     return "\n".join(lines)
+
+
+def fastest_per_kernel(rows: list[dict], kernels: list[str]) -> list[str]:
+    """For each kernel, the variant under which it took least time, against the first row's
+    (the default's) time: each kernel's launch choices can be set on their own."""
+    timed = [r for r in rows if "kernels" in r]
+    if not timed:
+        return []
+    out = []
+    for k in kernels:
+        times = [(r["kernels"][k], r["name"]) for r in timed if k in r["kernels"]]
+        best, name = min(times)
+        base = timed[0]["kernels"].get(k)
+        gain = f", {base / best:.2f}x the default's {base:.3f}" if base else ""
+        out.append(f"- `{k}`: fastest with {name} ({best:.3f} ms{gain})")
+    return [*out, ""]
 
 
 def main(argv=None) -> None:

@@ -118,6 +118,8 @@ def test_profile_report_gives_each_variant_its_kernels_times():
     assert "| default | 1.000 | 3.000 | 1.500 | 0.750 |" in lines
     assert "| 2 warps | 0.500 | 2.000 |  | 0.250 |" in lines
     assert "| 8 warps | OutOfResources: shared memory | OutOfResources: shared memory |  |  |" in lines
+    assert "- `_fwd_output`: fastest with 2 warps (0.250 ms, 3.00x the default's 0.750)" in lines
+    assert "- `_bwd_dkv`: fastest with default (1.500 ms, 1.00x the default's 1.500)" in lines
 
 
 def test_programs_per_sm_follow_the_scarcest_resource():
