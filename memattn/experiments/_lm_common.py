@@ -30,6 +30,8 @@ def by_position_buckets(bpc: list[float]) -> dict[str, float]:
     [0, 8), [8, 32), … up to the segment's end, keyed "first-last"."""
     edges = [e for e in POSITION_EDGES if e < len(bpc)] + [len(bpc)]
     return {f"{lo}-{hi - 1}": statistics.fmean(bpc[lo:hi]) for lo, hi in zip(edges, edges[1:])}
+
+
 SEED_FIGURES = ("test_bpc", "test_bpc_context", "val_bpc", "train_tokens_per_s",
                 "decode_tokens_per_s", "train_s")
 
@@ -158,7 +160,8 @@ def summarise(names: list[str], rows: list[dict]) -> list[dict]:
         for when in ("slots_init", "slots_trained"):
             if runs[0][when]:
                 entry[when] = {k: statistics.fmean(r[when][k] for r in runs) for k in runs[0][when]}
-        having = [r for r in runs if r.get("test_bpc_by_position")]  # rows measured since it was
+        # rows measured before this figure existed lack it
+        having = [r for r in runs if r.get("test_bpc_by_position")]
         if having:
             entry["by_position_seeds"] = [r["seed"] for r in having]
             entry["test_bpc_by_position"] = {
