@@ -26,6 +26,10 @@ def slot_statistics(s: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
       read_spread: exp(entropy of each query's read), averaged: how many slots one query reads.
       key_cosine: mean cosine between two different slot keys of the memory at the last step
         (1 when the slots are copies of each other).
+      write_age: the mean age t − i of what a slot holds at step t (i weighted by its write
+        weight among the tokens ≤ t) over t / 2, the age of a plain prefix mean; averaged over
+        slots and the steps t ≥ 1: 1 when writing ignores position, below 1 when recent tokens
+        weigh more (0: each slot holds its newest token), 2 when a slot holds the first.
     """
     s, q, k = s.double(), q.double(), k.double()
     B, T, H, M = s.shape
@@ -33,7 +37,10 @@ def slot_statistics(s: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
     weights = torch.softmax(s, dim=1)  # [B, T, H, M] each slot's write weights over the window
     write_entropy = -(weights * weights.clamp_min(1e-300).log()).sum(1)  # [B, H, M]
     a = torch.exp(s - s.amax(dim=1, keepdim=True))  # [B, T, H, M], stable per slot
-    keys = torch.cumsum(a[..., None] * k[:, :, :, None, :], 1) / torch.cumsum(a, 1)[..., None]  # [B, T, H, M, D]
+    mass = torch.cumsum(a, 1)  # [B, T, H, M]
+    keys = torch.cumsum(a[..., None] * k[:, :, :, None, :], 1) / mass[..., None]  # [B, T, H, M, D]
+    t = torch.arange(T, dtype=s.dtype).view(1, T, 1, 1)
+    age = t - torch.cumsum(a * t, 1) / mass  # [B, T, H, M] the held tokens' mean age at step t
     read = torch.softmax(scale * torch.einsum("bthmd,bthd->bthm", keys, q), dim=-1)  # [B, T, H, M]
     mean_read = read.mean(dim=(0, 1))  # [H, M]
     entropy = -(mean_read * mean_read.clamp_min(1e-300).log()).sum(-1)  # [H]
@@ -45,7 +52,8 @@ def slot_statistics(s: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
     return {"write_spread": (write_entropy.exp() / T).mean().item(),
             "slots_read": entropy.exp().mean().item(),
             "read_spread": query_entropy.exp().mean().item(),
-            "key_cosine": off_diagonal.mean().item()}
+            "key_cosine": off_diagonal.mean().item(),
+            "write_age": (age[:, 1:] / (t[:, 1:] / 2)).mean().item() if T > 1 else float("nan")}
 
 
 @torch.no_grad()

@@ -1,5 +1,7 @@
 """memattn.analysis: slot statistics on memories whose values are known in closed form."""
 
+import math
+
 import pytest
 import torch
 
@@ -16,6 +18,34 @@ def test_identical_slots_are_plain_means_read_uniformly():
     assert stats["key_cosine"] == pytest.approx(1.0)
     assert stats["slots_read"] == pytest.approx(M)
     assert stats["read_spread"] == pytest.approx(M)
+    assert stats["write_age"] == pytest.approx(1.0)  # a plain prefix mean
+
+
+@pytest.mark.parametrize("c", [0.3, -0.7])
+def test_write_age_of_geometric_write_weights(c):
+    """Logits c·i weigh token i ≤ t by r^i (r = e^c): the held tokens' mean age at step t is
+    t − Σ i r^i / Σ r^i, summed here term by term."""
+    B, T, H, M, D = 1, 9, 1, 2, 4
+    s = torch.zeros(B, T, H, M, dtype=torch.float64)
+    s[..., 0] = c * torch.arange(T, dtype=s.dtype).view(1, T, 1)  # slot 1 stays a plain mean (ratio 1)
+    ratios = []
+    for t in range(1, T):
+        w = [math.exp(c * i) for i in range(t + 1)]
+        ratios.append((t - sum(i * x for i, x in enumerate(w)) / sum(w)) / (t / 2))
+    expected = (sum(ratios) / len(ratios) + 1.0) / 2
+    stats = slot_statistics(s, torch.randn(B, T, H, D), torch.randn(B, T, H, D))
+    assert stats["write_age"] == pytest.approx(expected, rel=1e-9)
+    assert (stats["write_age"] < 1) == (c > 0)
+
+
+def test_write_age_ends_newest_first_and_oldest_first():
+    T = 7
+    newest = slot_statistics(60.0 * torch.arange(T).view(1, T, 1, 1), torch.randn(1, T, 1, 4),
+                             torch.randn(1, T, 1, 4))
+    oldest = slot_statistics(-60.0 * torch.arange(T).view(1, T, 1, 1), torch.randn(1, T, 1, 4),
+                             torch.randn(1, T, 1, 4))
+    assert newest["write_age"] == pytest.approx(0.0, abs=1e-12)
+    assert oldest["write_age"] == pytest.approx(2.0, rel=1e-12)
 
 
 def test_slots_that_each_hold_one_orthogonal_key_are_parted():

@@ -158,8 +158,9 @@ def summarise(names: list[str], rows: list[dict]) -> list[dict]:
             entry["spans"] = [[statistics.fmean(h) for h in zip(*layers)]
                               for layers in zip(*(r["spans"] for r in runs))]
         for when in ("slots_init", "slots_trained"):
-            if runs[0][when]:
-                entry[when] = {k: statistics.fmean(r[when][k] for r in runs) for k in runs[0][when]}
+            if runs[0][when]:  # the figures every seed has (rows measured before one was added lack it)
+                entry[when] = {k: statistics.fmean(r[when][k] for r in runs) for k in runs[0][when]
+                               if all(k in r[when] for r in runs)}
         # rows measured before this figure existed lack it
         having = [r for r in runs if r.get("test_bpc_by_position")]
         if having:

@@ -131,17 +131,20 @@ def markdown(result: dict) -> str:
             "write spread: exp(entropy of a slot's write weights over the window) / window, 1 = the "
             "slot is the plain mean of the window; slots read: exp(entropy of the mean read), how "
             "many slots the queries use between them; per query: how many one query reads; key "
-            "cosine: mean cosine between two slots' keys (1 = copies).",
+            "cosine: mean cosine between two slots' keys (1 = copies); write age: the mean age of what "
+            "a slot holds over a plain prefix mean's (1 = writing ignores position, below 1 = recent "
+            "tokens weigh more; — for runs measured before it was added).",
             "",
-            "| model | write spread, init → trained | slots read | per query | key cosine |",
-            "|---|---:|---:|---:|---:|",
+            "| model | write spread, init → trained | slots read | per query | key cosine | write age |",
+            "|---|---:|---:|---:|---:|---:|",
         ]
         for m in usage:
             a, b = m["slots_init"], m["slots_trained"]
+            age = f"{a['write_age']:.2f} → {b['write_age']:.2f}" if "write_age" in b else "—"
             lines.append(f"| {m['model']} | {a['write_spread']:.2f} → {b['write_spread']:.2f} | "
                          f"{a['slots_read']:.1f} → {b['slots_read']:.1f} | "
                          f"{a['read_spread']:.1f} → {b['read_spread']:.1f} | "
-                         f"{a['key_cosine']:.2f} → {b['key_cosine']:.2f} |")
+                         f"{a['key_cosine']:.2f} → {b['key_cosine']:.2f} | {age} |")
     positions = by_position_lines(models, base)
     lines += ["", *positions, *([""] if positions else []), *findings(models), "",
               setup_line(result["config"]), "",

@@ -45,6 +45,8 @@ def test_quick_run_writes_the_table_sweep_and_slot_usage(text_file, tmp_path):
     table = (out / "results.md").read_text()
     assert result["command"] in table and "| abc-random, M=8 | 1 |" in table and "In progress" not in table
     assert "## Where in the segment the loss falls (context 0)" in table
+    age = models["abc-mlp, M=8"]["slots_trained"]["write_age"]
+    assert 0 <= age <= 2 and f"→ {age:.2f} |" in table
     assert (out / "memory_sweep.png").stat().st_size > 1000
     assert (out / "learning_curves.png").stat().st_size > 1000
     # tokens/s of every run come from one pass once all were trained, kept in speeds.json
@@ -125,6 +127,17 @@ def test_summary_gives_mean_and_spread_over_seeds():
     (m,) = summarise(["softmax", "softmax"], rows)
     assert m["seeds"] == 2 and m["test_bpc"] == 2.25 and m["test_bpc_spread"] == 0.5
     assert m["test_bpc_context"] == 1.25 and m["test_bpc_context_spread"] == 0.5
+
+
+def test_summary_keeps_the_slot_figures_every_seed_has():
+    run = {"attention": "abc-mlp", "options": {}, "params": 10, "steps": 5, "context": 3, "test_tokens": 8,
+           "context_tokens": 8, "test_bpc": 2.0, "test_bpc_context": 1.5, "val_bpc": 2.0,
+           "train_tokens_per_s": 1.0, "decode_tokens_per_s": 1.0, "train_s": 1.0, "slots_init": {}}
+    old = dict(run, slots_trained={"write_spread": 0.2})  # measured before write_age existed
+    new = dict(run, slots_trained={"write_spread": 0.4, "write_age": 0.9})
+    for rows in ([old, new], [new, old]):
+        (m,) = summarise(["abc-mlp", "abc-mlp"], rows)
+        assert m["slots_trained"] == {"write_spread": pytest.approx(0.3)}
 
 
 def test_is_listed_with_a_description():
