@@ -276,15 +276,21 @@ def parse_override(text: str) -> tuple[list[str], Any]:
 
 def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
     """Set each `key=value` in the nested dict `data` (a copy is returned); naming a new
-    mechanism starts it from its own default options."""
+    mechanism starts it from its own default options, so an option given before the name in
+    the same list, which that would drop, is refused."""
     data = copy.deepcopy(data)
+    options: list[str] = []  # attention.OPTION overrides applied so far
     for text in overrides:
         path, value = parse_override(text)
-        node = data
         if path[:2] == ["model", "attention"] and path[-1] == "name":
             node = data.get("model", {}).get("attention", {})
             if isinstance(node, dict) and node.get("name") != value:
+                if options:
+                    raise ConfigError(f"{options[0]}: given before attention={value}, which starts the "
+                                      f"mechanism from its default options; give it after the name")
                 node.clear()
+        elif path[:2] == ["model", "attention"]:
+            options.append(text)
         set_path(data, path, value)
     return data
 

@@ -24,6 +24,16 @@ def test_overrides_are_typed_and_reach_nested_fields():
     assert cfg.train.steps == 20  # from the preset
 
 
+def test_naming_a_mechanism_starts_its_options_anew_and_refuses_to_drop_given_ones():
+    base = {"model": {"attention": {"name": "abc-window", "window": 8}}}
+    cfg = load_config(None, ["attention=abc-mlp", "attention.num_slots=8"], base=base)
+    assert cfg.model.attention == AttentionConfig("abc-mlp", {"num_slots": 8})  # no window
+    same = load_config(None, ["attention=abc-mlp", "attention.num_slots=8", "attention=abc-mlp"])
+    assert same.model.attention.options == {"num_slots": 8}
+    with pytest.raises(ConfigError, match=r"attention\.num_slots=8: given before attention=abc-mlp"):
+        load_config(None, ["attention.num_slots=8", "attention=abc-mlp"])
+
+
 def test_int_accepted_for_float_but_not_the_reverse():
     assert load_config(None, ["train.lr=1"]).train.lr == 1.0
     with pytest.raises(ConfigError, match=r"model\.d_model: expected an integer, got 1\.5"):
