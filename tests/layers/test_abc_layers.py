@@ -94,6 +94,63 @@ def test_abc_mlp_equals_prefix_normalised_memory(causal, activation, positions):
     torch.testing.assert_close(got, want, rtol=1e-9, atol=1e-9)
 
 
+@pytest.mark.parametrize("positions", ["none", "rotary"])
+def test_abc_mlp_recency_weighs_each_token_by_its_slots_rate(positions):
+    """α_i = exp(W_φ x_i + β_m·i): the paper's memory with each slot's logits tilted by its
+    rate, so at step t token i's share against token t's shrinks by e^(-β_m (t - i))."""
+    m = layer("abc-mlp", positions=positions, num_slots=5, recency=True)
+    T = 13
+    x = torch.randn(2, T, D_MODEL, dtype=F64)
+    q, k, v = projections(m, x, positions)
+    z = (x @ m.phi.weight.T).reshape(2, T, HEADS, 5)
+    rate = m.rate.reshape(HEADS, 5)
+    assert rate.abs().min() > 0  # the helper drew every rate away from 0
+    alpha = (z + torch.arange(T, dtype=F64)[:, None, None] * rate).exp()
+    want = output(m, normalised_alpha_reference(q, k, v, alpha, True))
+    got, _ = m(x)
+    torch.testing.assert_close(got, want, rtol=1e-9, atol=1e-9)
+
+
+def test_abc_mlp_recency_counts_real_tokens_only():
+    """A left-padded row, prefilled then decoded, equals the row alone: the rate tilts by the
+    real tokens written, whatever the padding before them."""
+    m = layer("abc-mlp", positions="rotary", num_slots=4, recency=True)
+    x = torch.randn(2, 12, D_MODEL, dtype=F64)
+    mask = torch.ones(2, 12, dtype=torch.bool)
+    mask[1, :4] = False
+    state = m.init_state(2)
+    with torch.no_grad():  # decoding writes the memory in place
+        got = [m(x[:, :7], memory_state=state, attention_mask=mask[:, :7],
+                 positions=(mask.cumsum(1) - 1).clamp_min(0)[:, :7])[0]]
+        got += [m(x[:, t:t + 1], memory_state=state, positions=(mask.cumsum(1) - 1)[:, t:t + 1])[0]
+                for t in range(7, 12)]
+        alone, _ = m(x[1:, 4:])
+    torch.testing.assert_close(torch.cat(got, 1)[1, 4:], alone[0], rtol=1e-9, atol=1e-9)
+
+
+@pytest.mark.parametrize("sign", [1.0, -1.0])
+def test_abc_mlp_recency_streams_far_past_its_training_length(sign):
+    """The state keeps its logits relative to the next token: 3,000 single steps at rates
+    of ±(0.1 to 0.5) give the one-pass forward, and with recency (β > 0) the normaliser stays
+    near the newest tokens' logits instead of growing with the position."""
+    m = layer("abc-mlp", num_slots=4, recency=True)
+    with torch.no_grad():
+        m.rate.copy_(sign * (0.1 + 0.4 * torch.rand_like(m.rate)))
+    x = torch.randn(1, 3000, D_MODEL, dtype=F64)
+    state = m.init_state(1)
+    with torch.no_grad():
+        full, _ = m(x)
+        steps = torch.cat([m(x[:, t:t + 1], memory_state=state)[0] for t in range(3000)], 1)
+    if sign > 0:
+        assert state.inner.log_z.abs().max() < 50  # not the hundreds β·3,000 would be
+    torch.testing.assert_close(steps, full, rtol=1e-7, atol=1e-7)
+
+
+def test_abc_mlp_recency_is_refused_without_causal_attention():
+    with pytest.raises(ConfigError, match=r"attention\.recency"):
+        layer("abc-mlp", causal=False, recency=True)
+
+
 def test_abc_mlp_padding_writes_nothing():
     m = layer("abc-mlp", causal=False, num_slots=4)
     x = torch.randn(2, 9, D_MODEL, dtype=F64)
@@ -357,6 +414,7 @@ def test_abc_workspace_reads_the_previous_layers_memory():
 
 @pytest.mark.parametrize("name,options", [
     ("abc-mlp", {"num_slots": 3}), ("abc-mlp", {"num_slots": 3, "activation": "relu"}),
+    ("abc-mlp", {"num_slots": 3, "recency": True}),
     ("abc-window", {"window": 4}), ("abc-linformer", {"num_slots": 3}),
     ("abc-random", {"num_slots": 3}), ("abc-meanpool", {"num_slots": 8, "pool": 3}),
     ("abc-l2g", {"num_slots": 8, "every": 3}),
@@ -405,7 +463,7 @@ def test_decoding_state_does_not_grow(name, options):
 
 @pytest.mark.parametrize("name,options", [
     ("abc-mlp", {"activation": "exp"}), ("abc-mlp", {"activation": "relu"}),
-    ("abc-mlp", {"activation": "sigmoid"}), ("abc-window", {"window": 3}),
+    ("abc-mlp", {"activation": "sigmoid"}), ("abc-mlp", {"recency": True}), ("abc-window", {"window": 3}),
     ("abc-dilated", {"window": 3}), ("abc-linformer", {}), ("abc-random", {}),
     ("abc-meanpool", {}), ("abc-l2g", {"every": 2}), ("abc-cluster", {"num_clusters": 3}),
 ])
@@ -430,7 +488,7 @@ def test_gradients_reach_every_parameter_and_stay_finite(name, options):
     ("abc-mlp", {"num_slots": 0}, "num_slots"),
     ("abc-mlp", {"cross_slots": 0}, "cross_slots"),
     ("abc-mlp", {"activation": "tanh"}, "activation"),
-    ("abc-mlp", {"tie_phi": "yes"}, "tie_phi"),
+    ("abc-mlp", {"tie_phi": "yes"}, "tie_phi"), ("abc-mlp", {"recency": "yes"}, "recency"),
     ("abc-window", {"window": 0}, "window"),
     ("abc-linformer", {"num_slots": -1}, "num_slots"),
     ("abc-random", {"num_slots": 0}, "num_slots"),

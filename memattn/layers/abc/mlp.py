@@ -40,6 +40,12 @@ class ABCMLPOptions:
         default): √(8 / d_model), slot logits of std ≈ 2.8 for unit-variance inputs; 0: the
         model's own init. With near-equal logits every slot holds about the mean of the prefix
         and the slots learn alike; results/abc-lm measured the larger scale ahead on two seeds.
+    recency: in self-attention, token i's logit for slot m gets a learned β_m·i (β per head
+        and slot, 0 at init): for β > 0 each later token shrinks an earlier one's share of the
+        slot by e^(-β), an exponential moving average with its own rate per slot; β < 0 keeps
+        the earliest tokens instead. With positions of their own (e.g. rotary ones, which only
+        q and k see) the writes otherwise cannot depend on where a token is. Not in the paper;
+        causal self-attention only (cross attention's memory has none).
     """
 
     num_slots: int = 32
@@ -48,6 +54,7 @@ class ABCMLPOptions:
     tie_phi: bool = False
     bias: bool = False
     phi_init_std: float | None = None
+    recency: bool = False
 
     def __post_init__(self) -> None:
         if self.phi_init_std is not None and not self.phi_init_std >= 0:  # NaN too
@@ -99,26 +106,55 @@ class ABCMLPAttention(ABCLayer):
             self.phi = spec.shared[key]
         else:
             self.phi = nn.Linear(spec.d_model, H * M, bias=options.bias)
+        if options.recency and not spec.causal:
+            raise ConfigError("attention.recency: a rate per slot over the tokens written so far "
+                              "needs causal self-attention")
+        # β of `recency`, [H·M] flat: one number per slot, not a matrix to decay
+        self.rate = nn.Parameter(torch.zeros(H * M)) if options.recency else None
         self.reset_own_parameters()
 
     def reset_own_parameters(self) -> None:
-        """W_φ from attention.phi_init_std; a model calls this after its own init."""
+        """W_φ from attention.phi_init_std, β = 0; a model calls this after its own init."""
         reset_phi(self.phi, self.options.phi_init_std)
+        if self.rate is not None:
+            nn.init.zeros_(self.rate)
 
     def init_state(self, batch_size: int, device=None, dtype=None) -> ABCMemoryState:
         """An empty memory: log_z = -inf [B, H, M], zeros [B, H, M, D] for keys and values."""
         return self.empty_abc_state(batch_size, self.options.num_slots, device, dtype)
 
-    def slot_logits(self, x: torch.Tensor) -> torch.Tensor:
-        """x [B, T, d] -> s [B, T, H, M], log α for the chosen activation."""
+    def slot_logits(self, x: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+        """x [B, T, d] -> s [B, T, H, M], log α for the chosen activation; with `recency`,
+        plus β·j for the j-th real token of the call (the state keeps the earlier tokens'
+        logits relative to the call's first token: `_age_state`)."""
         B, T, _ = x.shape
         z = self.phi(x).view(B, T, self.spec.n_heads, self.options.num_slots)
-        return activation_logits(z, self.options.activation)
+        s = activation_logits(z, self.options.activation)
+        if self.rate is None:
+            return s
+        j = (torch.arange(T, device=x.device).expand(B, T) if attention_mask is None
+             else attention_mask.cumsum(1) - 1)
+        dtype = torch.promote_types(s.dtype, torch.float32)  # β·j of hundreds: no half precision
+        return s.to(dtype) + j[:, :, None, None].to(dtype) * self.rate.view(self.spec.n_heads, -1).to(dtype)
+
+    def _age_state(self, memory_state: ABCMemoryState, attention_mask: torch.Tensor | None,
+                   T: int) -> None:
+        """After a call of T tokens (n real ones per row): every logit in the state becomes
+        relative to the next call's first token, log_z -= β·n (in place while decoding)."""
+        n = attention_mask.sum(1) if attention_mask is not None else torch.full((1,), T)
+        log_z = memory_state.inner.log_z
+        shift = n.to(log_z)[:, None, None] * self.rate.view(self.spec.n_heads, -1).to(log_z)
+        if torch.is_grad_enabled():
+            memory_state.inner = memory_state.inner._replace(log_z=log_z - shift)
+        else:
+            log_z.sub_(shift)
 
     def forward(self, x: torch.Tensor, *, memory_state: ABCMemoryState | None = None,
                 attention_mask: torch.Tensor | None = None, positions: torch.Tensor | None = None):
         """x [B, T, d], attention_mask [B, T] bool (True = real), positions [B, T] ->
         (y [B, T, d], state)."""
         _, q, k, v = self.project(x, memory_state, attention_mask, positions)
-        y = self.attend_logits(q, k, v, self.slot_logits(x), memory_state, attention_mask)
+        y = self.attend_logits(q, k, v, self.slot_logits(x, attention_mask), memory_state, attention_mask)
+        if self.rate is not None and memory_state is not None:
+            self._age_state(memory_state, attention_mask, x.shape[1])
         return y, memory_state
