@@ -5,9 +5,10 @@ The same causal LM trunk (width, depth, heads, rotary positions, training length
 with its attention replaced; every model trains the same steps on the same batches (its seed
 sets the init and the batches). Rows: softmax; ABC_MLP with n = 32 and 64; Linformer (64);
 random control ABC_RD (64); the sliding window (n = 64); ABC_MLP (32) with a symmetry-breaking
-init of W_φ alone; clustering (32); ABC_MLP with relu and sigmoid control (32); and ABC_MLP at
-n = 8, 16 and 128 for the sweep (32 and 64 come from the main rows). The main rows and the
-W_φ init run two seeds.
+init of W_φ alone; ABC_MLP (32) with a learned recency rate per slot (not in the paper: under
+rotary positions its writes cannot otherwise depend on position); clustering (32); ABC_MLP
+with relu and sigmoid control (32); and ABC_MLP at n = 8, 16 and 128 for the sweep (32 and 64
+come from the main rows). The main rows, the W_φ init and recency run two seeds.
 
 Each model is measured on the test split: bits per character at context 0 (segments of
 seq_len) and at context seq_len − 32 (each 32-token segment read after the seq_len − 32
@@ -62,6 +63,7 @@ MODELS: list[Model] = [
     ("abc-random, M=64", "abc-random", {"num_slots": 64}, 2),
     ("abc-window, n=64", "abc-window", {"window": 64}, 2),
     ("abc-mlp, M=32, W_phi init", "abc-mlp", {"num_slots": 32, "phi_init_std": PHI_INIT_STD[False]}, 2),
+    ("abc-mlp, M=32, recency", "abc-mlp", {"num_slots": 32, **PLAIN, "recency": True}, 2),
     ("abc-cluster, M=32", "abc-cluster", {"num_clusters": 32}, 1),
     ("abc-mlp relu, M=32", "abc-mlp", {"num_slots": 32, "activation": "relu", **PLAIN}, 1),
     ("abc-mlp sigmoid, M=32", "abc-mlp", {"num_slots": 32, "activation": "sigmoid", **PLAIN}, 1),
@@ -75,6 +77,7 @@ QUICK_MODELS: list[Model] = [
     ("abc-mlp, M=8", "abc-mlp", {"num_slots": 8, **PLAIN}, 1),
     ("abc-random, M=8", "abc-random", {"num_slots": 8}, 1),
     ("abc-mlp, M=4, W_phi init", "abc-mlp", {"num_slots": 4, "phi_init_std": PHI_INIT_STD[True]}, 1),
+    ("abc-mlp, M=4, recency", "abc-mlp", {"num_slots": 4, **PLAIN, "recency": True}, 1),
 ]
 SWEEP = "abc-mlp, M="  # rows of plain ABC_MLP (exp control, model init) form the sweep
 
@@ -180,6 +183,13 @@ def plot_sweep(out_dir: Path, result: dict) -> None:
     save_figure(fig, out_dir / "memory_sweep.png", dpi=120)
 
 
+def every_seed_ahead(a: dict, b: dict) -> bool:
+    """Whether every seed of a has lower test bits per character than every seed of b (both
+    with seeds; the spreads are max − min)."""
+    return (min(a["seeds"], b["seeds"]) > 1
+            and a["test_bpc"] + a["test_bpc_spread"] / 2 < b["test_bpc"] - b["test_bpc_spread"] / 2)
+
+
 def findings(models: list[dict]) -> list[str]:
     """The paper's findings next to what this table measured (test bits per character)."""
     by = {m["model"]: m for m in models}
@@ -208,14 +218,24 @@ def findings(models: list[dict]) -> list[str]:
                          " — not better with every doubling."))
     if "abc-mlp, M=32" in by and "abc-mlp, M=32, W_phi init" in by:
         wide, plain = by["abc-mlp, M=32, W_phi init"], by["abc-mlp, M=32"]
-        apart = (wide["test_bpc"] + wide["test_bpc_spread"] / 2 < plain["test_bpc"] - plain["test_bpc_spread"] / 2
-                 and min(wide["seeds"], plain["seeds"]) > 1)
         lines.append("- **Symmetric slots** (not in the paper). A larger init of W_φ alone: "
                      + compare(wide, plain) + (", every seed ahead of every seed of the model's init"
-                                               if apart else "")
+                                               if every_seed_ahead(wide, plain) else "")
                      + ". abc-mlp's default is this init (`attention.phi_init_std` unset: std "
                      "√(8 / d_model)); the other ABC_MLP rows here keep the model's init "
                      "(`attention.phi_init_std=0`).")
+    if "abc-mlp, M=32" in by and "abc-mlp, M=32, recency" in by:
+        tilted, plain = by["abc-mlp, M=32, recency"], by["abc-mlp, M=32"]
+        lines.append("- **Recency** (not in the paper). With rotary positions, which only q and k see, "
+                     "ABC_MLP's writes cannot depend on where a token is: each slot is a "
+                     "content-weighted mean of the whole prefix (write age about 1 in the slot table). "
+                     "With a learned rate per slot (`attention.recency=true`: β·i added to token i's "
+                     "logit, the model's init for W_φ otherwise): " + compare(tilted, plain)
+                     + (", every seed ahead of every seed without it" if every_seed_ahead(tilted, plain) else "")
+                     + ("; against softmax " + ", ".join(
+                         f"{tilted[k] - by['softmax'][k]:+.3f} at context {c}"
+                         for k, c in (("test_bpc", 0), ("test_bpc_context", tilted["context"])))
+                        if "softmax" in by else "") + ".")
     for others, what in ((("abc-mlp relu, M=32", "abc-mlp sigmoid, M=32"), "Control activation"),
                          (("abc-window, n=64", "abc-cluster, M=32"), "Window and clustering control")):
         rows = [by[n] for n in others if n in by]

@@ -21,8 +21,8 @@ def test_quick_run_writes_the_table_sweep_and_slot_usage(text_file, tmp_path):
     out, result = run_quick_lm_experiment("abc-lm", text_file, tmp_path)
     models = {m["model"]: m for m in result["models"]}
     assert list(models) == ["softmax", "abc-mlp, M=4", "abc-mlp, M=8", "abc-random, M=8",
-                            "abc-mlp, M=4, W_phi init"]
-    assert models["softmax"]["seeds"] == 2 and len(result["runs"]) == 6
+                            "abc-mlp, M=4, W_phi init", "abc-mlp, M=4, recency"]
+    assert models["softmax"]["seeds"] == 2 and len(result["runs"]) == 7
     model, cfg, _ = model_from_checkpoint(out / "runs" / "abc-mlp-m8")
     uniform = math.log2(cfg.model.vocab_size)
     for m in models.values():
@@ -76,13 +76,13 @@ def test_speeds_are_measured_again_only_when_the_runs_change(text_file, tmp_path
 def test_seeds_share_everything_but_the_seed():
     pairs = jobs_of(MODELS, FULL)
     names = [job.name for _, job in pairs]
-    assert len(names) == len(set(names)) == 20
+    assert len(names) == len(set(names)) == 22
     first = next(j for _, j in pairs if j.name == "softmax")
     second = next(j for _, j in pairs if j.name == "softmax, seed 1")
     assert [s for s in first.settings if s != "train.seed=0"] == [s for s in second.settings if s != "train.seed=1"]
     # every model's seed 0 comes before any seed 1
     seed_one = [i for i, (_, j) in enumerate(pairs) if j.name.endswith("seed 1")]
-    assert len(seed_one) == 7 and min(seed_one) == len(pairs) - 7
+    assert len(seed_one) == 8 and min(seed_one) == len(pairs) - 8
 
 
 @pytest.mark.parametrize("name", ["abc-lm", "persistent-lm"])
@@ -168,6 +168,19 @@ def test_findings_say_every_seed_is_ahead_only_when_the_seeds_do_not_overlap():
 
     assert "every seed ahead of every seed" in line(2.238)   # 2.248 < 2.268
     assert "every seed ahead" not in line(2.260)             # 2.270 > 2.268: the seeds overlap
+
+
+def test_findings_set_recency_against_abc_mlp_and_softmax():
+    def model(name, bpc, spread, context_bpc):
+        return {"model": name, "test_bpc": bpc, "test_bpc_spread": spread, "seeds": 2,
+                "test_bpc_context": context_bpc, "context": 480, "options": {"num_slots": 32}}
+
+    rows = [model("softmax", 2.000, 0.004, 1.980), model("abc-mlp, M=32", 2.120, 0.010, 2.100),
+            model("abc-mlp, M=32, recency", 1.950, 0.010, 1.990)]
+    line = next(text for text in findings(rows) if "Recency" in text)
+    assert "abc-mlp, M=32, recency is ahead of abc-mlp, M=32 by 0.170, every seed ahead" in line
+    assert "against softmax -0.050 at context 0, +0.010 at context 480." in line
+    assert not any("Recency" in text for text in findings(rows[:2]))
 
 
 def test_findings_set_table_8s_variants_against_abc_mlp_with_32_slots():
