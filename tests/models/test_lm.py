@@ -33,6 +33,25 @@ def test_token_by_token_decoding_equals_full_forward(name, positions):
     assert cache.position == 23
 
 
+@pytest.mark.parametrize("name,options", [*((n, {}) for n in CAUSAL), ("abc-mlp", {"recency": True})])
+def test_bf16_autocast_stays_close_to_float32(name, options):
+    """Under CPU autocast to bf16 every mechanism runs (the ABC ops turn it off inside, where
+    their fp32 parts would meet autocast's bf16 ones) and stays near the float32 logits."""
+    torch.manual_seed(0)
+    model = CausalLM(ModelConfig(vocab_size=37, d_model=32, n_layers=2, n_heads=4, ff_mult=2, max_len=64,
+                                 attention=AttentionConfig(name, options))).eval()
+    with torch.no_grad():
+        for pname, p in model.named_parameters():
+            if pname.endswith("attn.rate"):
+                p.normal_(0, 0.3)  # recency rates, 0 at init: tilt the write logits
+        idx = torch.randint(0, 37, (2, 60))
+        want = model(idx)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            got = model(idx)
+    assert got.dtype == torch.bfloat16
+    torch.testing.assert_close(got.float(), want, rtol=0, atol=0.05)
+
+
 @pytest.mark.parametrize("name", CAUSAL)
 def test_prefill_then_decode_equals_full_forward(name):
     model = small(name)

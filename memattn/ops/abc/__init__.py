@@ -32,7 +32,7 @@ import torch
 from memattn.kernels import BACKENDS, use_kernels
 from memattn.ops.abc.chunked import abc_chunked, bounded_memory_chunked
 from memattn.ops.abc.common import (ABCState, BoundedMemoryState, check_inputs, check_state_type,
-                                    finite_or_off_cpu)
+                                    finite_or_off_cpu, outside_autocast)
 from memattn.ops.abc.recurrent import (
     abc_attention_step,
     abc_recurrent,
@@ -55,6 +55,7 @@ def _pick(mode: str, causal: bool, T: int, initial_state) -> str:
     return mode
 
 
+@outside_autocast
 def abc_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, s: torch.Tensor, *,
                   causal: bool = True, scale: float | None = None,
                   initial_state: ABCState | None = None, output_final_state: bool = False,
@@ -121,6 +122,7 @@ def abc_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, s: torch.Te
     return abc_chunked(q, k, v, s, causal=causal, **kwargs)
 
 
+@outside_autocast
 def bounded_memory_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                              phi: torch.Tensor, *, causal: bool = True,
                              scale: float | None = None,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from typing import NamedTuple
 
 import torch
@@ -52,6 +53,19 @@ class BoundedMemoryState(NamedTuple):
         """The state before any token: empty memories."""
         return cls(torch.zeros(batch, heads, slots, k_dim, device=device, dtype=dtype),
                    torch.zeros(batch, heads, slots, v_dim, device=device, dtype=dtype))
+
+
+def outside_autocast(op):
+    """The op with autocast off while it runs: it casts its inputs to its compute dtype
+    itself (`compute_dtype`), which autocast would undo in its matmuls, and mix dtypes where
+    its parts meet."""
+
+    @functools.wraps(op)
+    def run(*args, **kwargs):
+        with torch.autocast("cpu", enabled=False), torch.autocast("cuda", enabled=False):
+            return op(*args, **kwargs)
+
+    return run
 
 
 def compute_dtype(*tensors: torch.Tensor | None) -> torch.dtype:
