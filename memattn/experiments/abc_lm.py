@@ -6,9 +6,10 @@ with its attention replaced; every model trains the same steps on the same batch
 sets the init and the batches). Rows: softmax; ABC_MLP with n = 32 and 64; Linformer (64);
 random control ABC_RD (64); the sliding window (n = 64); ABC_MLP (32) with a symmetry-breaking
 init of W_φ alone; ABC_MLP (32) with a learned recency rate per slot (not in the paper: under
-rotary positions its writes cannot otherwise depend on position); clustering (32); ABC_MLP
-with relu and sigmoid control (32); and ABC_MLP at n = 8, 16 and 128 for the sweep (32 and 64
-come from the main rows). The main rows, the W_φ init and recency run two seeds.
+rotary positions a write otherwise sees its position only through the layers below);
+clustering (32); ABC_MLP with relu and sigmoid control (32); and ABC_MLP at n = 8, 16 and 128
+for the sweep (32 and 64 come from the main rows). The main rows, the W_φ init and recency run
+two seeds.
 
 Each model is measured on the test split: bits per character at context 0 (segments of
 seq_len) and at context seq_len − 32 (each 32-token segment read after the seq_len − 32
@@ -227,9 +228,9 @@ def findings(models: list[dict]) -> list[str]:
     if "abc-mlp, M=32" in by and "abc-mlp, M=32, recency" in by:
         tilted, plain = by["abc-mlp, M=32, recency"], by["abc-mlp, M=32"]
         lines.append("- **Recency** (not in the paper). With rotary positions, which only q and k see, "
-                     "ABC_MLP's writes cannot depend on where a token is: each slot is a "
-                     "content-weighted mean of the whole prefix (write age about 1 in the slot table). "
-                     "With a learned rate per slot (`attention.recency=true`: β·i added to token i's "
+                     "an ABC_MLP write depends on where its token is only through what the layers "
+                     "below mixed into its input (not at all in the first layer; write age in the slot "
+                     "table). With a learned rate per slot (`attention.recency=true`: β·i added to token i's "
                      "logit, the model's init for W_φ otherwise): " + compare(tilted, plain)
                      + (", every seed ahead of every seed without it" if every_seed_ahead(tilted, plain) else "")
                      + ("; against softmax " + ", ".join(

@@ -43,9 +43,10 @@ class ABCMLPOptions:
     recency: in self-attention, token i's logit for slot m gets a learned β_m·i (β per head
         and slot, 0 at init): for β > 0 each later token shrinks an earlier one's share of the
         slot by e^(-β), an exponential moving average with its own rate per slot; β < 0 keeps
-        the earliest tokens instead. With positions of their own (e.g. rotary ones, which only
-        q and k see) the writes otherwise cannot depend on where a token is. Not in the paper;
-        causal self-attention only (cross attention's memory has none).
+        the earliest tokens instead. Under positions that x does not carry (rotary ones, which
+        only q and k see) a write otherwise depends on where its token is only through what
+        the layers below mixed into x (not at all in a first layer). Not in the paper; causal
+        self-attention only (cross attention's memory has none).
     """
 
     num_slots: int = 32
