@@ -56,11 +56,11 @@ def test_a_killed_experiment_continues_where_it_stopped(text_file, tmp_path):
     steps_before = logged_steps(runs / "abc-mlp-m4")
     assert not (runs / "abc-mlp-m4" / "row.json").exists() and steps_before[-1] < 30
     partial = (tmp_path / "out" / "results.md").read_text()  # written as each model finished
-    assert "In progress: 1 of 6 runs finished" in partial and "| softmax | 1 |" in partial
+    assert "In progress: 1 of 7 runs finished" in partial and "| softmax | 1 |" in partial
 
     second = subprocess.run(command, capture_output=True, text=True, timeout=600)
     assert second.returncode == 0, second.stderr
-    assert "[abc-lm] done 1/6" in second.stdout and "[abc-lm] done 6/6" in second.stdout
+    assert "[abc-lm] done 1/7" in second.stdout and "[abc-lm] done 7/7" in second.stdout
     # the finished model is reused as it was, the interrupted one resumed (each step logged once)
     assert (runs / "softmax" / "row.json").read_text() == done_before
     assert (runs / "softmax" / "row.json").stat().st_mtime_ns == stamp
@@ -71,7 +71,7 @@ def test_a_killed_experiment_continues_where_it_stopped(text_file, tmp_path):
     assert result["models"][0]["seeds"] == 2 and result["models"][0]["steps"] == 30
 
     again = subprocess.run(command, capture_output=True, text=True, timeout=300)
-    assert again.returncode == 0 and "done 6/6" in again.stdout.splitlines()[0]  # nothing to train
+    assert again.returncode == 0 and "done 7/7" in again.stdout.splitlines()[0]  # nothing to train
 
     # a fresh clone keeps only what .gitignore lets through: the rows, their settings, logs/
     logs = {p.name: p.read_text() for p in (tmp_path / "out" / "logs").iterdir()}
@@ -81,7 +81,7 @@ def test_a_killed_experiment_continues_where_it_stopped(text_file, tmp_path):
     (tmp_path / "out" / "speeds.json").unlink()
     cloned = subprocess.run(command, capture_output=True, text=True, timeout=300)
     assert cloned.returncode == 0, cloned.stderr
-    assert "done 6/6" in cloned.stdout.splitlines()[0]
+    assert "done 7/7" in cloned.stdout.splitlines()[0]
     assert {p.name: p.read_text() for p in (tmp_path / "out" / "logs").iterdir()} == logs
     after = json.loads((tmp_path / "out" / "results.json").read_text())
     assert [m["test_bpc"] for m in after["models"]] == [m["test_bpc"] for m in result["models"]]
@@ -91,7 +91,7 @@ def test_a_killed_experiment_continues_where_it_stopped(text_file, tmp_path):
     _, cfg, _ = model_from_checkpoint(runs / "abc-mlp-m4" / STAND_IN)
     settings = json.loads((runs / "abc-mlp-m4" / "settings.json").read_text())
     assert cfg.train.steps == 1 and cfg.model.attention == load_config(None, settings).model.attention
-    assert "6 of the 6 runs were no longer there" in (tmp_path / "out" / "results.md").read_text()
+    assert "7 of the 7 runs were no longer there" in (tmp_path / "out" / "results.md").read_text()
 
 
 def test_side_by_side_figures_need_every_checkpoint_unless_stand_ins_may_serve(tmp_path, capsys):
