@@ -142,9 +142,10 @@ class ABCMLPAttention(ABCLayer):
                    T: int) -> None:
         """After a call of T tokens (n real ones per row): every logit in the state becomes
         relative to the next call's first token, log_z -= β·n (in place while decoding)."""
-        n = attention_mask.sum(1) if attention_mask is not None else torch.full((1,), T)
         log_z = memory_state.inner.log_z
-        shift = n.to(log_z)[:, None, None] * self.rate.view(self.spec.n_heads, -1).to(log_z)
+        rate = self.rate.view(self.spec.n_heads, -1).to(log_z)
+        # no host tensor on the way: a CUDA graph may capture a decoding step
+        shift = rate * T if attention_mask is None else attention_mask.sum(1).to(log_z)[:, None, None] * rate
         if torch.is_grad_enabled():
             memory_state.inner = memory_state.inner._replace(log_z=log_z - shift)
         else:
