@@ -286,8 +286,9 @@ def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any
             node = data.get("model", {}).get("attention", {})
             if isinstance(node, dict) and node.get("name") != value:
                 if options:
-                    raise ConfigError(f"{options[0]}: given before attention={value}, which starts the "
-                                      f"mechanism from its default options; give it after the name")
+                    raise ConfigError(f"{options[0]}: an attention option before attention={value}, which "
+                                      f"starts that mechanism from its own defaults, would be dropped; "
+                                      f"options follow the mechanism's name")
                 node.clear()
         elif path[:2] == ["model", "attention"]:
             options.append(text)

@@ -30,7 +30,7 @@ def test_naming_a_mechanism_starts_its_options_anew_and_refuses_to_drop_given_on
     assert cfg.model.attention == AttentionConfig("abc-mlp", {"num_slots": 8})  # no window
     same = load_config(None, ["attention=abc-mlp", "attention.num_slots=8", "attention=abc-mlp"])
     assert same.model.attention.options == {"num_slots": 8}
-    with pytest.raises(ConfigError, match=r"attention\.num_slots=8: given before attention=abc-mlp"):
+    with pytest.raises(ConfigError, match=r"attention\.num_slots=8: an attention option before attention=abc-mlp.*would be dropped"):
         load_config(None, ["attention.num_slots=8", "attention=abc-mlp"])
 
 
