@@ -184,6 +184,12 @@ def plot_sweep(out_dir: Path, result: dict) -> None:
     save_figure(fig, out_dir / "memory_sweep.png", dpi=120)
 
 
+def gaps(m: dict, base: dict) -> str:
+    """'+x at context 0, +y at context N': m's test bits per character less base's."""
+    return (f"{m['test_bpc'] - base['test_bpc']:+.3f} at context 0, "
+            f"{m['test_bpc_context'] - base['test_bpc_context']:+.3f} at context {m['context']}")
+
+
 def every_seed_ahead(a: dict, b: dict) -> bool:
     """Whether every seed of a has lower test bits per character than every seed of b (both
     with seeds; the spreads are max − min)."""
@@ -206,9 +212,7 @@ def findings(models: list[dict]) -> list[str]:
         base = by["softmax"]
         lines.append("- **Close to softmax.** The paper found ABC_MLP with 32 or 64 slots close to "
                      "softmax attention (no or negligible loss). We measured: "
-                     + "; ".join(f"{m['model']} {m['test_bpc'] - base['test_bpc']:+.3f} at context 0, "
-                                 f"{m['test_bpc_context'] - base['test_bpc_context']:+.3f} at context "
-                                 f"{m['context']}" for m in mlp) + " against softmax.")
+                     + "; ".join(f"{m['model']} {gaps(m, base)}" for m in mlp) + " against softmax.")
     sweep = sorted((m["options"]["num_slots"], m["test_bpc"]) for m in models
                    if m["model"].startswith(SWEEP) and m["model"][len(SWEEP):].isdigit())
     if len(sweep) > 2:
@@ -233,10 +237,7 @@ def findings(models: list[dict]) -> list[str]:
                      "table). With a learned rate per slot (`attention.recency=true`: β·i added to token i's "
                      "logit, the model's init for W_φ otherwise): " + compare(tilted, plain)
                      + (", every seed ahead of every seed without it" if every_seed_ahead(tilted, plain) else "")
-                     + ("; against softmax " + ", ".join(
-                         f"{tilted[k] - by['softmax'][k]:+.3f} at context {c}"
-                         for k, c in (("test_bpc", 0), ("test_bpc_context", tilted["context"])))
-                        if "softmax" in by else "") + ".")
+                     + (f"; against softmax {gaps(tilted, by['softmax'])}" if "softmax" in by else "") + ".")
     for others, what in ((("abc-mlp relu, M=32", "abc-mlp sigmoid, M=32"), "Control activation"),
                          (("abc-window, n=64", "abc-cluster, M=32"), "Window and clustering control")):
         rows = [by[n] for n in others if n in by]
