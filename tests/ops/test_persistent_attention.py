@@ -151,6 +151,56 @@ def test_odd_length_with_initial_state_and_final_state(band_block):
     torch.testing.assert_close(fast, whole)
 
 
+@pytest.fixture
+def flash_reads(monkeypatch):
+    """The calls of the CPU flash joint read (memattn.ops.persistent.flash), counted."""
+    from memattn.ops.persistent import flash
+
+    calls = []
+    read = flash.joint_read
+    monkeypatch.setattr(flash, "joint_read", lambda *a, **kw: calls.append(a[0].shape) or read(*a, **kw))
+    return calls
+
+
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("option", ["plain", "own query", "shared query"])
+def test_cpu_flash_joint_read_matches_reference_forward_and_gradients(option, causal, flash_reads):
+    """A causal block over its own keys (training) or every key seen goes through two flash
+    kernel calls merged by log-sum-exp; values narrower than keys (K = 6, V = 5) and a
+    persistent query of another width (3) are padded to the kernel's one head size."""
+    B, T, H, K, V, N = 2, 70, 3, 6, 5, 9
+    q, k, v, pk, pv = inputs(B, T, T, H, K, V, N, grad=True)
+    kwargs, extra = materialise(OPTIONS[option], B=B, Tq=T, Tk=T, H=H, K=K, N=N, mode="joint",
+                                causal=causal, grad=True)
+    pk = extra.get("pk", pk)
+    leaves = [t for t in (q, k, v, pv, *extra.get("bases", [pk]), *kwargs.values())
+              if isinstance(t, torch.Tensor) and t.requires_grad and t.is_leaf]
+    fast, _ = persistent_attention(q, k, v, pk, pv, causal=causal, **kwargs)
+    assert len(flash_reads) == 1
+    ref, _ = persistent_attention_reference(q, k, v, pk, pv, causal=causal, **kwargs)
+    torch.testing.assert_close(fast, ref)
+    w = torch.randn_like(ref)
+    for a, b in zip(torch.autograd.grad((fast * w).sum(), leaves), torch.autograd.grad((ref * w).sum(), leaves)):
+        torch.testing.assert_close(a, b)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cpu_flash_joint_read_in_low_precision_is_near_the_float64_reference(dtype, flash_reads):
+    """Far-apart scores (persistent keys 8x the context's) test the log-sum-exp merge: each
+    part is normalised by its own maximum, the two joined in fp32."""
+    B, T, H, K, N = 2, 40, 2, 16, 7
+    q, k, v, pk, pv = inputs(B, T, T, H, K, K, N)
+    pk = 8 * pk
+    ref, _ = persistent_attention_reference(q, k, v, pk, pv)
+    tensors = [t.to(dtype).requires_grad_() for t in (q, k, v, pk, pv)]
+    fast, _ = persistent_attention(*tensors)
+    assert fast.dtype == dtype and len(flash_reads) == 1
+    tol = 2e-5 if dtype == torch.float32 else 3e-2
+    torch.testing.assert_close(fast.double(), ref, atol=tol, rtol=tol)
+    fast.float().square().sum().backward()
+    assert all(torch.isfinite(t.grad).all() for t in tensors)
+
+
 # -- masking, read off the reference's weights ---------------------------------------------
 
 def weights(mode="joint", causal=True, **kw):

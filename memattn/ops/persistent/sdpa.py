@@ -1,16 +1,17 @@
 """The fast form: `scaled_dot_product_attention` over [persistent | context] keys.
 
-joint   one SDPA call. The N persistent keys / values go in front of the context ones, the
-        mask or bias gets N leading columns that are always seen with a zero bias (no
-        position term, never span-masked). When the persistent scores use their own query
-        pq (the unrotated query under rotary positions, the full-width one of the
+joint   on the CPU, a causal block over its own keys, or one that sees every key: the context
+        and the persistent vectors each through the flash kernel, merged by their log-sum-exps
+        (`flash.py`). Otherwise one SDPA call: the N persistent keys / values go in front of
+        the context ones, the mask or bias gets N leading columns that are always seen with a
+        zero bias (no position term, never span-masked). When the persistent scores use their
+        own query pq (the unrotated query under rotary positions, the full-width one of the
         single-head variant) the features are concatenated instead:
             q' = [q, pq · pscale / scale],  k'_c = [k_c, 0],  k'_n = [0, k_n]
         so q'·k'_c = q·k_c and q'·k'_n = (pscale / scale) pq·k_n, one softmax over both.
         Cost: the score matmul grows from K to K + Kp features. When pq and the persistent
         keys are the same for every head (single-head: views broadcast over the heads) their
-        scores are computed once and enter as the bias of N zero keys instead (1.15x the
-        single-head model's training tokens/s on one CPU thread).
+        scores are computed once and enter as the bias of N zero keys instead.
 split   one SDPA call over the context, one over the persistent vectors, outputs summed.
 heads   context heads over the context, persistent heads over the persistent vectors.
 
@@ -45,6 +46,7 @@ import dataclasses
 import torch
 import torch.nn.functional as F
 
+from memattn.ops.persistent import flash
 from memattn.ops.persistent.common import (NO_DISTANCE_TERMS, DistanceTerms, check_inputs, distances,
                                            rel_index, resolve_scale, span_mask, visible)
 
@@ -248,6 +250,12 @@ def persistent_attention_sdpa(q, k, v, pk, pv, *, causal=True, scale=None, mode=
             pqh = qh if pq is None else pq.transpose(1, 2)
             o = _joint_read(qh, pqh, pkb, pvb, kh, vh, mask, scale, pscale)
             return o.transpose(1, 2), ((k, v) if output_final_state else None)
+        if flash.AVAILABLE and q.device.type == "cpu" and (mask is None or plain_causal):
+            pqh, pkh = (qh, pk) if pq is None else (pq.transpose(1, 2), pk)
+            if _same_for_every_head(pqh, 1) and _same_for_every_head(pkh, 0):
+                pqh, pkh = pqh[:, :1], pkh[:1]  # the persistent scores once for every head
+            o = flash.joint_read(qh, kh, vh, pqh, pkh, pv, scale=scale, pscale=pscale, causal=plain_causal)
+            return o.transpose(1, 2), ((k, v) if output_final_state else None)
         if pq is not None and _same_for_every_head(pq, 2) and _same_for_every_head(pk, 0):
             o = _shared_persistent_read(qh, kh, vh, pq, pk, pvb, mask, scale, pscale)
             return o.transpose(1, 2), ((k, v) if output_final_state else None)
@@ -261,7 +269,7 @@ def persistent_attention_sdpa(q, k, v, pk, pv, *, causal=True, scale=None, mode=
         values, V = torch.cat([pvb, vh], 2), vh.shape[-1]
         if V < queries.shape[-1] <= 2 * V:  # the fused kernels (CPU flash too) want values as
             # wide as the queries: zero columns up to twice their width cost less than the
-            # unfused path (all-attn with rotary positions: 1.4x its training tokens/s)
+            # unfused path
             values = F.pad(values, (0, queries.shape[-1] - V))
         o = F.scaled_dot_product_attention(queries, keys, values, attn_mask=_with_persistent_columns(mask, N),
                                            scale=scale)[..., :V]
