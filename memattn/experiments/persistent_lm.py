@@ -5,10 +5,12 @@ all-attention with N persistent vectors per head (no feed-forward), the variants
 head-split, single-head and ff-attn, and all-attention with N = 0; every model has the same
 trunk (width, depth, heads, rotary positions, causal context of seq_len tokens) and trains the
 same steps on the same batches; N is chosen per variant so that the model has the
-transformer's parameter count (N = 0 cannot, and has fewer). Plus the paper's long-context
-setting: all-attention trained on consecutive segments (train.segments), each attending to
-the previous segment's keys (a window of two segments) with learned relative positions and
-an adaptive span per head, tested as one stream with the state carried.
+transformer's parameter count (N = 0 cannot, and has fewer). Plus all-attention in the
+paper's proportions (1.5 times the layers, N matched again: fewer vectors per layer), and
+the paper's long-context setting: all-attention trained on consecutive segments
+(train.segments), each attending to the previous segment's keys (a window of two segments)
+with learned relative positions and an adaptive span per head, tested as one stream with
+the state carried.
 
 Each model is a run folder under out_dir/runs/ (reused or resumed when the command runs
 again; `--jobs N` trains N at once); two seeds of each but ff-attn. Written to out_dir:
@@ -44,14 +46,23 @@ def long_context(seq_len: int) -> dict:
             "model.positions": "none", "train.segments": True}
 
 
-def models(quick: bool) -> list[Model]:
+def deeper(layers: int) -> int:
+    """The layers of all-attention in the paper's proportions: 1.5 times the transformer's
+    (18 against 12 at 39M parameters), so that the feed-forward's parameters go to more
+    layers of attention rather than to more persistent vectors in as many layers."""
+    return layers * 3 // 2
+
+
+def models(quick: bool, layers: int) -> list[Model]:
     """(row, mechanism, options, seeds); options with a dot are settings of the run itself.
-    n_persistent is set to match the transformer's parameters unless given. Quick: one seed
-    (two for the transformer)."""
+    n_persistent is set to match the transformer's parameters unless given; `layers` are the
+    trunk's. Quick: one seed (two for the transformer)."""
     two = 1 if quick else 2
     return [
         ("transformer", "softmax", {}, 2),
         ("all-attn", "persistent", {"variant": "all-attn"}, two),
+        (f"all-attn, {deeper(layers)} layers", "persistent",
+         {"variant": "all-attn", "model.n_layers": deeper(layers)}, two),
         ("attn-split", "persistent", {"variant": "attn-split"}, two),
         ("head-split", "persistent", {"variant": "head-split"}, two),
         ("single-head", "persistent", {"variant": "single-head"}, two),
@@ -97,7 +108,8 @@ def with_matching_n(shared: list[str], rows: list[Model]) -> list[Model]:
 
 def run(out_dir: Path, *, quick: bool, overrides: list[str], jobs: int = 1) -> dict:
     shared = held_settings([*(QUICK if quick else FULL), *overrides])
-    return run_lm_experiment(out_dir, "persistent-lm", with_matching_n(shared, models(quick)), shared,
+    layers = load_config(None, shared).model.n_layers
+    return run_lm_experiment(out_dir, "persistent-lm", with_matching_n(shared, models(quick, layers)), shared,
                              quick=quick, overrides=overrides, jobs=jobs, measure_kw=MEASURE[quick],
                              markdown=markdown)
 
@@ -116,7 +128,8 @@ def markdown(result: dict) -> str:
         "Sukhbaatar et al. 2019, *Augmenting Self-attention with Persistent Memory*: the ablation, "
         "small. Same trunk, same batches, same number of steps for every model; N (persistent "
         "vectors per head, or per layer for single-head and ff-attn) chosen so that the model "
-        "has the transformer's parameter count, except N = 0.",
+        "has the transformer's parameter count, except N = 0. The row with its number of layers "
+        "in the name has 1.5 times the trunk's, the paper's proportions.",
         "",
         f"Command: `{result['command']}`",
         "",
@@ -165,6 +178,13 @@ def findings(by: dict[str, dict]) -> list[str]:
         lines.append("- **Persistent vectors can replace the feed-forward sublayer.** The paper found "
                      "all-attention on par with the transformer at equal parameters. We measured: "
                      + compare(by["all-attn"], by["transformer"]) + ".")
+    deep = next((m for name, m in by.items() if name.startswith("all-attn, ") and name.endswith(" layers")), None)
+    if deep is not None and "transformer" in by:
+        lines.append("- **At the paper's depth.** The paper's all-attention models have 1.5 times "
+                     "the layers of the transformers they match (18 against 12 at 39M parameters). "
+                     f"We measured, with {deep['model'].split(', ')[1]} and N = "
+                     f"{deep['options']['n_persistent']}: {compare(deep, by['transformer'])}"
+                     + (f"; {compare(deep, by['all-attn'])}" if "all-attn" in by else "") + ".")
     if "all-attn" in by and "all-attn, N=0" in by:
         none = by["all-attn, N=0"]
         lines.append("- **Without persistent vectors the model is clearly worse.** The paper found "

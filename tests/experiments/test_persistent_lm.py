@@ -15,9 +15,9 @@ from memattn.train import model_from_checkpoint
 def test_quick_run_writes_the_table_curves_and_command(text_file, tmp_path):
     out, result = run_quick_lm_experiment("persistent-lm", text_file, tmp_path)
     models = {m["model"]: m for m in result["models"]}
-    assert list(models) == ["transformer", "all-attn", "attn-split", "head-split", "single-head",
-                            "ff-attn", "all-attn, N=0", "all-attn, long context"]
-    assert models["transformer"]["seeds"] == 2 and len(result["runs"]) == 9
+    assert list(models) == ["transformer", "all-attn", "all-attn, 3 layers", "attn-split", "head-split",
+                            "single-head", "ff-attn", "all-attn, N=0", "all-attn, long context"]
+    assert models["transformer"]["seeds"] == 2 and len(result["runs"]) == 10
     _, cfg, _ = model_from_checkpoint(out / "runs" / "all-attn")
     uniform = math.log2(cfg.model.vocab_size)
     target = models["transformer"]["params"]
@@ -41,7 +41,12 @@ def test_quick_run_writes_the_table_curves_and_command(text_file, tmp_path):
     assert "The paper found / we measured" in table
     assert f"layer 1: {sum(spans[0]) / len(spans[0]):.0f} (largest {max(spans[0]):.0f})" in table
     assert (out / "learning_curves.png").stat().st_size > 1000
-    assert len(list((out / "logs").glob("*.jsonl"))) == 9
+    assert len(list((out / "logs").glob("*.jsonl"))) == 10
+    # in the paper's proportions: 1.5 times the trunk's 2 layers, fewer vectors per layer
+    _, deep_cfg, _ = model_from_checkpoint(out / "runs" / "all-attn-3-layers")
+    assert deep_cfg.model.n_layers == 3 and cfg.model.n_layers == 2
+    assert 0 < models["all-attn, 3 layers"]["options"]["n_persistent"] < models["all-attn"]["options"]["n_persistent"]
+    assert "**At the paper's depth.**" in table
     assert "rows copied" not in table
     # a row trained by another experiment with the same settings (abc-lm's softmax) is reused
     # where it is put, and the table says where it came from
