@@ -90,4 +90,5 @@ def joint_read(q, k, v, pq, pk, pv, *, scale: float, pscale: float, causal: bool
     ≤ i; else every key), pq [B, H or 1, Tq, Kp], pk [H or 1, N, Kp], pv [H, N, V]
     -> o [B, H, Tq, V] in q's dtype.
     """
+    pq, pk, pv = (t.to(q.dtype) for t in (pq, pk, pv))  # each kernel call wants one dtype
     return _JointRead.apply(q, k, v, pq, pk, pv, scale, pscale, causal)
