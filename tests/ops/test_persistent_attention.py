@@ -184,21 +184,29 @@ def test_cpu_flash_joint_read_matches_reference_forward_and_gradients(option, ca
         torch.testing.assert_close(a, b)
 
 
+@pytest.mark.parametrize("shared", [False, True], ids=["per head", "shared query"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_cpu_flash_joint_read_in_low_precision_is_near_the_float64_reference(dtype, flash_reads):
+def test_cpu_flash_joint_read_in_low_precision_is_near_the_float64_reference(dtype, shared, flash_reads):
     """Far-apart scores (persistent keys 8x the context's) test the log-sum-exp merge: each
     part is normalised by its own maximum, the two joined in fp32."""
     B, T, H, K, N = 2, 40, 2, 16, 7
     q, k, v, pk, pv = inputs(B, T, T, H, K, K, N)
-    pk = 8 * pk
-    ref, _ = persistent_attention_reference(q, k, v, pk, pv)
-    tensors = [t.to(dtype).requires_grad_() for t in (q, k, v, pk, pv)]
-    fast, _ = persistent_attention(*tensors)
+    pq, pk = (rand(B, T, 1, 5), rand(1, N, 5)) if shared else (None, pk)
+    leaves = [t for t in (q, k, v, 8 * pk, pv, pq) if t is not None]
+
+    def run(op, q, k, v, pk, pv, pq=None):  # pq and pk of one head: views over every head
+        if pq is None:
+            return op(q, k, v, pk, pv)[0]
+        return op(q, k, v, pk.expand(H, N, 5), pv, pq=pq.expand(B, T, H, 5))[0]
+
+    ref = run(persistent_attention_reference, *leaves)
+    low = [t.to(dtype).requires_grad_() for t in leaves]
+    fast = run(persistent_attention, *low)
     assert fast.dtype == dtype and len(flash_reads) == 1
     tol = 2e-5 if dtype == torch.float32 else 3e-2
     torch.testing.assert_close(fast.double(), ref, atol=tol, rtol=tol)
     fast.float().square().sum().backward()
-    assert all(torch.isfinite(t.grad).all() for t in tensors)
+    assert all(torch.isfinite(t.grad).all() for t in low)
 
 
 # -- masking, read off the reference's weights ---------------------------------------------
