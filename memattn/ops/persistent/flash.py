@@ -101,14 +101,15 @@ class _JointRead(torch.autograd.Function):
         do = do.contiguous()
         dq, dk, dv = _flash_backward(do, o, lse, q, k, v, ctx.causal, ctx.scale)
         pqe, pke, pve = _persistent_inputs(q, pq, pk, pv)
-        if pqe.shape[1] == 1 < q.shape[1]:
+        shared = pqe.shape[1] == 1 < q.shape[1]
+        if shared:
             # one softmax for every head: head h's weights are c_h · softmax(s), c_h =
             # exp(ℓ_p - L_h), so the heads' c_h · dO_h against their joint outputs give
             # Σ_h c_h (dO_h v_nᵀ - D_h), the scores' gradient, and v_n's own c_h · dO_h parts
             do = (torch.exp(lp - lse)[..., None] * do).to(do.dtype)
             do, o, lse = _heads_as_features(do), _heads_as_features(o), lp[:, :1].contiguous()
         dpq, dpk, dpv = _flash_backward(do, o, lse, pqe, pke, pve, False, ctx.pscale)
-        if pve.shape[1] == 1 < pv.shape[0]:
+        if shared:
             dpv = dpv.sum(0).view(pv.shape[1], pv.shape[0], -1).transpose(0, 1)  # [H, N, V]
         return (dq, dk, dv, dpq.sum_to_size(pq.shape), dpk.sum_to_size(pk.shape),
                 dpv.sum_to_size(pv.shape), None, None, None)
