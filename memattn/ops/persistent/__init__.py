@@ -17,6 +17,8 @@ Forms, one answer (tests hold the fast one to the reference):
 
     reference.py   explicit weights, loops over heads and queries: the ground truth
     sdpa.py        `scaled_dot_product_attention` over [persistent | context] keys
+    flash.py       on the CPU, the context and the persistent vectors each through the
+                   flash kernel, merged by their log-sum-exps (called by sdpa.py)
 
 The decoding state is the context's keys and values (a KV cache, trimmed by the layer to
 the window / learned span); the persistent vectors are parameters and never part of it.
