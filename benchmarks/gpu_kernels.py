@@ -95,8 +95,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="list the configurations and exit (no GPU needed)")
     p.add_argument("--skip-tests", action="store_true", help="do not run the kernels' tests first")
     p.add_argument("--scan-stages", type=int, default=None,
-                   help="memattn.kernels.SCAN_STAGES for this run: the kernels' scans over "
-                        "chunks as software-pipelined for loops with that many stages (0: while)")
+                   help="memattn.kernels.SCAN_STAGES and abc_chunk.STATE_STAGES for this run: "
+                        "the kernels' scans over chunks as software-pipelined for loops "
+                        "with that many stages (0: while)")
     args = p.parse_args(argv)
     for name in ("dims", "slots", "lengths", "contexts", "decode_batches"):
         if any(x < 1 for x in getattr(args, name)):
@@ -501,8 +502,9 @@ def main(argv: list[str] | None = None) -> None:
     device = torch.device("cuda")
     if args.scan_stages is not None:
         import memattn.kernels
+        from memattn.kernels import abc_chunk
 
-        memattn.kernels.SCAN_STAGES = args.scan_stages
+        memattn.kernels.SCAN_STAGES = abc_chunk.STATE_STAGES = args.scan_stages
     peers = peer_ops()
     command = " ".join(shlex.quote(a) for a in [".venv/bin/python", "benchmarks/gpu_kernels.py",
                                                 *(sys.argv[1:] if argv is None else argv)])

@@ -12,14 +12,16 @@ bf16 on CUDA, forward + backward, inputs [B, T, H, D] as in gpu_kernels.py.
   fwd and fwd+bwd (median of 10 after 3 warm-up calls).
 - Variants, timed alike at the default chunk size, with every kernel's own time (the
   profile's), so that each kernel's launch choices can be taken from the variant that is
-  best for it: the scans' blocks along D capped at 32 and 16, or along M at 16 and D at 32
+  best for it: the earlier defaults (8 warps, diagonal blocks as loops, scans as while
+  loops), the scans' blocks along D capped at 32 and 16, or along M at 16 and D at 32
   (more programs for the scans), 1, 2, 4 or 8 warps for every kernel, the scans' chunk
-  loops software-pipelined with 2 or 3 stages, sub-blocks of 32 rows (16 by default), fp32
-  operands with TF32 products in place of bf16 ones, each sub-block's diagonal block in one
-  step (with the default warps and with 4), and the backward's dk / dv in two launches
-  (with the diagonal blocks either way); each patches `_state_blocks`, `_warps`, `BC`,
-  `HALF_DOTS`, `DIAG_3D` or `SPLIT_DKV` of `memattn.kernels.abc_chunk`, or
-  `memattn.kernels.SCAN_STAGES`, for its run only.
+  loops as while loops or software-pipelined with 2 stages (3 by default), sub-blocks of
+  32 rows (16 by default), fp32 operands with TF32 products in place of bf16 ones, every
+  sub-block kernel's diagonal blocks in one step (with the default warps and with 4) or as
+  loops, and the backward's dk / dv in two launches (with the diagonal blocks either way);
+  each patches `_state_blocks`, `_warps`, `SUB_WARPS`, `BC`, `HALF_DOTS`, `DIAG_3D`,
+  `STATE_STAGES` or `SPLIT_DKV` of `memattn.kernels.abc_chunk` for its run only.
+  `--variants NAME ...` times those alone (default: every one).
 `--device cpu` runs the same report on the torch form in float32 (no fla, no chunk sizes): a
 check of the script itself on a machine without a GPU.
 Writes gpu_profile.json and .md in --out (default benchmarks/results/<device-name>) after
@@ -56,9 +58,15 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--heads", type=int, default=8)
     p.add_argument("--chunk-sizes", type=int, nargs="+", default=[16, 32, 64, 128, 256])
     p.add_argument("--calls", type=int, default=3)
+    p.add_argument("--variants", nargs="+", default=None,
+                   help="the variants to time, by name (default: every one)")
     p.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     p.add_argument("--out", default=None)
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    unknown = set(args.variants or ()) - set(variants())
+    if unknown:
+        p.error(f"--variants: unknown {sorted(unknown)}; known: {list(variants())}")
+    return args
 
 
 def inputs(B, T, H, D, M, device, dtype, requires_grad=True):
@@ -104,38 +112,41 @@ def variants() -> dict:
         return lambda M, D: (min(cap_m, ac._pad(M)), min(cap_d, ac._pad(D)))
 
     # in the order they are measured, the likeliest gains first (a run cut short keeps them)
-    out = {"default": {}, "TF32 dots": {"HALF_DOTS": False},
+    every = tuple(ac.SUB_WARPS)
+    out = {"default": {},
+           "earlier defaults (8 warps, diagonal loops, while scans)": {
+               "SUB_WARPS": {}, "DIAG_3D": (), "STATE_STAGES": 0},
+           "TF32 dots": {"HALF_DOTS": False},
            "dk / dv in two launches, diagonal blocks in one step": {"SPLIT_DKV": True,
-                                                                    "DIAG_3D": True},
+                                                                    "DIAG_3D": every},
            "backward dk / dv in two launches": {"SPLIT_DKV": True},
-           "diagonal blocks in one step": {"DIAG_3D": True},
-           "diagonal blocks in one step, 4 warps": {"DIAG_3D": True, "_warps": lambda *b: 4}}
+           "diagonal blocks in one step": {"DIAG_3D": every},
+           "diagonal blocks as loops": {"DIAG_3D": ()},
+           "diagonal blocks in one step, 4 warps": {"DIAG_3D": every, "_warps": lambda *b: 4}}
     out.update({f"{w} warps": {"_warps": lambda *b, w=w: w} for w in (2, 4)})
     out["scan blocks D <= 32"] = {"_state_blocks": blocks(32)}
     out["scan blocks M <= 16, D <= 32"] = {"_state_blocks": blocks(32, 16)}
-    out["scans pipelined, 2 stages"] = {"SCAN_STAGES": 2}
+    out["scans as while loops"] = {"STATE_STAGES": 0}
+    out["scans pipelined, 2 stages"] = {"STATE_STAGES": 2}
     out["sub-blocks of 32 rows"] = {"BC": 32}
     out.update({f"{w} warps": {"_warps": lambda *b, w=w: w} for w in (8, 1)})
     out["scan blocks D <= 16"] = {"_state_blocks": blocks(16)}
-    out["scans pipelined, 3 stages"] = {"SCAN_STAGES": 3}
     return out
 
 
 def patched(changes: dict, fn):
-    """fn() with the attributes `changes` names replaced meanwhile: SCAN_STAGES of
-    memattn.kernels, the others of memattn.kernels.abc_chunk."""
-    import memattn.kernels
+    """fn() with the attributes of memattn.kernels.abc_chunk that `changes` names replaced
+    meanwhile."""
     from memattn.kernels import abc_chunk
 
-    owner = {name: memattn.kernels if name == "SCAN_STAGES" else abc_chunk for name in changes}
-    saved = {name: getattr(owner[name], name) for name in changes}
+    saved = {name: getattr(abc_chunk, name) for name in changes}
     try:
         for name, value in changes.items():
-            setattr(owner[name], name, value)
+            setattr(abc_chunk, name, value)
         return fn()
     finally:
         for name, value in saved.items():
-            setattr(owner[name], name, value)
+            setattr(abc_chunk, name, value)
 
 
 def attempt(fn):
@@ -250,6 +261,8 @@ def main(argv=None) -> None:
                     return {**both(op), "kernels": {r["kernel"]: r["ms"] for r in kernels}}
 
                 for name, changes in variants().items():
+                    if args.variants and name not in args.variants:
+                        continue
                     case["variants"].append({"name": name, **attempt(
                         lambda ch=changes: patched(ch, lambda: timed(chunked(64))))})
                     save()

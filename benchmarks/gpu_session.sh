@@ -47,14 +47,16 @@ export PYTHONPATH="$PWD:/tmp/site" PYTHONUNBUFFERED=1
 { nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader || true
   python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"; } > "$OUT/device.txt"
 # The kernel tests (GPU shapes, one process: the GPU) beside the rest of the suite (8 CPU
-# workers), both cut at $1 seconds.
+# workers), both cut at $1 seconds by an interrupt, so that pytest still names the tests
+# that failed so far.
 tests_beside() {
   kernel_tests=(tests/ops/test_abc_triton.py tests/ops/test_abc_decode_triton.py tests/ops/test_linear_triton.py)
-  timeout "$1" python3 -m pytest -q -p no:cacheprovider "${kernel_tests[@]}" > "$OUT/kernel-tests.log" 2>&1 &
-  timeout "$1" python3 -m pytest -q -n 8 -p no:cacheprovider --durations=10 \
+  timeout -s INT -k 20 "$1" python3 -m pytest -q -rfE -p no:cacheprovider "${kernel_tests[@]}" \
+    > "$OUT/kernel-tests.log" 2>&1 &
+  timeout -s INT -k 20 "$1" python3 -m pytest -q -rfE -n 8 -p no:cacheprovider --durations=10 \
     $(printf -- '--ignore=%s ' "${kernel_tests[@]}") > "$OUT/tests.log" 2>&1 &
   wait || true
-  tail -n 3 "$OUT/kernel-tests.log" "$OUT/tests.log"
+  grep -E "^(FAILED|ERROR) | passed| failed" "$OUT/kernel-tests.log" "$OUT/tests.log" | tail -n 20 || true
 }
 case "$phase" in
   tests) python3 -m pytest -q -n 8 -p no:cacheprovider --durations=10 2>&1 | tee "$OUT/tests.log" ;;

@@ -86,22 +86,35 @@ def test_profile_variants_patch_the_module_only_meanwhile():
     profile = load("gpu_profile")
     from memattn.kernels import abc_chunk
 
-    before = abc_chunk._state_blocks(32, 64), abc_chunk._warps(64, 64)
-    found = {name: profile.patched(changes, lambda: (abc_chunk._state_blocks(32, 64),
-                                                     abc_chunk._warps(64, 64)))
-             for name, changes in profile.variants().items()}
-    assert found["default"] == before == ((32, 64), 8)
-    assert found["scan blocks D <= 16"] == ((32, 16), 8)
-    assert found["scan blocks M <= 16, D <= 32"] == ((16, 32), 8)
-    assert found["2 warps"] == ((32, 64), 2)
-    assert (abc_chunk._state_blocks(32, 64), abc_chunk._warps(64, 64)) == before
-    import memattn.kernels
+    def choices():  # a scan's blocks and warps, the backward's warps and diagonal form
+        return (abc_chunk._state_blocks(32, 64), abc_chunk._warps("_bwd_states", 64, 64),
+                abc_chunk._warps("_bwd_dq", 64, 64, 32), abc_chunk._diag3("_bwd_dkv", 32),
+                abc_chunk.STATE_STAGES)
 
-    stages = profile.patched(profile.variants()["scans pipelined, 3 stages"],
-                             lambda: memattn.kernels.SCAN_STAGES)
-    assert stages == 3 and memattn.kernels.SCAN_STAGES == 0
+    before = choices()
+    found = {name: profile.patched(changes, choices)
+             for name, changes in profile.variants().items()}
+    assert found["default"] == before == ((32, 64), 8, 4, True, 3)
+    assert found["earlier defaults (8 warps, diagonal loops, while scans)"] == (
+        (32, 64), 8, 8, False, 0)
+    assert found["scan blocks D <= 16"] == ((32, 16), 8, 4, True, 3)
+    assert found["scan blocks M <= 16, D <= 32"] == ((16, 32), 8, 4, True, 3)
+    assert found["2 warps"] == ((32, 64), 2, 2, True, 3)
+    assert found["diagonal blocks as loops"] == ((32, 64), 8, 4, False, 3)
+    assert found["scans as while loops"][-1] == 0
+    assert choices() == before
     assert profile.patched(profile.variants()["sub-blocks of 32 rows"], lambda: abc_chunk.BC) == 32
     assert abc_chunk.BC == 16
+
+
+def test_profile_times_the_variants_named_and_refuses_unknown_ones(capsys):
+    pytest.importorskip("triton", reason="the kernels' module imports triton")
+    profile = load("gpu_profile")
+    assert profile.parse_args(["--variants", "default", "2 warps"]).variants == ["default",
+                                                                                 "2 warps"]
+    with pytest.raises(SystemExit):
+        profile.parse_args(["--variants", "default", "3 warps"])
+    assert "unknown ['3 warps']" in capsys.readouterr().err
 
 
 def test_profile_report_gives_each_variant_its_kernels_times():

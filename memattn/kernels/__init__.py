@@ -60,17 +60,18 @@ def kernels_supported(*tensors: torch.Tensor | None) -> bool:
                for t in tensors if t is not None)
 
 
-# Software-pipelining stages of the kernels' scans over chunks (abc_chunk, linear). 0: a
-# `while` loop, which Triton does not pipeline: each chunk waits for its loads. N > 0: a `for`
-# loop pipelined with N stages, which the interpreter cannot run (a loaded or run-time count
-# cannot bound its `range`). 0 until the `for` form is timed on a GPU
-# (benchmarks/gpu_profile.py, benchmarks/gpu_kernels.py --scan-stages).
+# Software-pipelining stages of the linear-attention kernels' scans over chunks (abc_chunk
+# has its own, STATE_STAGES). 0: a `while` loop, which Triton does not pipeline: each chunk
+# waits for its loads. N > 0: a `for` loop pipelined with N stages, which the interpreter
+# cannot run (a loaded or run-time count cannot bound its `range`). 0 until the `for` form
+# is timed on a GPU for these scans (benchmarks/gpu_kernels.py --scan-stages).
 SCAN_STAGES = 0
 
 
-def scan_stages() -> int:
-    """The STAGES a scan kernel is launched with: SCAN_STAGES, 0 under the interpreter."""
-    return 0 if interpreting() else SCAN_STAGES
+def scan_stages(stages: int | None = None) -> int:
+    """The STAGES a scan kernel is launched with: `stages` (SCAN_STAGES if None), 0 under the
+    interpreter."""
+    return 0 if interpreting() else SCAN_STAGES if stages is None else stages
 
 
 BACKENDS = ("auto", "torch", "triton")

@@ -45,17 +45,18 @@ memories [chunks, H, M, K + V] and the normalisers, the initial and final states
 
 Tiles: BT = chunk_size (64 by default) tokens a chunk, BC = 16 rows a sub-block; K, V, M
 padded to powers of two ≥ 16 (at most 128) and held whole in the sub-block kernels; the
-scans take blocks of at most 64 along M and D. 4 warps when every tile side is ≤ 32, else
-8. Loads are upcast to fp32 and the elementwise work (exp, log-sum-exp, decays) is fp32;
+scans take blocks of at most 64 along M and D, 4 warps when every tile side is ≤ 32, else
+8; the sub-block kernels' warps and diagonal-block forms are set per kernel (`SUB_WARPS`,
+`DIAG_3D`). Loads are upcast to fp32 and the elementwise work (exp, log-sum-exp, decays) is fp32;
 every tl.dot accumulates in fp32. Its operands are fp32 for fp32 inputs (IEEE precision)
 and, for inputs all in bf16 or all in fp16, rounded to that dtype (`HALF_DOTS`; TF32 for
 mixed inputs or with HALF_DOTS off), as flash-linear-attention's kernels and
 memattn/kernels/linear.py do. Sequential loops over chunks are `while` loops (their
 count is read from cu_seqlens, which the interpreter cannot take as the bound of a `range`;
 see memattn/kernels/__init__.py). The scans also have a `for` form that compiled Triton
-software-pipelines (STAGES > 0, `memattn.kernels.SCAN_STAGES`); compiled offline for sm_90
-with the divisibility the JIT gives D = 64, it issues asynchronous copies for the next
-chunks' loads, the `while` form none. It is off until a GPU has timed it.
+software-pipelines (STAGES > 0, `STATE_STAGES`, 3); compiled for sm_90 it issues
+asynchronous copies for the next chunks' loads, the `while` form none (on an H100 the
+scans took 1.2-1.9x less time with 3 stages).
 """
 
 from __future__ import annotations
@@ -78,10 +79,19 @@ MAX_DIM = 128
 BC = 16  # rows of a sub-block, the smallest tl.dot
 # Matmul operands of bf16 / fp16 inputs in that dtype (else fp32 operands, TF32 products).
 HALF_DOTS = True
-# A sub-block's own (diagonal) block in one step over [BC, BC, BM] tiles, where they hold at
-# most DIAG_3D_MAX numbers (else, and with DIAG_3D off, a loop over its BC tokens).
-DIAG_3D = False
+# Launch choices of the sub-block kernels and the scans: the fastest per kernel on an H100
+# (bf16, T = 8,192, M = 32, D = 64 and 128; benchmarks/results/nvidia-h100/
+# gpu_profile_variants.md), together 2.4-2.6x faster than 8 warps, diagonal loops and while
+# scans (gpu_profile.md).
+# Warps of each sub-block kernel when its widest tile side (K, V, M padded) is at most 64,
+# and when it is 128.
+SUB_WARPS = {"_fwd_output": (2, 1), "_bwd_dq": (4, 1), "_bwd_dkv": (4, 4)}
+# The kernels that take a sub-block's own (diagonal) block in one step over [BC, BC, BM]
+# tiles, where they hold at most DIAG_3D_MAX numbers (else a loop over its BC tokens).
+DIAG_3D = ("_bwd_dkv",)
 DIAG_3D_MAX = 16 * 16 * 64
+# Software-pipelining stages of the scans over chunks (0: the while form).
+STATE_STAGES = 3
 # The backward's dk / dv / ds in two launches, the keys' side then the values' (fewer tiles
 # live in one program), instead of one.
 SPLIT_DKV = False
@@ -650,18 +660,28 @@ def _precision(*inputs: torch.Tensor) -> str:
     return "tf32"
 
 
-def _diag3(M: int) -> bool:
-    """Whether the sub-block kernels take their diagonal blocks in one step (`DIAG_3D`)."""
-    return DIAG_3D and BC * BC * _pad(M) <= DIAG_3D_MAX
+def _diag3(kernel: str, M: int) -> bool:
+    """Whether sub-block kernel `kernel` takes its diagonal blocks in one step (`DIAG_3D`)."""
+    return kernel in DIAG_3D and BC * BC * _pad(M) <= DIAG_3D_MAX
 
 
 def _state_blocks(M: int, D: int) -> tuple[int, int]:
     return min(64, _pad(M)), min(64, _pad(D))
 
 
-def _warps(*blocks: int) -> int:
-    """4 warps for small tiles, else 8: with 4, tiles of 64 × 128 spill registers on sm_90."""
+def _warps(kernel: str, *blocks: int) -> int:
+    """A sub-block kernel's `SUB_WARPS` for its widest tile side; a scan's 4 warps for small
+    tiles, else 8 (with 4, its tiles of 64 × 64 took longer on an H100)."""
+    if kernel in SUB_WARPS:
+        return SUB_WARPS[kernel][max(blocks) > 64]
     return 4 if max(blocks) <= 32 else 8
+
+
+def _sub_launch(kernel: str, plan: _Plan, K: int, V: int, M: int) -> dict:
+    """The tile sizes, precision and launch choices of sub-block kernel `kernel`."""
+    return {"BT": plan.chunk, "BC": BC, "BK": _pad(K), "BV": _pad(V), "BM": _pad(M),
+            "PREC": plan.precision, "DIAG3": _diag3(kernel, M),
+            "num_warps": _warps(kernel, _pad(K), _pad(V), _pad(M))}
 
 
 def _forward(q, k, v, s, lz0, k0, v0, plan: _Plan):
@@ -683,13 +703,13 @@ def _forward(q, k, v, s, lz0, k0, v0, plan: _Plan):
         _fwd_states[grid](x, s, lz0 if has_init else lzT, x0 if has_init else xT, a, zprev,
                           zend, h, lzT, xT, plan.cu, plan.boff, H, M, D,
                           HAS_INIT=has_init, STORE_A=store_a, BT=BT, BM=BM, BD=BD, PREC=prec,
-                          STAGES=scan_stages(), num_warps=_warps(BT, BM, BD))
+                          STAGES=scan_stages(STATE_STAGES),
+                          num_warps=_warps("_fwd_states", BT, BM, BD))
     o = torch.empty(T, H, V, dtype=q.dtype, device=q.device)
     S, lse = torch.empty(T, H, M, **f32), torch.empty(T, H, **f32)
     _fwd_output[(plan.sub_idx.shape[0], H)](
         q, k, v, s, a, zprev, hk, hv, o, S, lse, plan.cu, plan.boff, plan.sub_idx, plan.scale,
-        H, K, V, M, BT=BT, BC=BC, BK=_pad(K), BV=_pad(V), BM=_pad(M), PREC=prec,
-        DIAG3=_diag3(M), num_warps=_warps(_pad(K), _pad(V), _pad(M)))
+        H, K, V, M, **_sub_launch("_fwd_output", plan, K, V, M))
     return o, (lzT, kT, vT), (a, zprev, zend, hk, hv, S, lse)
 
 
@@ -701,13 +721,11 @@ def _backward(q, k, v, s, do, saved, final, dfinal, plan: _Plan):
     N, NT, BT, prec = plan.n_seq, plan.n_chunks, plan.chunk, plan.precision
     f32 = {"dtype": torch.float32, "device": q.device}
     sub = (plan.sub_idx.shape[0], H)
-    blocks = {"BT": BT, "BC": BC, "BK": _pad(K), "BV": _pad(V), "BM": _pad(M), "PREC": prec,
-              "DIAG3": _diag3(M), "num_warps": _warps(_pad(K), _pad(V), _pad(M))}
 
     dq = torch.empty_like(q)
     dS, c = torch.empty(T, H, M, **f32), torch.empty(T, H, M, **f32)
     _bwd_dq[sub](q, k, v, s, a, zprev, hk, hv, S, lse, do, dq, dS, c, plan.cu, plan.boff,
-                 plan.sub_idx, plan.scale, H, K, V, M, **blocks)
+                 plan.sub_idx, plan.scale, H, K, V, M, **_sub_launch("_bwd_dq", plan, K, V, M))
 
     dcT = None
     if dfinal is not None:
@@ -727,15 +745,15 @@ def _backward(q, k, v, s, do, saved, final, dfinal, plan: _Plan):
         _bwd_states[grid](x, coef, lse, c, a, zprev, zend, dx0 if dxT is None else dxT,
                           dc0 if dcT is None else dcT, dh, dhc, dx0, dc0, plan.cu, plan.boff,
                           plan.scale, H, M, D, IS_V=is_v, HAS_DFINAL=dfinal is not None,
-                          BT=BT, BM=BM, BD=BD, PREC=prec, STAGES=scan_stages(),
-                          num_warps=_warps(BT, BM, BD))
+                          BT=BT, BM=BM, BD=BD, PREC=prec, STAGES=scan_stages(STATE_STAGES),
+                          num_warps=_warps("_bwd_states", BT, BM, BD))
 
     dk, dv, ds = torch.empty_like(k), torch.empty_like(v), torch.empty_like(s)
     ds_part = torch.empty(T, H, M, **f32) if SPLIT_DKV else ds
     for sides in (1, 2) if SPLIT_DKV else (0,):
         _bwd_dkv[sub](q, k, v, s, a, zend, S, lse, do, dS, c, dhk, dhv, dhc, dk, dv, ds, ds_part,
                       plan.cu, plan.boff, plan.sub_idx, plan.scale, H, K, V, M, SIDES=sides,
-                      **blocks)
+                      **_sub_launch("_bwd_dkv", plan, K, V, M))
     return dq, dk, dv, ds, (dc0, dk0, dv0)
 
 

@@ -127,9 +127,10 @@ def test_kernel_variants(monkeypatch, diag3, split):
     """DIAG_3D: each sub-block's own block as one [BC, BC, M] tile instead of a loop over its
     tokens; SPLIT_DKV: the backward's dk / dv / ds in two launches. Several chunks and
     sub-blocks, a packed batch, bf16 operands, logits of 1e3."""
-    monkeypatch.setattr(abc_chunk, "DIAG_3D", diag3)
+    monkeypatch.setattr(abc_chunk, "DIAG_3D", tuple(abc_chunk.SUB_WARPS) if diag3 else ())
     monkeypatch.setattr(abc_chunk, "SPLIT_DKV", split)
-    assert abc_chunk._diag3(64) == diag3 and not abc_chunk._diag3(65)  # ≤ DIAG_3D_MAX numbers
+    for kernel in abc_chunk.SUB_WARPS:  # at most DIAG_3D_MAX numbers a tile
+        assert abc_chunk._diag3(kernel, 64) == diag3 and not abc_chunk._diag3(kernel, 65)
     xs = make_inputs(T=37)
     want = run(abc_reference, xs, torch.float64)
     for chunk in (16, 32):
@@ -310,10 +311,10 @@ def test_kernel_variants_on_gpu(monkeypatch, stages, sub, half_dots, diag3, spli
     form), sub-blocks of 32 rows, TF32 products for bf16 inputs, diagonal blocks in one
     step, the backward's dk / dv in two launches. Several chunks, bf16, and a packed batch
     of 1, 129, 1 and 269 tokens."""
-    monkeypatch.setattr(memattn.kernels, "SCAN_STAGES", stages)
+    monkeypatch.setattr(abc_chunk, "STATE_STAGES", stages)
     monkeypatch.setattr(abc_chunk, "BC", sub)
     monkeypatch.setattr(abc_chunk, "HALF_DOTS", half_dots)
-    monkeypatch.setattr(abc_chunk, "DIAG_3D", diag3)
+    monkeypatch.setattr(abc_chunk, "DIAG_3D", tuple(abc_chunk.SUB_WARPS) if diag3 else ())
     monkeypatch.setattr(abc_chunk, "SPLIT_DKV", split)
     xs = make_inputs(B=2, T=300, H=3, K=64, V=40, M=24, seed=4)
     want = run(abc_chunked, xs, torch.float64)
