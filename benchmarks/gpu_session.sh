@@ -22,7 +22,8 @@
 #   bash benchmarks/gpu_session.sh verify    after changes to the kernels or the contracts,
 #                                            in one call of at most 9 minutes: the kernel
 #                                            tests beside the rest of the suite, then
-#                                            gpu_profile.py for D = 64 and 128 at M = 32 (its
+#                                            gpu_profile.py for D = 64 and 128 at M = SLOTS
+#                                            (64; M = 32 is in results/nvidia-h100: its
 #                                            variants with every kernel's time), then bench
 #                                            decode of softmax, abc-mlp and linear
 #   bash benchmarks/gpu_session.sh experiment NAME [key=value ...]
@@ -71,7 +72,7 @@ case "$phase" in
     tail -n 5 "$OUT/bench.log" ;;
   verify)
     tests_beside 130
-    timeout 300 python3 benchmarks/gpu_profile.py --dims 64 128 --slots 32 --chunk-sizes 32 64 128 \
+    timeout 300 python3 benchmarks/gpu_profile.py --dims 64 128 --slots "${SLOTS:-64}" --chunk-sizes 64 \
       --out "$OUT/profile" > "$OUT/profile.log" 2>&1 || true
     tail -n 2 "$OUT/profile.log"
     timeout 100 python3 -m memattn bench decode --attention softmax abc-mlp linear --device cuda \
