@@ -178,11 +178,14 @@ class GmatAttention(AttentionLayer):
         B, n, _ = x.shape
         seen = state.seen if state is not None else 0
         offset = torch.arange(seen, seen + n, device=x.device) % S
-        main = torch.nonzero(offset >= M).flatten()
-        first = 0
-        if len(main):
-            p = seen + int(main[0])
-            first = (p // S) * C + p % S - M  # position of the first main row
+        # The main rows (offset ≥ M), from the layout alone: the GPU is not waited for.
+        def main_before(p):  # main rows among rows 0 .. p - 1 of the stream
+            return (p // S) * C + max(0, p % S - M)
+        count = main_before(seen + n) - main_before(seen)
+        head = max(0, M - seen % S)  # the first main row, when there is one
+        k_th = torch.arange(count, device=x.device)
+        main = head + k_th + M * ((max(0, seen % S - M) + k_th) // C)
+        first = main_before(seen + head)  # position of the first main row
         q, k, v, mq, mk, mv = self._project(x, main, first)
         if mq is not None:
             q = torch.where((offset < M)[None, :, None, None], mq, q)

@@ -202,11 +202,14 @@ class ABCWindowAttention(ABCLayer):
                                 torch.cat(counts, 2))
         if memory_state is not None:
             memory_state.queues[0].write(k, v, real, qpos, torch.remainder(qpos, n))
-            if self.dilated:
+            if self.dilated:  # the tokens at multiples of d, found without reading qpos
                 d = self.options.dilation
-                on = qpos % d == 0
-                memory_state.queues[1].write(k[:, on], v[:, on], real[:, on], qpos[on],
-                                             torch.remainder(qpos[on] // d, n))
+                first = -(-offset // d) * d
+                on = torch.arange(first, max(first, offset + T), d, device=x.device)
+                rows = on - offset
+                memory_state.queues[1].write(k.index_select(1, rows), v.index_select(1, rows),
+                                             real.index_select(1, rows), on,
+                                             torch.remainder(on // d, n))
             memory_state.seen += T
         return self.finish(o), memory_state
 

@@ -104,7 +104,7 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visible: torch.Ten
     if visible is not None:
         visible = visible.expand(*lead, R, J)
         empty = ~visible.any(dim=-1, keepdim=True)  # [..., R, 1]
-        if visible.is_cuda or bool(empty.any()):  # on a GPU the check would wait for it
+        if visible.device.type != "cpu" or bool(empty.any()):  # a GPU would be waited for
             first = torch.arange(J, device=q.device) == 0
             visible = visible | (empty & first)
         else:
