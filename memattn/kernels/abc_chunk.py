@@ -47,8 +47,8 @@ Tiles: BT = chunk_size (64 by default) tokens a chunk, BC = 16 rows a sub-block;
 padded to powers of two ≥ 16 (at most 128) and held whole in the sub-block kernels; the
 scans take blocks of at most 64 along M and D, 4 warps when every tile side is ≤ 32, else
 8; the sub-block kernels' warps and diagonal-block forms are set per kernel (`SUB_WARPS`,
-`DIAG_3D`). Loads are upcast to fp32 and the elementwise work (exp, log-sum-exp, decays) is fp32;
-every tl.dot accumulates in fp32. Its operands are fp32 for fp32 inputs (IEEE precision)
+`DIAG_3D`). Loads are upcast to fp32 and the elementwise work (exp, log-sum-exp, decays)
+is fp32; every tl.dot accumulates in fp32. Its operands are fp32 for fp32 inputs (IEEE precision)
 and, for inputs all in bf16 or all in fp16, rounded to that dtype (`HALF_DOTS`; TF32 for
 mixed inputs or with HALF_DOTS off), as flash-linear-attention's kernels and
 memattn/kernels/linear.py do. Sequential loops over chunks are `while` loops (their
