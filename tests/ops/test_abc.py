@@ -375,6 +375,27 @@ def test_abc_one_jump_among_calm_chunks(where, value):
     assert_same(got, want, **F64)
 
 
+@pytest.mark.parametrize("drift, exact", [(1.5, False), (5.0, True)])
+def test_drifting_logits_halve_the_chunks(monkeypatch, drift, exact):
+    """Logits growing `drift` a token, as a trained recency rate makes them: in a chunk of 64
+    or 32 the normaliser jumps by more than 40 (the exact path's threshold), in one of 16 it
+    does not at 1.5 a token and still does at 5. The op halves its chunks to 16 and takes the
+    exact path only where that is not enough; both match the float64 reference (outputs,
+    final state, gradients)."""
+    import memattn.ops.abc.chunked as chunked
+
+    taken, real_exact = [], chunked._Exact
+    monkeypatch.setattr(chunked, "_Exact", lambda q, *a: taken.append(q.shape[1]) or
+                        real_exact(q, *a))
+    q, k, v, s = inputs(T=150, M=3, seed=4)
+    s = (s + drift * torch.arange(150, dtype=s.dtype)[:, None, None]).requires_grad_()
+    q, k, v = (x.requires_grad_() for x in (q, k, v))
+    state = abc_state(M=3, grad=True)
+    want = run_with_grads(abc_reference, q, k, v, s, state)
+    assert_same(run_with_grads(abc_chunked, q, k, v, s, state, chunk_size=64), want, **F64)
+    assert taken == ([16] if exact else [])  # the exact path, on chunks of 16, or none
+
+
 def test_float32_close_to_float64_reference():
     q, k, v, s = inputs(T=300, s_scale=3.0, seed=7)
     state = abc_state(seed=8)
