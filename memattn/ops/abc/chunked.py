@@ -48,8 +48,9 @@ _PAD_LOGIT = -1e30
 # overflow, and a write weight lost to underflow (< 1e-38 in float32) weighs < e^40 · 1e-38.
 _MIN_Z = math.exp(-40.0)
 # Chunks are halved (not below _HALVE_DOWN_TO tokens) while more than 1 in _HALVE_AT would
-# take the exact path: with abc-mlp's recency trained (rates up to 0.9 a token), chunks of
-# 32 trained a small LM 1.4x faster than chunks of 64, all of whose first layer's were exact.
+# take the exact path: with abc-mlp's recency trained (rates up to 0.9 a token) a small LM's
+# training step took 1.6x less time than with chunks of 64, all of whose first layer's were
+# exact (benchmarks/abc_drift.py).
 _HALVE_AT = 8
 _HALVE_DOWN_TO = 16
 
