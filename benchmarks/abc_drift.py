@@ -20,9 +20,7 @@ from __future__ import annotations
 import argparse
 import json
 import shlex
-import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -33,6 +31,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 import memattn.ops.abc.chunked as chunked  # noqa: E402
+from memattn.bench.timing import median_times  # noqa: E402
 from memattn.ops.abc import abc_attention  # noqa: E402
 
 B, H, D, M = 4, 8, 64, 32
@@ -41,19 +40,18 @@ SETTINGS = {"halved": 16, "chunks of 64": 1024}  # chunked._HALVE_DOWN_TO
 
 def side_by_side(fn, repeats: int) -> dict:
     """Median seconds of fn() under each setting, interleaved, after a warm-up call each."""
-    times = {name: [] for name in SETTINGS}
+    def under(down):
+        def call():
+            chunked._HALVE_DOWN_TO = down
+            fn()
+        return call
+
     saved = chunked._HALVE_DOWN_TO
     try:
-        for rep in range(repeats + 1):
-            for name, down in SETTINGS.items():
-                chunked._HALVE_DOWN_TO = down
-                start = time.perf_counter()
-                fn()
-                if rep:
-                    times[name].append(time.perf_counter() - start)
+        return median_times({name: under(down) for name, down in SETTINGS.items()},
+                            repeats=repeats)
     finally:
         chunked._HALVE_DOWN_TO = saved
-    return {name: statistics.median(t) for name, t in times.items()}
 
 
 def op_step(T: int, drift: float):
