@@ -2,7 +2,7 @@
 them): chunks halved where many would take the exact path, against chunks of 64 throughout.
 
     .venv/bin/python benchmarks/abc_drift.py [--drifts 0 0.5 1] [--lengths 512 2048]
-        [--run results/abc-lm-6000/runs/abc-mlp-m32-recency] [--repeats 5]
+        [--run results/abc-lm/runs/abc-mlp-m32-recency] [--repeats 5]
         [--out benchmarks/results/cpu/abc_drift]
 
 One thread, fp32. Op: `abc_attention` forward + backward, B = 4, H = 8, D = 64, M = 32,

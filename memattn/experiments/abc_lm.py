@@ -39,7 +39,7 @@ DESCRIPTION = ("bounded-memory control (Peng et al. 2022): softmax against ABC_M
 # init_std ≈ 1/√d_model for every row (GPT-2's 0.02 is for d_model 768 and slow here).
 FULL = ["model.d_model=128", "model.n_layers=4", "model.n_heads=4", "model.ff_mult=4",
         "model.positions=rotary", "model.dropout=0.0", "model.max_len=512", "model.init_std=0.088",
-        "train.seq_len=512", "train.batch_size=16", "train.steps=1500", "train.lr=0.003",
+        "train.seq_len=512", "train.batch_size=16", "train.steps=6000", "train.lr=0.003",
         "train.warmup=100", "train.eval_every=250", "train.eval_batches=8", "train.log_every=25",
         "train.save_every=100", "train.threads=1"]
 QUICK = ["model.d_model=32", "model.n_layers=2", "model.n_heads=2", "model.ff_mult=4",

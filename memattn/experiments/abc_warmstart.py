@@ -33,7 +33,7 @@ DESCRIPTION = ("warm start (Peng et al. 2022 §5.3): a pretrained softmax LM con
                "Linformer, random control and gated linear attention and trained on, against the "
                "same trained from scratch")
 
-PRETRAIN_STEPS = {False: 1500, True: 12}  # the pretrained softmax model: abc-lm's budget
+PRETRAIN_STEPS = {False: 1500, True: 12}  # the pretrained softmax model: abc-lm's first budget
 ON_STEPS = {False: 500, True: 6}  # K: every other model
 PRETRAINED = "softmax, pretrained"
 CONVERTED = {
