@@ -124,7 +124,7 @@ def train_speed(model, cfg, ids: torch.Tensor, steps: int = SPEED_STEPS) -> floa
 
 
 def side_by_side_speeds(out_dir: Path, jobs: list[Job], *, decode_prompt: int, decode_tokens: int,
-                        stand_ins: bool = False, **_) -> dict[str, dict[str, Any]] | None:
+                        stand_ins: bool | Callable[[Job], bool] = False, **_) -> dict[str, dict[str, Any]] | None:
     """Training and decoding tokens per second of every finished model, by job name, taken
     side by side (`_runner.measured_side_by_side`, with its `stand_ins`)."""
     from memattn.evaluate import as_tensor
@@ -206,11 +206,12 @@ def bpc_cell(m: dict, key: str) -> str:
 def run_lm_experiment(out_dir: Path, name: str, models: list[Model], shared: list[str], *,
                       quick: bool, overrides: list[str], jobs: int, measure_kw: dict[str, Any],
                       markdown: Callable[[dict], str], extra: dict[str, Any] | None = None,
-                      plots: Callable[[Path, dict], None] | None = None, stand_ins: bool = False) -> dict:
+                      plots: Callable[[Path, dict], None] | None = None,
+                      stand_ins: bool | Callable[[Job], bool] = False) -> dict:
     """`run_experiment` with the LM measurements: every seed of every model, tables and
     validation bits per character written as models finish. stand_ins: speeds of runs whose
-    checkpoint is gone may be taken on a stand-in (`_runner.measured_side_by_side`), true only
-    where no model's cost depends on its weights."""
+    checkpoint is gone may be taken on a stand-in (`_runner.measured_side_by_side`): true
+    where no model's cost depends on its weights, or a test of each job."""
     return run_experiment(out_dir, name, jobs_of(models, shared), shared, quick=quick, overrides=overrides,
                           jobs=jobs, measure=functools.partial(measure, **measure_kw), summarise=summarise,
                           markdown=markdown, curve=("val_bpc", "bits per character"), plots=plots,

@@ -63,3 +63,13 @@ def test_quick_run_writes_the_table_curves_and_command(text_file, tmp_path):
 def test_is_listed_with_a_description():
     module = get_experiment("persistent-lm")
     assert "persistent" in module.DESCRIPTION
+
+
+def test_only_models_with_learned_spans_need_their_own_checkpoint_for_speeds():
+    from memattn.experiments._lm_common import jobs_of
+    from memattn.experiments.abc_lm import FULL
+    from memattn.experiments.persistent_lm import fixed_cost, models, with_matching_n
+
+    jobs = [job for _, job in jobs_of(with_matching_n(FULL, models(False, 4)), FULL)]
+    assert {job.name for job in jobs if not fixed_cost(job)} == {"all-attn, long context",
+                                                                 "all-attn, long context, seed 1"}

@@ -14,6 +14,7 @@ import pytest
 
 from memattn.errors import ConfigError
 from memattn.config import load_config
+from memattn.experiments import _runner as runner
 from memattn.experiments._runner import (CHECKPOINT_FILE, STAND_IN, Job, Progress, finished_row,
                                          measured_side_by_side, run_dir_of, run_jobs)
 from memattn.train import model_from_checkpoint
@@ -94,13 +95,23 @@ def test_a_killed_experiment_continues_where_it_stopped(text_file, tmp_path):
     assert "7 of the 7 runs were no longer there" in (tmp_path / "out" / "results.md").read_text()
 
 
-def test_side_by_side_figures_need_every_checkpoint_unless_stand_ins_may_serve(tmp_path, capsys):
+def test_side_by_side_figures_need_every_checkpoint_unless_stand_ins_may_serve(tmp_path, capsys, monkeypatch):
     jobs = [Job("a", ("attention=softmax",)), Job("b", ("attention=softmax", "train.seed=1"))]
     (run_dir_of(tmp_path, jobs[0]) / CHECKPOINT_FILE).parent.mkdir(parents=True)
     (run_dir_of(tmp_path, jobs[0]) / CHECKPOINT_FILE).write_bytes(b"")
     seen = []
     assert measured_side_by_side(tmp_path, jobs, lambda job, folder: seen.append(job)) is None
     assert not seen and "no checkpoint of b" in capsys.readouterr().err
+    # a test of each job: b may not stand in, then may (a, which may not, has its checkpoint)
+    may = {"a": False, "b": False}
+    assert measured_side_by_side(tmp_path, jobs, lambda job, folder: seen.append(job),
+                                 stand_ins=lambda job: may[job.name]) is None
+    assert not seen and "no checkpoint of b" in capsys.readouterr().err
+    may["b"] = True
+    monkeypatch.setattr(runner, "stand_in", lambda run_dir, job: run_dir / "stood-in")
+    figures = measured_side_by_side(tmp_path, jobs, lambda job, folder: {"folder": folder.name},
+                                    stand_ins=lambda job: may[job.name])
+    assert figures == {"a": {"folder": "a", "stand_in": False}, "b": {"folder": "stood-in", "stand_in": True}}
 
 
 def test_progress_times_steps_from_the_first_logged_step_it_saw_move(tmp_path):
