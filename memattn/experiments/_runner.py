@@ -155,7 +155,11 @@ def run_jobs(out_dir: Path, jobs: list[Job], measure: Measure, *, workers: int =
                         errors[job.name] = f"{type(e).__name__}: {e}"
                 progress.report(rows, errors, force=bool(done))
                 if done and on_rows is not None and len(rows) < len(jobs):
-                    on_rows(dict(rows))
+                    try:
+                        on_rows(dict(rows))
+                    except Exception as e:  # noqa: BLE001 (the models go on; the final table raises it)
+                        print(f"{label}: the partial table was not written ({type(e).__name__}: {e}); "
+                              "the models go on training", file=sys.stderr, flush=True)
     if errors:
         raise MemattnError(f"{label}: {len(errors)} of {len(jobs)} models failed ("
                            + "; ".join(f"{name}: {why}" for name, why in errors.items())
@@ -247,7 +251,8 @@ class Progress:
         if left:
             parts.append(f"{left} not started")
         if rates and remaining_steps:
-            seconds = remaining_steps * (sum(rates) / len(rates)) / min(self.workers, max(1, len(running)))
+            # every worker busy while jobs are left (a job just handed out has logged no step yet)
+            seconds = remaining_steps * (sum(rates) / len(rates)) / min(self.workers, len(running) + left)
             parts.append(f"about {format_duration(seconds)} left")
         print(" · ".join(parts), file=self.out, flush=True)
 
@@ -368,8 +373,12 @@ def run_experiment(out_dir: Path, name: str, pairs: list[tuple[str, Job]], share
         for model, job in done:
             log = out_dir / "logs" / f"{job.slug}.jsonl"
             run_log = run_dir_of(out_dir, job) / "log.jsonl"
-            if run_log.exists() or not log.exists():  # a fresh clone keeps only the copy in logs/
+            if run_log.exists():  # a fresh clone keeps only the copy in logs/
                 shutil.copyfile(run_log, log)
+            elif not log.exists():  # e.g. a row copied from another experiment without its log
+                print(f"{name}: no log of {job.name} ({run_log} or {log}): its learning curve is left out",
+                      file=sys.stderr)
+                continue
             if job.name == model:
                 records = [json.loads(line) for line in log.read_text().splitlines() if line.strip()]
                 curves[model] = [[r["step"], r[curve[0]]] for r in records if curve[0] in r]

@@ -116,10 +116,11 @@ def test_side_by_side_figures_need_every_checkpoint_unless_stand_ins_may_serve(t
 
 def test_progress_times_steps_from_the_first_logged_step_it_saw_move(tmp_path):
     """A job resumed at step 40 whose first 10 steps take 100 s of start-up, then 1 s a step:
-    the time left is its 30 steps and the unstarted job's 100 at 1 s a step, one at a time."""
+    the time left is its 930 steps and the unstarted job's 1,000 at 1 s a step, two at a time
+    (the second worker takes the unstarted job: it has only not logged a step yet)."""
     jobs = [Job("resumed", ("a=1",)), Job("waiting", ("a=2",))]
     clock, out = [0.0], io.StringIO()
-    progress = Progress(tmp_path, jobs, "x", workers=2, out=out, steps_of=lambda job: 100,
+    progress = Progress(tmp_path, jobs, "x", workers=2, out=out, steps_of=lambda job: 1000,
                         clock=lambda: clock[0])
     run = run_dir_of(tmp_path, jobs[0])
     run.mkdir(parents=True)
@@ -130,7 +131,50 @@ def test_progress_times_steps_from_the_first_logged_step_it_saw_move(tmp_path):
         progress.report({}, {}, force=True)
     lines = out.getvalue().splitlines()
     assert "left" not in lines[1]  # one move seen: no rate yet
-    assert lines[-1] == "[x] done 0/2 · running resumed 70/100 · 1 not started · about 2 min left"
+    assert lines[-1] == "[x] done 0/2 · running resumed 70/1000 · 1 not started · about 16 min left"
+
+
+def finish_after_the_table(run_dir, job, measure):
+    """A worker's job that trains nothing: its row is its name. Job b finishes only once the
+    table of a has been tried (the file `tabled` beside runs/), so that a finishes alone."""
+    if job.name == "b":
+        wait_for(lambda: (run_dir.parent.parent / "tabled").exists(), timeout=60)
+    return {"model": job.name}
+
+
+def test_a_partial_table_that_fails_stops_no_model(tmp_path, capsys):
+    """on_rows (the table written as models finish) raising is reported; the other models
+    still run and every row comes back, instead of the error waiting for them all."""
+    def failing_table(rows):
+        (tmp_path / "tabled").touch()
+        raise OSError("disk full")
+
+    jobs = [Job("a", ("a=1",)), Job("b", ("a=2",))]
+    rows = run_jobs(tmp_path, jobs, None, workers=1, label="x", on_rows=failing_table,
+                    work=finish_after_the_table, steps_of=lambda job: 1, out=io.StringIO())
+    assert rows == [{"model": "a"}, {"model": "b"}]
+    assert "x: the partial table was not written (OSError: disk full)" in capsys.readouterr().err
+
+
+def test_a_row_without_its_log_is_tabled_without_a_curve(tmp_path, capsys):
+    """A finished row whose log is in neither its run folder nor logs/ (e.g. copied from
+    another experiment) is tabled; its learning curve is left out, and said so."""
+    from memattn.experiments._runner import run_experiment
+
+    jobs = [Job("logged", ("train.seed=0",)), Job("copied", ("train.seed=1",))]
+    for job in jobs:
+        run = run_dir_of(tmp_path, job)
+        run.mkdir(parents=True)
+        (run / "settings.json").write_text(json.dumps(list(job.settings)))
+        (run / "row.json").write_text(json.dumps({"model": job.name}))
+    (run_dir_of(tmp_path, jobs[0]) / "log.jsonl").write_text(json.dumps({"step": 5, "val": 1.5}) + "\n")
+    result = run_experiment(tmp_path, "x", [(job.name, job) for job in jobs], [], quick=True,
+                            overrides=[], jobs=1, measure=None, summarise=lambda names, rows: rows,
+                            markdown=lambda result: f"{len(result['models'])} rows", curve=("val", "v"))
+    assert result["models"] == [{"model": "logged"}, {"model": "copied"}]
+    assert (tmp_path / "results.md").read_text() == "2 rows"
+    assert (tmp_path / "logs" / "logged.jsonl").exists() and not (tmp_path / "logs" / "copied.jsonl").exists()
+    assert "x: no log of copied" in capsys.readouterr().err
 
 
 def test_a_folder_made_with_other_settings_is_refused(tmp_path):
