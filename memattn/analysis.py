@@ -1,5 +1,5 @@
 """How a learned memory is used: statistics of ABC_MLP's slots over a window, and the spans
-an adaptive-span layer learned (`learned_spans`).
+an adaptive-span layer learned (`learned_spans`; `set_learned_spans` gives them to another model).
 
 With slot logits s (α = exp(s)), the causal memory at step t is
 K̃_t[j] = Σ_{i≤t} α_ij k_i / Σ_{i≤t} α_ij, and query t reads softmax_j(scale · K̃_t[j]·q_t).
@@ -10,6 +10,8 @@ uniformly and get the same gradient: the statistics below show whether training 
 from __future__ import annotations
 
 import torch
+
+from memattn.errors import ConfigError
 
 
 def slot_statistics(s: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
@@ -91,3 +93,15 @@ def learned_spans(model: torch.nn.Module) -> list[list[float]]:
     """Each layer's learned attention spans per head, in tokens; [] if no layer learns one."""
     spans = [getattr(block.attn, "spans", list)() for block in getattr(model, "blocks", [])]
     return spans if any(spans) else []
+
+
+def set_learned_spans(model: torch.nn.Module, spans: list[list[float]]) -> None:
+    """Give each layer the spans per head, in tokens, that `learned_spans` reads (e.g. a trained
+    model's, onto a model of its configuration); [] for a model that learns none."""
+    heads = [len(layer) for layer in learned_spans(model)]
+    if heads != [len(layer) for layer in spans]:
+        raise ConfigError(f"spans for {[len(layer) for layer in spans]} heads per layer given to a model "
+                          f"that learns {heads or 'none'}")
+    for block, tokens in zip(getattr(model, "blocks", []), spans):
+        if tokens:
+            block.attn.set_spans(tokens)

@@ -5,8 +5,9 @@ import math
 import pytest
 import torch
 
-from memattn.analysis import abc_slot_usage, slot_statistics
+from memattn.analysis import abc_slot_usage, learned_spans, set_learned_spans, slot_statistics
 from memattn.config import AttentionConfig, ModelConfig
+from memattn.errors import ConfigError
 from memattn.models import CausalLM
 
 
@@ -92,3 +93,25 @@ def test_model_usage_has_a_row_per_abc_mlp_layer():
     assert abc_slot_usage(model, torch.randint(0, 20, (2, 10)))[0]["key_cosine"] == pytest.approx(1.0)
     softmax = CausalLM(ModelConfig(vocab_size=20, d_model=16, n_layers=1, n_heads=2, max_len=32))
     assert abc_slot_usage(softmax, torch.randint(0, 20, (1, 5))) == []
+
+
+def test_spans_given_to_a_model_set_how_many_past_tokens_its_cache_keeps():
+    """Spans z per head set in tokens: decoding keeps the last ⌈max z + R⌉ tokens of each layer,
+    the farthest any head's soft mask reaches."""
+    options = {"n_persistent": 4, "adaptive_span": True, "span_max": 64, "span_ramp": 4,
+               "relative_positions": True}
+    model = CausalLM(ModelConfig(vocab_size=20, d_model=16, n_layers=2, n_heads=2, positions="none",
+                                 attention=AttentionConfig("persistent", options))).eval()
+    spans = [[3.5, 20.25], [4.0, 1.0]]
+    set_learned_spans(model, spans)
+    assert learned_spans(model) == spans
+    cache = model.init_cache(batch_size=1)
+    with torch.no_grad():
+        model(torch.randint(0, 20, (1, 40)), cache=cache)
+    assert [state.past()[0].shape[1] for state in cache.states] == [math.ceil(20.25 + 4), math.ceil(4.0 + 4)]
+    with pytest.raises(ConfigError, match=r"\[3, 2\] heads per layer given to a model that learns \[2, 2\]"):
+        set_learned_spans(model, [[1.0, 2.0, 3.0], [1.0, 2.0]])
+    softmax = CausalLM(ModelConfig(vocab_size=20, d_model=16, n_layers=2, n_heads=2, max_len=32))
+    set_learned_spans(softmax, [])  # learns none: nothing to set
+    with pytest.raises(ConfigError, match="learns none"):
+        set_learned_spans(softmax, spans)

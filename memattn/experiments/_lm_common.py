@@ -12,8 +12,8 @@ from typing import Any, Callable
 
 import torch
 
-from memattn.experiments._runner import (Job, measured_side_by_side, run_dir_of, run_experiment,
-                                         side_by_side_note)
+from memattn.experiments._runner import (STAND_IN, Job, finished_row, measured_side_by_side, run_dir_of,
+                                         run_experiment, side_by_side_note)
 
 # (row, mechanism, options, seeds); an option whose key has a dot is a setting of the run
 # itself (e.g. "train.segments"), the others are the mechanism's (attention.KEY)
@@ -124,14 +124,18 @@ def train_speed(model, cfg, ids: torch.Tensor, steps: int = SPEED_STEPS) -> floa
 
 
 def side_by_side_speeds(out_dir: Path, jobs: list[Job], *, decode_prompt: int, decode_tokens: int,
-                        stand_ins: bool | Callable[[Job], bool] = False, **_) -> dict[str, dict[str, Any]] | None:
+                        stand_ins: bool = False, **_) -> dict[str, dict[str, Any]] | None:
     """Training and decoding tokens per second of every finished model, by job name, taken
-    side by side (`_runner.measured_side_by_side`, with its `stand_ins`)."""
+    side by side (`_runner.measured_side_by_side`, with its `stand_ins`: a stand-in gets the
+    spans its trained model learned, as its row has them, which set how far a head reads)."""
+    from memattn.analysis import set_learned_spans
     from memattn.evaluate import as_tensor
     from memattn.train import load_run_corpus, model_from_checkpoint
 
     def speeds(job: Job, run_dir: Path) -> dict[str, float]:
         model, cfg, _ = model_from_checkpoint(run_dir)
+        if run_dir.name == STAND_IN:
+            set_learned_spans(model, finished_row(run_dir.parent, job).get("spans", []))
         corpus = load_run_corpus(cfg)
         return {"train_tokens_per_s": train_speed(model, cfg, as_tensor(corpus.train)),
                 "decode_tokens_per_s": decode_speed(model, as_tensor(corpus.test)[:decode_prompt], decode_tokens)}
@@ -207,11 +211,10 @@ def run_lm_experiment(out_dir: Path, name: str, models: list[Model], shared: lis
                       quick: bool, overrides: list[str], jobs: int, measure_kw: dict[str, Any],
                       markdown: Callable[[dict], str], extra: dict[str, Any] | None = None,
                       plots: Callable[[Path, dict], None] | None = None,
-                      stand_ins: bool | Callable[[Job], bool] = False) -> dict:
+                      stand_ins: bool = False) -> dict:
     """`run_experiment` with the LM measurements: every seed of every model, tables and
     validation bits per character written as models finish. stand_ins: speeds of runs whose
-    checkpoint is gone may be taken on a stand-in (`_runner.measured_side_by_side`): true
-    where no model's cost depends on its weights, or a test of each job."""
+    checkpoint is gone may be taken on a stand-in (`side_by_side_speeds`)."""
     return run_experiment(out_dir, name, jobs_of(models, shared), shared, quick=quick, overrides=overrides,
                           jobs=jobs, measure=functools.partial(measure, **measure_kw), summarise=summarise,
                           markdown=markdown, curve=("val_bpc", "bits per character"), plots=plots,

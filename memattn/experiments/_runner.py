@@ -271,16 +271,16 @@ def format_duration(seconds: float) -> str:
 
 def measured_side_by_side(out_dir: Path, jobs: list[Job],
                           measure_one: Callable[[Job, Path], dict[str, Any]], *,
-                          stand_ins: bool | Callable[[Job], bool] = False) -> dict[str, dict[str, Any]] | None:
+                          stand_ins: bool = False) -> dict[str, dict[str, Any]] | None:
     """measure_one(job, run folder) of every job (from the checkpoint there), by job name,
     taken one after another in this process on one thread, so that rows compare (a worker's own
     timings depend on what ran beside it). Kept in out_dir/SPEED_FILE with the jobs' settings
     and the machine, and taken again only when those change.
 
     A fresh clone keeps only the finished runs' rows, not their checkpoints. Where some job's
-    checkpoint is not there: where `stand_ins` is true, or true of that job (the figures are
-    costs that do not depend on the weights, e.g. time and memory of a mechanism without
-    learned sparsity), the job's model trained one step in `run folder/STAND_IN` is measured
+    checkpoint is not there: with `stand_ins` (the figures are costs that do not depend on the
+    weights, e.g. time and memory, or only on what measure_one sets from the run's row, e.g.
+    learned spans), the job's model trained one step in `run folder/STAND_IN` is measured
     instead (its figures say "stand_in": true); else nothing is measured and the result is
     None."""
     import os
@@ -296,10 +296,8 @@ def measured_side_by_side(out_dir: Path, jobs: list[Job],
         if {k: saved.get(k) for k in how} == how:
             return saved["speeds"]
     missing = [job.name for job in jobs if not (run_dir_of(out_dir, job) / CHECKPOINT_FILE).exists()]
-    may_stand_in = stand_ins if callable(stand_ins) else lambda job: stand_ins
-    lacking = [job.name for job in jobs if job.name in missing and not may_stand_in(job)]
-    if lacking:
-        print(f"not measured side by side: no checkpoint of {', '.join(lacking)}", file=sys.stderr)
+    if missing and not stand_ins:
+        print(f"not measured side by side: no checkpoint of {', '.join(missing)}", file=sys.stderr)
         return None
     threads = torch.get_num_threads()
     try:
@@ -339,8 +337,9 @@ def side_by_side_note(result: dict, figures: str, how: str) -> str:
                 f"process on one thread (`{SPEED_FILE}`): {how}." + (
                     f" The trained weights of {len(stood)} of the {result['runs_planned']} runs were no "
                     "longer there (a fresh clone keeps the rows, not the checkpoints); each was measured "
-                    "on its model trained one step, the same cost: these mechanisms' time and memory do "
-                    "not depend on the weights." if stood else ""))
+                    "on its model trained one step (with the trained model's learned spans, where it has "
+                    "them), the same cost: these mechanisms' time and memory depend on the weights only "
+                    "through such spans." if stood else ""))
     later = ("the checkpoints they are measured from were not there when the last run finished"
              if result["finished"] == result["runs_planned"] else
              "they are measured side by side once every run has finished")

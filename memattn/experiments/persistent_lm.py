@@ -27,7 +27,6 @@ from memattn.config import AttentionConfig, RunConfig, load_config
 from memattn.experiments._common import compare, held_settings, setup_line
 from memattn.experiments._lm_common import (Model, bpc_cell, copied_note, progress_note,
                                             run_lm_experiment, speed_note)
-from memattn.experiments._runner import Job
 # abc-lm's trunk and budget, so that its softmax rows are this experiment's transformer rows;
 # `overrides` from the command line replace the defaults they name, as there
 from memattn.experiments.abc_lm import FULL, MEASURE, QUICK
@@ -112,13 +111,7 @@ def run(out_dir: Path, *, quick: bool, overrides: list[str], jobs: int = 1) -> d
     layers = load_config(None, shared).model.n_layers
     return run_lm_experiment(out_dir, "persistent-lm", with_matching_n(shared, models(quick, layers)), shared,
                              quick=quick, overrides=overrides, jobs=jobs, measure_kw=MEASURE[quick],
-                             markdown=markdown, stand_ins=fixed_cost)
-
-
-def fixed_cost(job: Job) -> bool:
-    """Whether a job's time does not depend on its weights: every model but those with
-    adaptive spans, whose learned spans set how far each head reads."""
-    return not load_config(None, list(job.settings)).model.attention.options.get("adaptive_span")
+                             markdown=markdown, stand_ins=True)
 
 
 def markdown(result: dict) -> str:

@@ -183,6 +183,11 @@ class PersistentAttention(AttentionLayer):
             return []
         return (self.span.detach().clamp(0, 1) * self.options.span_max).tolist()
 
+    def set_spans(self, tokens: list[float]) -> None:
+        """Set the spans z per context head, in tokens (e.g. another model's `spans()`)."""
+        with torch.no_grad():
+            self.span.copy_(torch.tensor(tokens, dtype=self.span.dtype) / self.options.span_max)
+
     def project_parameters(self) -> None:
         """The paper's projection of z onto [0, S] after each update (the training loop calls
         it after every optimizer step; forward only reads z clamped)."""

@@ -7,12 +7,14 @@ import math
 import pytest
 from conftest import run_quick_lm_experiment
 
-from memattn.experiments import get_experiment
+from memattn.analysis import learned_spans
+from memattn.experiments import _lm_common, get_experiment
+from memattn.experiments._runner import CHECKPOINT_FILE, STAND_IN, Job
 from memattn.train import model_from_checkpoint
 
 
 @pytest.mark.slow
-def test_quick_run_writes_the_table_curves_and_command(text_file, tmp_path):
+def test_quick_run_writes_the_table_curves_and_command(text_file, tmp_path, monkeypatch):
     out, result = run_quick_lm_experiment("persistent-lm", text_file, tmp_path)
     models = {m["model"]: m for m in result["models"]}
     assert list(models) == ["transformer", "all-attn", "all-attn, 3 layers", "attn-split", "head-split",
@@ -58,18 +60,22 @@ def test_quick_run_writes_the_table_curves_and_command(text_file, tmp_path):
     assert reused["test_bpc"] == row["test_bpc"] and reused["copied_from"]
     assert ("rows copied: transformer from `results/abc-lm/runs/softmax`"
             in (out / "results.md").read_text())
+    # a fresh clone keeps the rows, not the checkpoints: the long-context model stands in for
+    # the timings trained one step, with the spans the trained model learned (how far it reads)
+    run_dir = out / "runs" / "all-attn-long-context"
+    (run_dir / CHECKPOINT_FILE).unlink()
+    job = Job("all-attn, long context", tuple(json.loads((run_dir / "settings.json").read_text())))
+    timed = []
+    monkeypatch.setattr(_lm_common, "train_speed", lambda model, cfg, ids: timed.append(learned_spans(model)) or 1.0)
+    monkeypatch.setattr(_lm_common, "decode_speed", lambda model, prompt, tokens: 1.0)
+    figures = _lm_common.side_by_side_speeds(out, [job], decode_prompt=8, decode_tokens=2, stand_ins=True)
+    assert figures[job.name]["stand_in"] and len(timed) == 1
+    assert timed[0] == [pytest.approx(layer) for layer in models["all-attn, long context"]["spans"]]
+    untouched, _, _ = model_from_checkpoint(run_dir / STAND_IN)
+    assert learned_spans(untouched) != timed[0]
 
 
 def test_is_listed_with_a_description():
     module = get_experiment("persistent-lm")
     assert "persistent" in module.DESCRIPTION
 
-
-def test_only_models_with_learned_spans_need_their_own_checkpoint_for_speeds():
-    from memattn.experiments._lm_common import jobs_of
-    from memattn.experiments.abc_lm import FULL
-    from memattn.experiments.persistent_lm import fixed_cost, models, with_matching_n
-
-    jobs = [job for _, job in jobs_of(with_matching_n(FULL, models(False, 4)), FULL)]
-    assert {job.name for job in jobs if not fixed_cost(job)} == {"all-attn, long context",
-                                                                 "all-attn, long context, seed 1"}
