@@ -143,8 +143,8 @@ def markdown(result: dict) -> str:
         + speed_note(result),
         "",
         f"| model | seeds | N | parameters | test bpc, segments of {seq} | vs transformer | with context "
-        "| vs transformer | val bpc | train tokens/s |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| vs transformer | val bpc | train tokens/s | decode tokens/s |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for m in models:
         n = m["options"].get("n_persistent", "–")
@@ -152,7 +152,7 @@ def markdown(result: dict) -> str:
         lines.append(f"| {m['model']} | {m['seeds']} | {n} | {m['params']:,} | {bpc_cell(m, 'test_bpc')} | "
                      f"{m['test_bpc'] - base['test_bpc']:+.3f} | {with_context} | "
                      f"{m['test_bpc_context'] - base['test_bpc_context']:+.3f} | {m['val_bpc']:.3f} | "
-                     f"{m['train_tokens_per_s']:,.0f} |")
+                     f"{m['train_tokens_per_s']:,.0f} | {m['decode_tokens_per_s']:,.0f} |")
     lines += ["", *findings(by), "",
               setup_line(result["config"]), "",
               "Learning curves: `learning_curves.png` (validation bits per character against "
