@@ -67,7 +67,7 @@ def abc_slot_usage(model: torch.nn.Module, idx: torch.Tensor) -> list[dict[str, 
     def capture(layer, args, kwargs):
         x = args[0]  # [B, T, d] the layer's input
         _, q, k, _ = layer.project(x)
-        stats.append(slot_statistics(layer.slot_logits(x), q, k))
+        stats.append(slot_statistics(layer.slot_logits(x)[0], q, k))
 
     hooks = [block.attn.register_forward_pre_hook(capture, with_kwargs=True)
              for block in model.blocks if hasattr(block.attn, "slot_logits")]

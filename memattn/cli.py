@@ -228,7 +228,15 @@ def mechanism_table() -> str:
     for name, mech in mechanisms().items():
         uses = [use for use, ok in (("causal", mech.causal), ("encoder", mech.bidirectional),
                                     ("cross", mech.cross is not None)) if ok]
-        lines.append(f"{name} ({', '.join(uses)}): {mech.summary}")
+        if not mech.causal:
+            streams = ""
+        elif mech.streams(mech.options()):
+            streams = "; streams past its training length"
+        elif callable(mech.streaming):
+            streams = "; streams past its training length with the options that say so"
+        else:
+            streams = "; not shown to stream past its training length"
+        lines.append(f"{name} ({', '.join(uses)}{streams}): {mech.summary}")
         hints = typing.get_type_hints(mech.options)
         for f in dataclasses.fields(mech.options):
             default = f.default if f.default is not dataclasses.MISSING else f.default_factory()

@@ -96,12 +96,23 @@ def test_info_lists_every_mechanism_with_its_options(capsys):
         for f in dataclasses.fields(mech.options):
             assert f"attention.{f.name}: " in out
     assert "attention.activation: exp | relu | sigmoid = 'exp'" in out
-    assert "softmax (causal, encoder, cross)" in out and "abc-workspace (encoder)" in out
+    assert "softmax (causal, encoder, cross; not shown to stream" in out and "abc-workspace (encoder)" in out
+    # what streams is read from the registry's declarations, options included
+    assert "abc-window (causal, encoder, cross; streams past its training length)" in out
+    assert "abc-mlp (causal, encoder, cross; streams past its training length with the options" in out
 
 
-def test_demo_compares_a_memory_mechanism_and_runs_twice_into_the_same_folder(text_file, tmp_path):
+def test_demo_compares_a_memory_mechanism_and_runs_twice_into_the_same_folder(text_file, tmp_path, capsys):
     """The demo trains softmax, starts abc-mlp from it, and shows the decoding state: growing
-    with the context for softmax, fixed for abc-mlp. Run again, it trains anew."""
+    with the context for softmax, fixed for abc-mlp, and the test bpc over the first tokens
+    of the longest context shown (evaluate_by_length: softmax as a window, abc-mlp streamed).
+    Run again, it trains anew."""
+    import torch
+    import torch.nn.functional as F
+
+    from memattn.config import load_config
+    from memattn.train import load_run_corpus
+
     over = [o for o in tiny_overrides(text_file, tmp_path) if not o.startswith("train.out_dir")]
     argv = ["demo", "--config", "tiny", *over, "train.steps=3", "train.eval_every=3", "train.save_every=3",
             "--out-dir", str(tmp_path / "demo"), "--warm-steps", "2", "--contexts", "16", "64"]

@@ -131,12 +131,13 @@ def test_killed_at_random_points_the_run_ends_as_an_uninterrupted_one(text_file,
                                 start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
         steps_before = len(log.read_text().splitlines()) if log.exists() else 0
         deadline = time.monotonic() + 120
-        # wait until this sitting has trained a few steps, then kill it at a random moment
+        # wait until this sitting has trained a random few steps, then kill it at once: a random
+        # step count, not a random delay, so that a fast machine cannot finish the run first
+        target = steps_before + rng.randint(1, 8)
         while proc.poll() is None and time.monotonic() < deadline:
-            if log.exists() and len(log.read_text().splitlines()) >= steps_before + 3:
+            if log.exists() and len(log.read_text().splitlines()) >= target:
                 break
-            time.sleep(0.01)
-        time.sleep(rng.uniform(0.0, 0.3))
+            time.sleep(0.002)
         if proc.poll() is not None:
             break  # finished before the kill
         os.killpg(proc.pid, signal.SIGKILL)
@@ -192,9 +193,9 @@ def test_fully_sharded_run_matches_one_process_and_resumes_from_its_shards(text_
     proc = torchrun(*cut, wait=False)
     deadline = time.monotonic() + 240
     while proc.poll() is None and time.monotonic() < deadline:
-        if log.exists() and len(log.read_text().splitlines()) >= 5:
+        if log.exists() and len(log.read_text().splitlines()) >= 3:  # 5 of 8 steps left to stop it in
             break
-        time.sleep(0.01)
+        time.sleep(0.002)
     assert proc.poll() is None, "the run ended before it could be stopped"
     os.killpg(proc.pid, signal.SIGKILL)
     proc.wait()

@@ -377,6 +377,14 @@ class Mechanism:
     # The class of its cross attention (queries of one sequence reading a memory written by
     # another, `memattn.layers.cross`), or None: the mechanism cannot serve as cross attention.
     cross: Callable[..., nn.Module] | None = None
+    # Whether a causal model keeps its quality when it reads past its training length with a
+    # state of one size (measured: README's long-stream table): a bool, or options -> bool
+    # where an option decides (abc-mlp streams with a write rule that forgets).
+    streaming: bool | Callable[[Any], bool] = False
+
+    def streams(self, options: Any) -> bool:
+        """Whether this mechanism with these (parsed) options streams past its training length."""
+        return self.streaming(options) if callable(self.streaming) else self.streaming
 
 
 _REGISTRY: dict[str, Mechanism] = {}
@@ -384,15 +392,18 @@ _REGISTRY: dict[str, Mechanism] = {}
 
 def register(name: str, *, options: type = NoOptions, causal: bool = True,
              bidirectional: bool = True, replaces_feedforward: bool = False,
-             feedforward: Callable[[LayerSpec, Any], nn.Module | None] | None = None):
-    """Class decorator: make a layer available under the config string `name`."""
+             feedforward: Callable[[LayerSpec, Any], nn.Module | None] | None = None,
+             streaming: bool | Callable[[Any], bool] = False):
+    """Class decorator: make a layer available under the config string `name`; `streaming`
+    (a bool, or options -> bool) declares a measured hold of quality past the training length."""
 
     def wrap(cls):
         if name in _REGISTRY:
             raise ValueError(f"attention mechanism {name!r} is registered twice")
         doc = (cls.__doc__ or "").strip().splitlines()
         _REGISTRY[name] = Mechanism(name, cls, options, causal, bidirectional,
-                                    replaces_feedforward, doc[0] if doc else "", feedforward)
+                                    replaces_feedforward, doc[0] if doc else "", feedforward,
+                                    streaming=streaming)
         return cls
 
     return wrap

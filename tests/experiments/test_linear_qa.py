@@ -43,13 +43,14 @@ def test_quick_run_trains_to_convergence_resumably_and_writes_its_results(tmp_pa
     assert set(results["variants"]) == {"none", "softmax", "linear", "gated-linear"}
     assert len(results["runs"]) == 8
     for name, r in results["variants"].items():
-        assert r["seeds"] == 2 and 0.0 <= r["accuracy"] <= 1.0 and r["train_seconds"] > 0
+        assert r["seeds"] == 2 and 0.0 <= r["accuracy"] <= 1.0
         assert ("accuracy_from_representations" in r) == (name in ("linear", "gated-linear"))
     for row in results["runs"]:
         log = [json.loads(line) for line in
                (tmp_path / "runs" / row["variant"].replace(" ", "-") if row["seed"] == 0 else
                 tmp_path / "runs" / f"{row['variant']}-seed-{row['seed']}").joinpath("log.jsonl").read_text().splitlines()]
         # evaluated every 10 steps; stopped at the step budget or once 2 evaluations failed to improve
+        assert row["steps"] >= 20, row  # at least the two evaluations that stopping needs
         assert [r["step"] for r in log] == list(range(10, row["steps"] + 1, 10))
         best = max(r["val_accuracy"] for r in log)
         assert row["val_accuracy"] == best and row["best_step"] == next(r["step"] for r in log if r["val_accuracy"] == best)

@@ -24,7 +24,8 @@ def test_quick_run_writes_the_table_curves_and_command(text_file, tmp_path, monk
     uniform = math.log2(cfg.model.vocab_size)
     target = models["transformer"]["params"]
     for name, m in models.items():
-        assert m["test_bpc"] < uniform and m["train_s"] > 0, name
+        # trained its whole budget (a duration is no proof: a quick run can take under 0.05 s)
+        assert m["test_bpc"] < uniform and m["steps"] == 12, name
         if name != "all-attn, N=0":  # N is sized to the transformer's parameter count
             assert abs(m["params"] - target) <= m["params"] * 0.01, name
     assert models["all-attn, N=0"]["params"] < target and models["all-attn, N=0"]["options"]["n_persistent"] == 0

@@ -4,6 +4,8 @@ and an explicit sliding-window softmax for abc-window."""
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -146,9 +148,81 @@ def test_abc_mlp_recency_streams_far_past_its_training_length(sign):
     torch.testing.assert_close(steps, full, rtol=1e-7, atol=1e-7)
 
 
-def test_abc_mlp_recency_is_refused_without_causal_attention():
-    with pytest.raises(ConfigError, match=r"attention\.recency"):
-        layer("abc-mlp", causal=False, recency=True)
+@pytest.mark.parametrize("recency,piece", [(False, 1024), (True, 1024), (True, 4)])
+def test_abc_mlp_forget_weighs_each_token_by_the_rates_of_the_tokens_after_it(recency, piece, monkeypatch):
+    """α_i = exp(W_φ x_i + Σ_{j≤i} λ_j (+ β_m·i)), λ = softplus(W_f x + b_f): at step t token
+    i's share against token t's shrinks by e^(-Σ_{i<j≤t} λ_j), each token setting its own rate;
+    a call longer than PIECE tokens is read in pieces with the same result."""
+    import memattn.layers.abc.mlp as mlp
+
+    monkeypatch.setattr(mlp, "PIECE", piece)
+    m = layer("abc-mlp", positions="rotary", num_slots=5, forget=True, recency=recency)
+    T = 13
+    x = torch.randn(2, T, D_MODEL, dtype=F64)
+    q, k, v = projections(m, x, "rotary")
+    z = (x @ m.phi.weight.T).reshape(2, T, HEADS, 5)
+    lam = F.softplus(x @ m.forget.weight.T + m.forget.bias).reshape(2, T, HEADS, 5)
+    tilt = lam.cumsum(1)
+    if recency:
+        tilt = tilt + torch.arange(T, dtype=F64)[:, None, None] * m.rate.reshape(HEADS, 5)
+    want = output(m, normalised_alpha_reference(q, k, v, (z + tilt).exp(), True))
+    got, _ = m(x)
+    torch.testing.assert_close(got, want, rtol=1e-9, atol=1e-9)
+    params = [p for p in m.parameters() if p.requires_grad]
+    for a, b in zip(torch.autograd.grad(got.square().sum(), params),
+                    torch.autograd.grad(want.square().sum(), params, allow_unused=True)):
+        torch.testing.assert_close(a, torch.zeros_like(a) if b is None else b, rtol=1e-8, atol=1e-9)
+
+
+def test_abc_mlp_forget_starts_with_a_long_horizon():
+    """W_f = 0 and b_f = -5 at init: every token forgets softplus(-5) ≈ 0.0067 of the past."""
+    m = build_attention("abc-mlp", {"forget": True}, LayerSpec(D_MODEL, HEADS))
+    assert not m.forget.weight.any() and torch.all(m.forget.bias == -5.0)
+
+
+@pytest.mark.parametrize("recency", [False, True])
+def test_abc_mlp_forget_counts_real_tokens_only(recency):
+    """A left-padded row, prefilled then decoded, equals the row alone: padding forgets nothing."""
+    m = layer("abc-mlp", positions="rotary", num_slots=4, forget=True, recency=recency)
+    x = torch.randn(2, 12, D_MODEL, dtype=F64)
+    mask = torch.ones(2, 12, dtype=torch.bool)
+    mask[1, :4] = False
+    state = m.init_state(2)
+    with torch.no_grad():
+        got = [m(x[:, :7], memory_state=state, attention_mask=mask[:, :7],
+                 positions=(mask.cumsum(1) - 1).clamp_min(0)[:, :7])[0]]
+        got += [m(x[:, t:t + 1], memory_state=state, positions=(mask.cumsum(1) - 1)[:, t:t + 1])[0]
+                for t in range(7, 12)]
+        alone, _ = m(x[1:, 4:])
+    torch.testing.assert_close(torch.cat(got, 1)[1, 4:], alone[0], rtol=1e-9, atol=1e-9)
+
+
+def test_abc_mlp_forget_streams_a_million_tokens_with_a_bounded_state():
+    """1,000,000 tokens read in calls of 50,000, the state carried, in float32 beside float64:
+    the decays summed over the stream run to tens of thousands, yet the normaliser stays near
+    the newest logits, the state finite, and the last call's output is float64's."""
+    torch.manual_seed(0)
+    m = build_attention("abc-mlp", {"num_slots": 4, "forget": True}, LayerSpec(8, 1)).eval()
+    with torch.no_grad():
+        m.forget.weight.normal_(0, 0.5)
+        m.forget.bias.fill_(-2.0)  # λ around 0.1 a token
+    m64 = copy.deepcopy(m).double()
+    state, state64, total = m.init_state(1), m64.init_state(1), 0.0
+    with torch.no_grad():
+        for _ in range(20):
+            x = torch.randn(1, 50_000, 8)
+            total += m.slot_logits(x)[1].min().item()
+            y, _ = m(x, memory_state=state)
+            y64, _ = m64(x.double(), memory_state=state64)
+    assert total > 10_000 and all(torch.isfinite(t).all() for t in state.tensors())
+    assert state.inner.log_z.abs().max() < 100
+    torch.testing.assert_close(y.double(), y64, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("flag", ["recency", "forget"])
+def test_abc_mlp_decays_are_refused_without_causal_attention(flag):
+    with pytest.raises(ConfigError, match=rf"attention\.{flag}"):
+        layer("abc-mlp", causal=False, **{flag: True})
 
 
 def test_abc_mlp_padding_writes_nothing():
@@ -414,7 +488,7 @@ def test_abc_workspace_reads_the_previous_layers_memory():
 
 @pytest.mark.parametrize("name,options", [
     ("abc-mlp", {"num_slots": 3}), ("abc-mlp", {"num_slots": 3, "activation": "relu"}),
-    ("abc-mlp", {"num_slots": 3, "recency": True}),
+    ("abc-mlp", {"num_slots": 3, "recency": True}), ("abc-mlp", {"num_slots": 3, "forget": True}),
     ("abc-window", {"window": 4}), ("abc-linformer", {"num_slots": 3}),
     ("abc-random", {"num_slots": 3}), ("abc-meanpool", {"num_slots": 8, "pool": 3}),
     ("abc-l2g", {"num_slots": 8, "every": 3}),
@@ -463,8 +537,8 @@ def test_decoding_state_does_not_grow(name, options):
 
 @pytest.mark.parametrize("name,options", [
     ("abc-mlp", {"activation": "exp"}), ("abc-mlp", {"activation": "relu"}),
-    ("abc-mlp", {"activation": "sigmoid"}), ("abc-mlp", {"recency": True}), ("abc-window", {"window": 3}),
-    ("abc-dilated", {"window": 3}), ("abc-linformer", {}), ("abc-random", {}),
+    ("abc-mlp", {"activation": "sigmoid"}), ("abc-mlp", {"recency": True}), ("abc-mlp", {"forget": True}),
+    ("abc-window", {"window": 3}), ("abc-dilated", {"window": 3}), ("abc-linformer", {}), ("abc-random", {}),
     ("abc-meanpool", {}), ("abc-l2g", {"every": 2}), ("abc-cluster", {"num_clusters": 3}),
 ])
 def test_gradients_reach_every_parameter_and_stay_finite(name, options):
@@ -489,6 +563,7 @@ def test_gradients_reach_every_parameter_and_stay_finite(name, options):
     ("abc-mlp", {"cross_slots": 0}, "cross_slots"),
     ("abc-mlp", {"activation": "tanh"}, "activation"),
     ("abc-mlp", {"tie_phi": "yes"}, "tie_phi"), ("abc-mlp", {"recency": "yes"}, "recency"),
+    ("abc-mlp", {"forget": "yes"}, "forget"),
     ("abc-window", {"window": 0}, "window"),
     ("abc-linformer", {"num_slots": -1}, "num_slots"),
     ("abc-random", {"num_slots": 0}, "num_slots"),
