@@ -52,13 +52,27 @@ def cmd_eval(args) -> int:
                                ("--batches", args.batches, 0)):
         if value < least:
             raise ConfigError(f"{name}: expected a number >= {least}, got {value}")
+    lengths = parse_lengths(args.lengths) if args.lengths is not None else None
+    by_length = ("--streams", args.streams), ("--max-window", args.max_window), ("--chunk", args.chunk), \
+        ("--plot", args.plot)
+    if lengths is None and any(value is not None for _, value in by_length):
+        given = [name for name, value in by_length if value is not None]
+        raise ConfigError(f"{' / '.join(given)}: options of --lengths; give --lengths too")
+    if lengths is not None and (args.context or args.stream or args.seq_len):
+        raise ConfigError("--lengths: reads whole documents from their first token (streamed or as one "
+                          "window); not with --context, --stream or --seq-len")
     check_device(args.device)
     model, cfg, vocab = model_from_checkpoint(args.checkpoint, args.device)
+    if lengths is not None and (cfg.task != "lm" or not hasattr(model, "init_cache")):
+        raise ConfigError(f"--lengths: measures memattn's causal language models; {args.checkpoint} is a "
+                          f"{cfg.task} run{' of a converted model' if cfg.task == 'lm' else ''}")
     if cfg.task == "translation":
         return eval_translation(args, model, cfg, vocab)
     ids, chars_per_token, note = checkpoint_split(args.checkpoint, cfg, vocab, args.split)
     if note:
         print(f"memattn eval: note: {note}", file=sys.stderr)
+    if lengths is not None:
+        return eval_by_length(args, model, cfg, as_tensor(ids), lengths, chars_per_token)
     if cfg.task == "mlm":
         return eval_masked(args, model, cfg, ids)
     ids = as_tensor(ids)
@@ -81,6 +95,77 @@ def cmd_eval(args) -> int:
     print(json.dumps(result) if args.json else
           f"{args.split}: loss {result['loss']:.4f} nats, {result['bpc']:.4f} bits/char, "
           f"perplexity {result['ppl']:.3f} over {result['tokens']:,} tokens ({reading})")
+    return 0
+
+
+def parse_lengths(text: str) -> list[int]:
+    """`--lengths 512,2048,8192`: positive numbers of tokens, else ConfigError."""
+    from memattn.errors import ConfigError
+
+    try:
+        lengths = [int(x) for x in text.split(",")]
+    except ValueError:
+        lengths = []
+    if not lengths or min(lengths) < 1:
+        raise ConfigError(f"--lengths: expected positive numbers of tokens separated by commas "
+                          f"(e.g. 512,2048,8192), got {text!r}")
+    return sorted(set(lengths))
+
+
+def eval_by_length(args, model, cfg, ids, lengths, chars_per_token) -> int:
+    """`memattn eval --lengths`: bits per character by position bucket and over the first n tokens
+    (`memattn.evaluate.evaluate_by_length`), as a table or JSON, and optionally a plot."""
+    from memattn.errors import ConfigError
+    from memattn.evaluate import MAX_WINDOW, evaluate_by_length, plot_by_length
+
+    streams, chunk, max_window = args.streams or 1, args.chunk or 0, args.max_window or MAX_WINDOW
+    for name, value, least in (("--streams", streams, 1), ("--chunk", chunk, 0), ("--max-window", max_window, 1)):
+        if value < least:
+            raise ConfigError(f"{name}: expected a number >= {least}, got {value}")
+    bar = None
+
+    def progress(done: int, total: int) -> None:  # tokens scored, on stderr
+        nonlocal bar
+        if bar is None:
+            from tqdm.auto import tqdm
+
+            bar = tqdm(total=total, desc=f"eval {cfg.model.attention.name} by length", unit="token",
+                       unit_scale=True, dynamic_ncols=True)
+        bar.update(done - bar.n)
+
+    try:
+        result = evaluate_by_length(model, ids, lengths=lengths, train_len=cfg.train.seq_len, streams=streams,
+                                    device=args.device, chars_per_token=chars_per_token, chunk=chunk,
+                                    max_window=max_window, progress=None if args.json or args.quiet else progress)
+    finally:
+        if bar is not None:
+            bar.close()
+    result.update(split=args.split, attention=cfg.model.attention.name, checkpoint=str(args.checkpoint))
+    if result["documents"] < streams:
+        print(f"memattn eval: note: the {args.split} split holds {result['documents']} document(s) of "
+              f"{result['length']:,} tokens, not --streams {streams}", file=sys.stderr)
+    if args.plot:
+        plot_by_length(result, args.plot, title=f"{result['attention']}: {args.split} bpc by position")
+    if args.json:
+        print(json.dumps(result))
+        return 0
+    how = (f"streamed in chunks of {result['chunk']:,} tokens, state {result['state_bytes']:,} bytes at the end"
+           if result["read"] == "stream" else f"each read as one window of at most {result['max_window']:,} tokens")
+    print(f"{args.split}: {result['attention']} trained on {result['train_len']:,} tokens, "
+          f"{result['documents']} document(s) of {result['length']:,} tokens, {how}")
+
+    def row(label: str, r: dict) -> str:
+        bpc = f"{r['bpc']:.4f}" if r["bpc"] is not None else "-"
+        return f"{label:<22}{bpc:>8}  {r['read'] or r['note']}"
+
+    print(f"{'positions':<22}{'bpc':>8}  read")
+    for b in result["buckets"]:
+        print(row(f"[{b['start']:,}, {b['end']:,})", b))
+    print(f"{'first n tokens':<22}{'bpc':>8}  read")
+    for n in result["lengths"]:
+        print(row(f"{n['length']:,}", n))
+    if args.plot:
+        print(f"plot: {args.plot}")
     return 0
 
 
@@ -556,6 +641,19 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--beam", type=int, default=5, help="translation runs: beam size (1: greedy)")
     e.add_argument("--length-penalty", type=float, default=0.6,
                    help="translation runs: GNMT length penalty alpha (default: %(default)s)")
+    e.add_argument("--lengths", metavar="N,N,...",
+                   help="quality by length: read documents of the longest N tokens and report bits per "
+                   "character by position ([0, seq_len), then doubling) and over the first N tokens of "
+                   "each; bounded mechanisms stream through their fixed state, others read one window "
+                   "(language models only; e.g. 512,2048,8192,32768)")
+    e.add_argument("--streams", type=int, help="with --lengths: documents read (default: 1)")
+    e.add_argument("--chunk", type=int,
+                   help="with --lengths: tokens per call of a streamed read (default: the training seq_len)")
+    e.add_argument("--max-window", type=int,
+                   help="with --lengths: longest window a growing-state model (softmax) reads; longer "
+                   "lengths are reported as not read (default: 16384)")
+    e.add_argument("--plot", metavar="FILE.png", help="with --lengths: plot bits per character against position")
+    e.add_argument("--quiet", action="store_true", help="with --lengths: no progress bar")
     e.add_argument("--device", default="cpu", help="torch device to run on")
     e.add_argument("--json", action="store_true", help="print one JSON object")
     e.set_defaults(fn=cmd_eval)

@@ -1,6 +1,7 @@
 """The main job: prepare the default corpus, train softmax attention, turn it into each
-memory mechanism asked for, and show what the memory buys — quality, speed, and a decoding
-cost and state that stay flat as the context grows.
+memory mechanism asked for, and show what the memory buys — quality (also far past the
+training length: test bpc over the first 16,384 tokens), speed, and a decoding cost and
+state that stay flat as the context grows.
 
 The first mechanism (softmax) trains from scratch. Each other one starts from it through
 `train.init_from` (its projections, embeddings, norms and feed-forward layers copied, only
@@ -19,7 +20,7 @@ import torch
 
 from memattn.config import load_config
 from memattn.data import Vocab
-from memattn.evaluate import as_tensor, evaluate
+from memattn.evaluate import as_tensor, evaluate, evaluate_by_length
 from memattn.generate import generate
 from memattn.train import load_run_corpus, model_from_checkpoint, train
 
@@ -47,10 +48,22 @@ def decoding_cost(model, context: int, steps: int = 8, chunk: int = 2048) -> dic
     return {"ms_per_token": 1e3 * statistics.median(times[1:]), "state_bytes": state}
 
 
+def bpc_at(model, ids, length: int, train_len: int, chars_per_token: float) -> dict:
+    """Test bits per character over the first `length` tokens of the test split, one document
+    read by `evaluate_by_length` (a bounded model streamed, softmax as one window):
+    {"length", "tokens", "bpc", "read"}, bpc and read None with a "note" where not read."""
+    if len(ids) <= length:
+        return {"length": length, "tokens": 0, "bpc": None, "read": None,
+                "note": f"not read: the test split holds {len(ids):,} tokens, fewer than {length + 1:,}"}
+    result = evaluate_by_length(model, ids, lengths=[length], train_len=train_len, chars_per_token=chars_per_token)
+    return result["lengths"][0]
+
+
 def run_demo(preset: str, overrides: list[str], mechanisms: list[str], out_dir: str,
              warm_steps: int = 200, contexts: tuple[int, ...] = CONTEXTS) -> list[dict]:
     rows = []
     base_dir = f"{out_dir}/{mechanisms[0]}"
+    shown = [c for c in SHOWN if c in contexts] or list(contexts[-1:])
     for name in mechanisms:
         extra = [f"attention={name}", f"train.out_dir={out_dir}/{name}"]
         if rows and warm_steps:
@@ -69,16 +82,17 @@ def run_demo(preset: str, overrides: list[str], mechanisms: list[str], out_dir: 
         model, cfg, vocab_json = model_from_checkpoint(summary["checkpoint"])
         test = evaluate(model, as_tensor(corpus.test), seq_len=cfg.train.seq_len,
                         batch_size=cfg.train.batch_size, chars_per_token=corpus.chars_per_token("test"))
+        long = bpc_at(model, as_tensor(corpus.test), shown[-1], cfg.train.seq_len, corpus.chars_per_token("test"))
         vocab = Vocab.from_json(vocab_json)
         prompt = torch.as_tensor(vocab.encode(PROMPT), dtype=torch.long)[None]
         tokens = [t.item() for t in generate(model, prompt, 300, temperature=0.8, seed=0)]
         print(f"\n--- sample ({name}) ---\n{PROMPT}{vocab.decode(tokens)}\n---")
         cost = {c: decoding_cost(model, c) for c in contexts}
         rows.append({"attention": name, "trained": how, "params": summary["params"],
-                     "val_bpc": summary["val"]["bpc"], "test_bpc": test["bpc"],
+                     "val_bpc": summary["val"]["bpc"], "test_bpc": test["bpc"], "long_bpc": long,
                      "train_tokens_per_s": summary["tokens_per_s"], "train_s": summary["wall_s"],
                      "decoding": {str(c): v for c, v in cost.items()}})
-    print_table(rows, [c for c in SHOWN if c in contexts] or list(contexts[-1:]))
+    print_table(rows, shown)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     (out / "summary.json").write_text(json.dumps(rows, indent=2))
@@ -96,16 +110,22 @@ def _bytes(n: float) -> str:
 
 def print_table(rows: list[dict], shown: list[int]) -> None:
     base = rows[0]
+    at = f"bpc @{base['long_bpc']['length']:,}"
     head = (f"{'attention':<12}{'trained':<26}{'params':>9}{'val bpc':>9}{'test bpc':>9}{'vs ' + base['attention']:>12}"
-            f"{'train tok/s':>12}" + "".join(f"{'ms/token @' + f'{c:,}':>18}{'state @' + f'{c:,}':>16}" for c in shown))
+            f"{at:>18}{'train tok/s':>12}" + "".join(f"{'ms/token @' + f'{c:,}':>18}{'state @' + f'{c:,}':>16}" for c in shown))
     print("\n" + head)
     for r in rows:
         line = (f"{r['attention']:<12}{r['trained']:<26}{r['params']:>9,}{r['val_bpc']:>9.3f}{r['test_bpc']:>9.3f}"
-                f"{r['test_bpc'] - base['test_bpc']:>+12.3f}{r['train_tokens_per_s']:>12,.0f}")
+                f"{r['test_bpc'] - base['test_bpc']:>+12.3f}{_long(r['long_bpc']):>18}{r['train_tokens_per_s']:>12,.0f}")
         for c in shown:
             d = r["decoding"][str(c)]
             line += f"{d['ms_per_token']:>18.2f}{_bytes(d['state_bytes']):>16}"
         print(line)
+
+
+def _long(figure: dict) -> str:
+    """A `bpc_at` figure for the table: '1.234 (stream)', or 'not read'."""
+    return "not read" if figure["bpc"] is None else f"{figure['bpc']:.3f} ({figure['read']})"
 
 
 def plot_decoding(rows: list[dict], path: Path) -> None:

@@ -125,3 +125,159 @@ def _evaluate_segments(model, ids, *, seq_len, streams, max_segments, device) ->
         count += window[:, 1:].numel()
     model.train(was_training)
     return total, count
+
+
+MAX_WINDOW = 16_384  # longest window a growing-state model reads at once (T² scores per head and layer)
+
+
+def position_buckets(train_len: int, length: int) -> list[tuple[int, int]]:
+    """Log-spaced position buckets [start, end) up to `length`: [0, T), [T, 2T), [2T, 4T), ...,
+    the last one cut at `length` (T = train_len)."""
+    edges, end = [0], train_len
+    while end < length:
+        edges.append(end)
+        end *= 2
+    edges.append(length)
+    return list(zip(edges, edges[1:]))
+
+
+@torch.no_grad()
+def evaluate_by_length(model: torch.nn.Module, ids: torch.Tensor, *, lengths, train_len: int,
+                       streams: int = 1, device: str | torch.device = "cpu", chars_per_token: float = 1.0,
+                       chunk: int = 0, max_window: int = MAX_WINDOW, progress=None) -> dict:
+    """Bits per character by position in a document, at the training length and past it.
+
+    ids: int64 [N], the split, read as `streams` documents of L = max(lengths) tokens:
+    document d is ids[d·L : (d + 1)·L + 1], the consecutive non-overlapping pieces of the split
+    (fewer documents when the split holds fewer; ConfigError naming --lengths when it holds
+    none). Position p scores the target p + 1 with the tokens 0..p read.
+    How the model reads, the "read" of every figure:
+    - "stream": every layer's decoding state is fixed in size; the documents, one row each,
+      in one pass of `chunk` tokens at a time (default train_len), the cache carried: memory
+      stays constant whatever L.
+    - "window": a growing state; each document as one window from its first token, of at
+      most `max_window` tokens. The model is causal, so the first n positions of a longer
+      window are those of a window of n tokens.
+    What the model cannot read (a window over max_window; learned or split positions past
+    model.max_len; a ShapeError of the mechanism met while streaming, e.g. abc-linformer's
+    columns end at model.max_len) is "not read": bpc None, read None and a note saying why;
+    the rest is still reported.
+    progress: optional callable(done, total), tokens scored so far and in all.
+
+    Returns {"read", "length": L, "train_len", "documents", "tokens_read" (per document),
+    "tokens" (scored), "chunk", "max_window", "state_bytes" (the cache of all documents at the
+    end of a stream, else None), "buckets": [{"start", "end", "tokens", "bpc", "read"(, "note")}]
+    over `position_buckets(train_len, L)`, "lengths": [{"length": n, ...}] over the first n
+    positions}.
+    """
+    from memattn.errors import ConfigError, ShapeError
+
+    lengths = sorted(set(lengths))
+    if not lengths or lengths[0] < 1:
+        raise ConfigError(f"--lengths: expected positive numbers of tokens, got {lengths}")
+    for name, value in (("train_len", train_len), ("streams", streams), ("max_window", max_window)):
+        if value < 1:
+            raise ConfigError(f"{name}: expected a number >= 1, got {value}")
+    if chunk < 0:
+        raise ConfigError(f"chunk: expected a number of tokens >= 0 (0: train_len), got {chunk}")
+    if not hasattr(model, "init_cache"):
+        raise ConfigError("--lengths: reads memattn's causal language models (a model with init_cache)")
+    L = lengths[-1]
+    documents = min(streams, (len(ids) - 1) // L)
+    if documents < 1:
+        raise ConfigError(f"--lengths: a document of {L:,} tokens needs {L + 1:,} tokens of the split "
+                          f"(targets are shifted by one); the split holds {len(ids):,}")
+    docs = ids[:documents * L + 1].unfold(0, L + 1, L)  # [D, L + 1]
+    stream = all(s.fixed_size for s in model.init_cache(1).states)
+    mode, chunk = ("stream", chunk or train_len) if stream else ("window", None)
+
+    reach, why = L, ""  # positions read, and why not further ({n}: the tokens asked for)
+    cfg = model.cfg
+    if cfg.positions in ("learned", "split") and cfg.max_len < reach:
+        reach = cfg.max_len
+        why = f"not read: {{n:,}} tokens exceed model.max_len={cfg.max_len:,} of the {cfg.positions} position table"
+    if not stream and max_window < reach:
+        reach = max_window
+        why = f"not read: a window of {{n:,}} tokens exceeds max_window={max_window:,}"
+
+    was_training = model.training
+    model.eval()
+    nats = torch.zeros(reach, dtype=torch.float64)  # summed over the documents
+    read, cache = 0, None
+    if progress:
+        progress(0, documents * reach)
+    try:
+        if stream:
+            cache = model.init_cache(documents, device=device)
+            for start in range(0, reach, chunk):
+                end = min(start + chunk, reach)
+                piece = docs[:, start:end + 1].to(device)
+                logits = model(piece[:, :-1], cache=cache)
+                loss = F.cross_entropy(logits.float().transpose(1, 2), piece[:, 1:], reduction="none")  # [D, c]
+                nats[start:end] = loss.sum(0).double().cpu()
+                read = end
+                if progress:
+                    progress(documents * end, documents * reach)
+        else:
+            for d in range(documents):
+                window = docs[d:d + 1, :reach + 1].to(device)
+                logits = model(window[:, :-1])
+                nats += F.cross_entropy(logits.float().transpose(1, 2), window[:, 1:],
+                                        reduction="none")[0].double().cpu()  # [reach]
+                if progress:
+                    progress((d + 1) * reach, documents * reach)
+            read = reach
+    except ShapeError as e:  # a limit of the mechanism's own, met at position `read`
+        if read == 0:
+            raise
+        reach, why = read, "not read: " + str(e).replace("{", "{{").replace("}", "}}")
+    finally:
+        model.train(was_training)
+    state_bytes = cache.nbytes() if cache is not None else None
+
+    total = torch.cat([nats.new_zeros(1), nats[:reach].cumsum(0)])  # [reach + 1] nats before each position
+    to_bits = 1 / (math.log(2) * chars_per_token)
+
+    def figure(start: int, end: int) -> dict:
+        if end > reach:
+            return {"tokens": 0, "bpc": None, "read": None, "note": why.format(n=end)}
+        count = documents * (end - start)
+        return {"tokens": count, "bpc": (total[end] - total[start]).item() / count * to_bits, "read": mode}
+
+    return {"read": mode, "length": L, "train_len": train_len, "documents": documents,
+            "tokens_read": reach, "tokens": documents * reach, "chunk": chunk,
+            "max_window": None if stream else max_window, "state_bytes": state_bytes,
+            "buckets": [{"start": a, "end": b, **figure(a, b)} for a, b in position_buckets(train_len, L)],
+            "lengths": [{"length": n, **figure(0, n)} for n in lengths]}
+
+
+def plot_by_length(result: dict, path, title: str = "") -> None:
+    """Bits per character against position (`evaluate_by_length`'s buckets, log x axis), one
+    line, with a vertical marker at the training length; written to `path` (PNG)."""
+    from memattn.errors import ConfigError
+
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        raise ConfigError("--plot: needs matplotlib (pip install 'memattn[plot]')") from None
+    read = [b for b in result["buckets"] if b["bpc"] is not None]
+    fig, ax = plt.subplots(figsize=(6.4, 3.8))
+    # a bucket [start, end) drawn at the geometric middle of the tokens read at its positions
+    ax.plot([math.sqrt((b["start"] + 1) * b["end"]) for b in read], [b["bpc"] for b in read],
+            marker="o", label=f"bpc ({result['read']})")
+    ax.axvline(result["train_len"], color="grey", linestyle="--", label=f"training length {result['train_len']:,}")
+    unread = [b for b in result["buckets"] if b["bpc"] is None]
+    if unread:
+        ax.axvspan(unread[0]["start"] + 1, result["length"], color="grey", alpha=0.15, label="not read")
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("tokens read (position + 1)")
+    ax.set_ylabel("bits per character")
+    ax.set_title(title or f"quality by length: {result['documents']} document(s) of {result['length']:,} tokens")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110, format="png")
+    plt.close(fig)

@@ -124,3 +124,81 @@ def test_demo_compares_a_memory_mechanism_and_runs_twice_into_the_same_folder(te
     assert state["softmax"][1] == 4 * state["softmax"][0]  # one key and value per token
     assert state["abc-mlp"][0] == state["abc-mlp"][1] > 0  # a fixed-size memory
     assert (tmp_path / "demo" / "decoding.png").exists()
+    head = [line for line in capsys.readouterr().out.splitlines() if line.startswith("attention ")][-1]
+    assert "bpc @64" in head  # the table's column
+    test = torch.as_tensor(load_run_corpus(load_config("tiny", over)).test.astype("int64"))
+    for r, read in ((soft, "window"), (abc, "stream")):
+        model, _, _ = model_from_checkpoint(tmp_path / "demo" / r["attention"])
+        with torch.no_grad():  # one forward pass over the first 64 tokens
+            want = F.cross_entropy(model(test[None, :64])[0], test[1:65]).item() / math.log(2)
+        assert r["long_bpc"]["length"] == 64 and r["long_bpc"]["read"] == read
+        assert r["long_bpc"]["bpc"] == pytest.approx(want, abs=1e-5)
+
+
+def test_eval_by_length_table_json_plot_and_refusals(text_file, tmp_path, capsys):
+    """`memattn eval RUN --lengths`: the JSON figures are the by-hand bucketing of one forward
+    pass over each test document; the table, the plot and the one-line refusals."""
+    import torch
+    import torch.nn.functional as F
+
+    from memattn.evaluate import as_tensor
+    from memattn.train import checkpoint_split
+
+    over = tiny_overrides(text_file, tmp_path, "attention=abc-mlp", "attention.num_slots=4", "train.steps=2",
+                          "train.eval_every=2", "train.save_every=2", "train.seq_len=16")
+    assert main(["train", "--config", "tiny", "--quiet", *over]) == 0
+    run_dir = str(tmp_path / "run")
+    plot = tmp_path / "by_length.png"
+    capsys.readouterr()
+    assert main(["eval", run_dir, "--lengths", "64,16", "--streams", "2", "--plot", str(plot), "--json"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    model, cfg, vocab = model_from_checkpoint(run_dir)
+    ids = as_tensor(checkpoint_split(run_dir, cfg, vocab, "test")[0])
+    losses = []
+    with torch.no_grad():
+        for d in range(2):
+            doc = ids[d * 64:(d + 1) * 64 + 1]
+            losses.append(F.cross_entropy(model(doc[None, :-1])[0], doc[1:], reduction="none"))
+    losses = torch.stack(losses)  # [2, 64] nats
+    assert (result["read"], result["documents"], result["train_len"]) == ("stream", 2, 16)
+    assert [(b["start"], b["end"]) for b in result["buckets"]] == [(0, 16), (16, 32), (32, 64)]
+    for b in result["buckets"]:
+        want = losses[:, b["start"]:b["end"]].mean().item() / math.log(2)
+        assert b["read"] == "stream" and b["bpc"] == pytest.approx(want, abs=1e-5)
+    assert [n["length"] for n in result["lengths"]] == [16, 64]
+    assert result["lengths"][1]["bpc"] == pytest.approx(losses.mean().item() / math.log(2), abs=1e-5)
+    assert result["state_bytes"] == model.init_cache(2).nbytes()
+
+    assert main(["eval", run_dir, "--lengths", "16,64"]) == 0
+    out, err = capsys.readouterr()
+    assert "by length" in err  # progress on stderr
+    lines = out.splitlines()
+    assert "1 document(s) of 64 tokens, streamed in chunks of 16 tokens" in lines[0]
+    assert lines[1].split() == ["positions", "bpc", "read"]
+    assert lines[2].startswith("[0, 16)") and lines[2].split()[-1] == "stream"
+    assert [line.split()[0] for line in lines[lines.index(next(x for x in lines if x.startswith("first n"))) + 1:]] \
+        == ["16", "64"]
+    assert main(["eval", run_dir, "--lengths", "16", "--quiet"]) == 0
+    assert capsys.readouterr().err == ""
+
+    for argv, message in [(["--lengths", "16,x"], "--lengths: expected positive numbers of tokens"),
+                          (["--lengths", "0"], "--lengths: expected positive numbers of tokens"),
+                          (["--lengths", "16", "--seq-len", "8"], "not with --context, --stream or --seq-len"),
+                          (["--lengths", "16", "--stream"], "not with --context, --stream or --seq-len"),
+                          (["--plot", "x.png"], "--plot: options of --lengths"),
+                          (["--lengths", "1000000"], "needs 1,000,001 tokens of the split")]:
+        assert main(["eval", run_dir, *argv]) == 2
+        err = capsys.readouterr().err
+        assert len(err.strip().splitlines()) == 1 and message in err, err
+
+
+def test_eval_by_length_is_refused_for_a_masked_lm(text_file, tmp_path, capsys):
+    over = tiny_overrides(text_file, tmp_path, "task=mlm", "train.steps=2", "train.eval_every=2",
+                          "train.save_every=2")
+    assert main(["train", "--config", "tiny", "--quiet", *over]) == 0
+    capsys.readouterr()
+    assert main(["eval", str(tmp_path / "run"), "--lengths", "64"]) == 2
+    err = capsys.readouterr().err
+    assert err.strip() == f"memattn eval: error: --lengths: measures memattn's causal language models; " \
+                          f"{tmp_path / 'run'} is a mlm run"

@@ -1,5 +1,6 @@
-"""memattn.evaluate: windows with an unscored context, streams with carried state, and
-`memattn eval --context / --stream`, each against a by-hand computation."""
+"""memattn.evaluate: windows with an unscored context, streams with carried state, quality by
+length (`evaluate_by_length`), and `memattn eval --context / --stream`, each against a by-hand
+computation."""
 
 import json
 import math
@@ -10,7 +11,7 @@ import torch.nn.functional as F
 
 from memattn.config import AttentionConfig, ModelConfig
 from memattn.errors import ConfigError
-from memattn.evaluate import check_streamable, evaluate
+from memattn.evaluate import check_streamable, evaluate, evaluate_by_length, position_buckets
 from memattn.models import CausalLM
 
 
@@ -152,3 +153,115 @@ def test_a_bpe_run_reports_bits_per_character_of_its_text(text_file, tmp_path, c
     assert main(["eval", str(tmp_path / "run"), "--split", "val", "--json"]) == 0
     result = json.loads(capsys.readouterr().out)
     assert result["bpc"] == pytest.approx(result["bits_per_token"] * len(val) / chars, rel=1e-9)
+
+
+# --- quality by length: evaluate_by_length ---
+
+def lm(name, positions="rotary", max_len=128, **options):
+    cfg = ModelConfig(vocab_size=29, d_model=32, n_layers=2, n_heads=4, ff_mult=2, max_len=max_len,
+                      positions=positions, attention=AttentionConfig(name, options))
+    return CausalLM(cfg).double().eval()
+
+
+def document_losses(model, ids, length, documents):
+    """Nats of every target of each document ids[d·L : (d + 1)·L + 1], from one forward pass of
+    the model over the whole document: [documents][length]."""
+    out = []
+    for d in range(documents):
+        doc = ids[d * length:(d + 1) * length + 1]
+        logits = model(doc[None, :-1])[0]
+        out.append(F.cross_entropy(logits, doc[1:], reduction="none").tolist())
+    return out
+
+
+def bpc_by_hand(losses, start, end, chars):
+    nats = sum(sum(doc[start:end]) for doc in losses)
+    return nats / (len(losses) * (end - start)) / math.log(2) / chars
+
+
+def test_position_buckets_double_from_the_training_length():
+    assert position_buckets(8, 40) == [(0, 8), (8, 16), (16, 32), (32, 40)]
+    assert position_buckets(8, 32) == [(0, 8), (8, 16), (16, 32)]
+    assert position_buckets(8, 5) == [(0, 5)]
+
+
+@pytest.mark.parametrize("name,options,read", [("abc-window", {"window": 5}, "stream"),
+                                               ("abc-mlp", {"num_slots": 4}, "stream"),
+                                               ("softmax", {}, "window")])
+def test_by_length_equals_one_pass_over_each_document(name, options, read):
+    """Streamed in chunks of 6 (carried cache) or read as one window, every bucket and every
+    first-n figure is the by-hand bucketing of one forward pass over each whole document."""
+    model = lm(name, **options)
+    ids = torch.randint(0, 29, (95,))
+    calls = []
+    got = evaluate_by_length(model, ids, lengths=[20, 8, 40], train_len=8, streams=2, chunk=6,
+                             chars_per_token=1.5, progress=lambda done, total: calls.append((done, total)))
+    losses = document_losses(model, ids, 40, 2)
+    assert (got["read"], got["documents"], got["length"], got["tokens"]) == (read, 2, 40, 80)
+    buckets = [(0, 8), (8, 16), (16, 32), (32, 40)]
+    assert [(b["start"], b["end"]) for b in got["buckets"]] == buckets
+    for b, (start, end) in zip(got["buckets"], buckets):
+        assert b["read"] == read and b["tokens"] == 2 * (end - start)
+        assert b["bpc"] == pytest.approx(bpc_by_hand(losses, start, end, 1.5), abs=1e-5)
+    assert [n["length"] for n in got["lengths"]] == [8, 20, 40]
+    for n in got["lengths"]:
+        assert n["read"] == read and n["bpc"] == pytest.approx(bpc_by_hand(losses, 0, n["length"], 1.5), abs=1e-5)
+    assert calls[0] == (0, 80) and calls[-1] == (80, 80) and [c[0] for c in calls] == sorted(c[0] for c in calls)
+    if read == "stream":  # one state of one size from the first token to the last
+        assert got["chunk"] == 6 and len(calls) == 1 + 7
+        assert got["state_bytes"] == model.init_cache(2).nbytes() > 0
+    else:
+        assert got["state_bytes"] is None and got["max_window"] == 16_384
+
+
+def test_stream_chunks_default_to_the_training_length():
+    model = lm("abc-mlp", num_slots=4)
+    chunks = []
+    model.register_forward_pre_hook(lambda m, args: chunks.append(args[0].shape[1]))
+    got = evaluate_by_length(model, torch.randint(0, 29, (50,)), lengths=[20], train_len=8)
+    assert got["chunk"] == 8 and chunks == [8, 8, 4]
+
+
+def test_split_too_short_for_one_document_is_refused():
+    with pytest.raises(ConfigError, match=r"--lengths: a document of 40 tokens needs 41 tokens .* holds 30"):
+        evaluate_by_length(lm("softmax"), torch.randint(0, 29, (30,)), lengths=[8, 40], train_len=8)
+    got = evaluate_by_length(lm("softmax"), torch.randint(0, 29, (60,)), lengths=[40], train_len=8, streams=3)
+    assert got["documents"] == 1  # what the split holds
+
+
+def test_window_past_max_window_is_not_read_and_never_run():
+    model = lm("softmax")
+    seen = []
+    model.register_forward_pre_hook(lambda m, args: seen.append(args[0].shape[1]))
+    ids = torch.randint(0, 29, (95,))
+    got = evaluate_by_length(model, ids, lengths=[8, 20, 40], train_len=8, streams=2, max_window=20)
+    assert max(seen) == 20
+    losses = document_losses(model, ids, 40, 2)
+    by_length = {n["length"]: n for n in got["lengths"]}
+    assert by_length[20]["bpc"] == pytest.approx(bpc_by_hand(losses, 0, 20, 1.0), abs=1e-5)
+    assert by_length[40]["bpc"] is None and by_length[40]["read"] is None
+    assert by_length[40]["note"] == "not read: a window of 40 tokens exceeds max_window=20"
+    assert [b["bpc"] is not None for b in got["buckets"]] == [True, True, False, False]
+    assert got["buckets"][2]["note"] == "not read: a window of 32 tokens exceeds max_window=20"
+
+
+@pytest.mark.parametrize("name,options,read", [("softmax", {}, "window"), ("abc-mlp", {"num_slots": 4}, "stream")])
+def test_learned_positions_are_not_read_past_max_len(name, options, read):
+    model = lm(name, positions="learned", max_len=24, **options)
+    ids = torch.randint(0, 29, (50,))
+    got = evaluate_by_length(model, ids, lengths=[16, 40], train_len=8)
+    losses = document_losses(model, ids[:25], 24, 1)  # the 24 positions the table covers
+    assert got["read"] == read and got["tokens_read"] == 24
+    assert [b["bpc"] is not None for b in got["buckets"]] == [True, True, False, False]
+    assert got["lengths"][0]["bpc"] == pytest.approx(bpc_by_hand(losses, 0, 16, 1.0), abs=1e-5)
+    assert got["lengths"][1]["bpc"] is None
+    assert got["lengths"][1]["note"] == "not read: 40 tokens exceed model.max_len=24 of the learned position table"
+
+
+def test_a_limit_met_while_streaming_ends_the_read_there():
+    """abc-linformer has a column per position up to model.max_len: the stream stops at the
+    chunk that passes it, and the figures before it stand."""
+    model = lm("abc-linformer", max_len=24, num_slots=4)
+    got = evaluate_by_length(model, torch.randint(0, 29, (50,)), lengths=[16, 40], train_len=8)
+    assert got["tokens_read"] == 24 and got["lengths"][0]["read"] == "stream"
+    assert got["lengths"][1]["bpc"] is None and "model.max_len=24" in got["lengths"][1]["note"]
