@@ -144,7 +144,8 @@ def position_buckets(train_len: int, length: int) -> list[tuple[int, int]]:
 @torch.no_grad()
 def evaluate_by_length(model: torch.nn.Module, ids: torch.Tensor, *, lengths, train_len: int,
                        streams: int = 1, device: str | torch.device = "cpu", chars_per_token: float = 1.0,
-                       chunk: int = 0, max_window: int = MAX_WINDOW, progress=None) -> dict:
+                       chunk: int = 0, max_window: int = MAX_WINDOW, progress=None,
+                       windows: bool = False) -> dict:
     """Bits per character by position in a document, at the training length and past it.
 
     ids: int64 [N], the split, read as `streams` documents of L = max(lengths) tokens:
@@ -163,6 +164,9 @@ def evaluate_by_length(model: torch.nn.Module, ids: torch.Tensor, *, lengths, tr
     columns end at model.max_len) is "not read": bpc None, read None and a note saying why;
     the rest is still reported.
     progress: optional callable(done, total), tokens scored so far and in all.
+    windows: also read the same positions as windows of train_len from an empty memory, the
+    reading the model was trained for; each figure then has "bpc_windows", so that the cost of
+    the long read is measured on the same text.
 
     Returns {"read", "length": L, "train_len", "documents", "tokens_read" (per document),
     "tokens" (scored), "chunk", "max_window", "state_bytes" (the cache of all documents at the
@@ -234,15 +238,29 @@ def evaluate_by_length(model: torch.nn.Module, ids: torch.Tensor, *, lengths, tr
     finally:
         model.train(was_training)
     state_bytes = cache.nbytes() if cache is not None else None
+    short = torch.zeros(reach, dtype=torch.float64)  # nats at each position read in windows of train_len
+    if windows:
+        model.eval()
+        for start in range(0, reach, train_len):
+            end = min(start + train_len, reach)
+            piece = docs[:, start:end + 1].to(device)
+            logits = model(piece[:, :-1])
+            short[start:end] = F.cross_entropy(logits.float().transpose(1, 2), piece[:, 1:],
+                                               reduction="none").sum(0).double().cpu()
+        model.train(was_training)
 
     total = torch.cat([nats.new_zeros(1), nats[:reach].cumsum(0)])  # [reach + 1] nats before each position
+    total_short = torch.cat([short.new_zeros(1), short.cumsum(0)])
     to_bits = 1 / (math.log(2) * chars_per_token)
 
     def figure(start: int, end: int) -> dict:
         if end > reach:
             return {"tokens": 0, "bpc": None, "read": None, "note": why.format(n=end)}
         count = documents * (end - start)
-        return {"tokens": count, "bpc": (total[end] - total[start]).item() / count * to_bits, "read": mode}
+        out = {"tokens": count, "bpc": (total[end] - total[start]).item() / count * to_bits, "read": mode}
+        if windows:
+            out["bpc_windows"] = (total_short[end] - total_short[start]).item() / count * to_bits
+        return out
 
     return {"read": mode, "length": L, "train_len": train_len, "documents": documents,
             "tokens_read": reach, "tokens": documents * reach, "chunk": chunk,

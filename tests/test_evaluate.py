@@ -265,3 +265,22 @@ def test_a_limit_met_while_streaming_ends_the_read_there():
     got = evaluate_by_length(model, torch.randint(0, 29, (50,)), lengths=[16, 40], train_len=8)
     assert got["tokens_read"] == 24 and got["lengths"][0]["read"] == "stream"
     assert got["lengths"][1]["bpc"] is None and "model.max_len=24" in got["lengths"][1]["note"]
+
+
+@pytest.mark.parametrize("name,read", [("abc-mlp", "stream"), ("softmax", "window")])
+def test_by_length_reads_the_same_positions_in_windows_of_the_training_length(name, read):
+    """windows=True: beside each figure, the same positions read as windows of train_len from an
+    empty memory (each window one forward pass, by hand here); [0, L) is the same on both sides."""
+    model = lm(name, num_slots=4) if name == "abc-mlp" else lm(name)
+    ids = torch.randint(0, 29, (95,))
+    got = evaluate_by_length(model, ids, lengths=[40], train_len=8, streams=2, chunk=6, windows=True)
+    docs = ids[:81].unfold(0, 41, 40)  # [2, 41]
+    with torch.no_grad():
+        short = torch.cat([F.cross_entropy(model(docs[:, a:a + 8]).transpose(1, 2), docs[:, a + 1:a + 9],
+                                           reduction="none") for a in range(0, 40, 8)], 1)  # [2, 40]
+    for b in got["buckets"]:
+        want = short[:, b["start"]:b["end"]].mean().item() / math.log(2)
+        assert b["read"] == read and b["bpc_windows"] == pytest.approx(want, abs=1e-5)
+    first = got["buckets"][0]
+    assert first["bpc"] == pytest.approx(first["bpc_windows"], abs=1e-5)
+    assert "bpc_windows" not in evaluate_by_length(model, ids, lengths=[40], train_len=8)["buckets"][0]

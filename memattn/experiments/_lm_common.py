@@ -23,6 +23,9 @@ SCORED = 32  # tokens of each segment scored at the long context (ABC's Table 3a
 USAGE_WINDOWS = 4  # test windows of seq_len for ABC_MLP's slot statistics
 SPEED_STEPS = 4  # timed training steps of a model in that pass
 POSITION_EDGES = (0, 8, 32, 64, 128, 256)  # buckets of the positions in a test segment
+# past the training length L: bpc at positions [0, L) and in the buckets ending at 4L, 16L, 64L
+LENGTH_FACTORS = (1, 4, 16, 64)
+LENGTH_DOCUMENTS = 8  # test documents of 64·L tokens, read from their first token
 
 
 def by_position_buckets(bpc: list[float]) -> dict[str, float]:
@@ -60,7 +63,8 @@ def measure(model, cfg, run_dir: Path, *, test_tokens: int, decode_prompt: int,
     segments (train.segments) instead one stream per batch row, each layer's state carried
     over the whole split (context -1). Both over about test_tokens targets. Decoding: greedy
     tokens per second after a decode_prompt-token prompt, batch 1. Slot statistics
-    (`memattn.analysis`) of ABC_MLP layers at init and after training.
+    (`memattn.analysis`) of ABC_MLP layers at init and after training. Past the training
+    length: `by_length`.
     """
     from memattn.analysis import abc_slot_usage, learned_spans, mean_statistics
     from memattn.evaluate import as_tensor, evaluate
@@ -90,7 +94,35 @@ def measure(model, cfg, run_dir: Path, *, test_tokens: int, decode_prompt: int,
             "test_bpc_context": long["bpc"], "context": context, "context_tokens": long["tokens"],
             "decode_tokens_per_s": decode, "spans": learned_spans(model),
             "slots_init": mean_statistics(abc_slot_usage(initial, windows)),
-            "slots_trained": mean_statistics(abc_slot_usage(model, windows))}
+            "slots_trained": mean_statistics(abc_slot_usage(model, windows)),
+            "test_bpc_by_length": by_length(model, test, seq_len, ratio)}
+
+
+def by_length(model, test: torch.Tensor, seq_len: int, ratio: float) -> dict[str, dict[str, Any]]:
+    """Test bits per character at the training length L and past it (`evaluate_by_length` over
+    up to LENGTH_DOCUMENTS documents of 64·L tokens): {"1x": positions [0, L), "4x": [2L, 4L),
+    "16x": [8L, 16L), "64x": [32L, 64L)}, each {"bpc", "bpc_windows" (the same positions read
+    in windows of L from an empty memory), "read", "documents", "state_bytes" (of one document's
+    fixed state, None for a growing one)} or, where the
+    split is too short or the model cannot read that far, {"bpc": None, "note"}."""
+    from memattn.evaluate import evaluate_by_length
+
+    fit = [f for f in LENGTH_FACTORS if f * seq_len < len(test)]
+    result = evaluate_by_length(model, test, lengths=[f * seq_len for f in fit], train_len=seq_len,
+                                streams=LENGTH_DOCUMENTS, chars_per_token=ratio, windows=True)
+    ends = {b["end"]: b for b in result["buckets"]}
+    state = model.init_cache(1).nbytes() if result["read"] == "stream" else None  # a fixed size
+    out = {}
+    for f in LENGTH_FACTORS:
+        b = ends.get(f * seq_len)
+        if b is None:
+            out[f"{f}x"] = {"bpc": None, "note": f"the test split holds {len(test):,} tokens"}
+        elif b["bpc"] is None:
+            out[f"{f}x"] = {"bpc": None, "note": b["note"]}
+        else:
+            out[f"{f}x"] = {"bpc": b["bpc"], "bpc_windows": b["bpc_windows"], "read": b["read"],
+                            "documents": result["documents"], "state_bytes": state}
+    return out
 
 
 def decode_speed(model, prompt: torch.Tensor, tokens: int) -> float:
@@ -165,6 +197,16 @@ def summarise(names: list[str], rows: list[dict]) -> list[dict]:
             if runs[0][when]:  # the figures every seed has (rows measured before one was added lack it)
                 entry[when] = {k: statistics.fmean(r[when][k] for r in runs) for k in runs[0][when]
                                if all(k in r[when] for r in runs)}
+        measured = [r for r in runs if r.get("test_bpc_by_length")]
+        if measured:  # the mean over the seeds that have each figure
+            entry["length_seeds"] = [r["seed"] for r in measured]
+            entry["test_bpc_by_length"] = {
+                k: ({**measured[0]["test_bpc_by_length"][k],
+                     **{f: statistics.fmean(r["test_bpc_by_length"][k][f] for r in measured)
+                        for f in ("bpc", "bpc_windows")}}
+                    if all(r["test_bpc_by_length"][k]["bpc"] is not None for r in measured)
+                    else measured[0]["test_bpc_by_length"][k])
+                for k in measured[0]["test_bpc_by_length"]}
         # rows measured before this figure existed lack it
         having = [r for r in runs if r.get("test_bpc_by_position")]
         if having:
@@ -198,6 +240,42 @@ def by_position_lines(models: list[dict], base: dict) -> list[str]:
                  for b in buckets]
         lines.append(f"| {m['model']} | {', '.join(map(str, m['by_position_seeds']))} | "
                      + " | ".join(cells) + " |")
+    return lines
+
+
+def by_length_lines(models: list[dict]) -> list[str]:
+    """A table of test bits per character at the training length L and past it (`by_length`)
+    for the models measured so, each against the same positions read in windows of L."""
+    rows = [m for m in models if m.get("test_bpc_by_length")]
+    if not rows:
+        return []
+    keys = list(rows[0]["test_bpc_by_length"])
+    documents = next((f["documents"] for m in rows for f in m["test_bpc_by_length"].values()
+                      if f["bpc"] is not None), 0)
+    lines = ["## Past the training length", "",
+             f"Test bits per character of {documents} test documents, each read from its first token "
+             "(`memattn eval --lengths`), at positions [0, L) of the training length L and at the positions "
+             "ending at 4L, 16L and 64L ([2L, 4L), [8L, 16L), [32L, 64L)); in parentheses the change from the "
+             "same positions read in windows of L from an empty memory, the reading the model was trained "
+             "for, so that the text is the same on both sides. A bounded model streams through its fixed "
+             "state (stream); softmax reads one window as far as memory allows (window, up to 16,384 "
+             "tokens). Only runs measured since this figure was added have it: their seeds are listed.", "",
+             "| model | seeds | " + " | ".join("bpc at [0, L)" if k == "1x" else f"at {k[:-1]}L" for k in keys)
+             + " | read | state bytes, one stream |", "|---|---|" + "---:|" * len(keys) + "---|---:|"]
+    for m in rows:
+        figures = m["test_bpc_by_length"]
+        cells = []
+        for k in keys:
+            f = figures[k]
+            cells.append("not read" if f["bpc"] is None else f"{f['bpc']:.3f}" if k == keys[0]
+                         else f"{f['bpc']:.3f} ({100 * (f['bpc'] / f['bpc_windows'] - 1):+.1f} %)")
+        read = [f for f in figures.values() if f["bpc"] is not None]
+        state = f"{read[0]['state_bytes']:,}" if read and read[0].get("state_bytes") else "grows"
+        lines.append(f"| {m['model']} | {', '.join(map(str, m['length_seeds']))} | " + " | ".join(cells)
+                     + f" | {read[0]['read'] if read else '—'} | {state} |")
+    notes = sorted({f["note"] for m in rows for f in m["test_bpc_by_length"].values() if f["bpc"] is None})
+    if notes:
+        lines += ["", "Not read: " + "; ".join(notes) + "."]
     return lines
 
 

@@ -26,8 +26,8 @@ from __future__ import annotations
 from pathlib import Path
 
 from memattn.experiments._common import compare, held_settings, save_figure, setup_line
-from memattn.experiments._lm_common import (Model, bpc_cell, by_position_lines, progress_note,
-                                            run_lm_experiment, speed_note)
+from memattn.experiments._lm_common import (Model, bpc_cell, by_length_lines, by_position_lines,
+                                            progress_note, run_lm_experiment, speed_note)
 
 DESCRIPTION = ("bounded-memory control (Peng et al. 2022): softmax against ABC_MLP, Linformer, "
                "random, window and cluster control, a memory-size sweep and control variants, "
@@ -149,8 +149,9 @@ def markdown(result: dict) -> str:
                          f"{a['slots_read']:.1f} → {b['slots_read']:.1f} | "
                          f"{a['read_spread']:.1f} → {b['read_spread']:.1f} | "
                          f"{a['key_cosine']:.2f} → {b['key_cosine']:.2f} | {age} |")
-    positions = by_position_lines(models, base)
-    lines += ["", *positions, *([""] if positions else []), *findings(models), "",
+    positions, lengths = by_position_lines(models, base), by_length_lines(models)
+    lines += ["", *positions, *([""] if positions else []), *lengths, *([""] if lengths else []),
+              *findings(models), "",
               setup_line(result["config"]), "",
               "Figures: `learning_curves.png` (validation bits per character against steps), "
               "`memory_sweep.png` (test bits per character of ABC_MLP against its memory size); "

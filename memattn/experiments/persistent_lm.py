@@ -25,7 +25,7 @@ from pathlib import Path
 
 from memattn.config import AttentionConfig, RunConfig, load_config
 from memattn.experiments._common import compare, held_settings, setup_line
-from memattn.experiments._lm_common import (Model, bpc_cell, copied_note, progress_note,
+from memattn.experiments._lm_common import (Model, bpc_cell, by_length_lines, copied_note, progress_note,
                                             run_lm_experiment, speed_note)
 # abc-lm's trunk and budget, so that its softmax rows are this experiment's transformer rows;
 # `overrides` from the command line replace the defaults they name, as there
@@ -153,7 +153,8 @@ def markdown(result: dict) -> str:
                      f"{m['test_bpc'] - base['test_bpc']:+.3f} | {with_context} | "
                      f"{m['test_bpc_context'] - base['test_bpc_context']:+.3f} | {m['val_bpc']:.3f} | "
                      f"{m['train_tokens_per_s']:,.0f} | {m['decode_tokens_per_s']:,.0f} |")
-    lines += ["", *findings(by), "",
+    lengths = by_length_lines(models)
+    lines += ["", *lengths, *([""] if lengths else []), *findings(by), "",
               setup_line(result["config"]), "",
               "Learning curves: `learning_curves.png` (validation bits per character against "
               "steps); logs under `logs/`, every seed's figures in `results.json`.", ""]
