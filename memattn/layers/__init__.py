@@ -3,7 +3,7 @@
 Importing this package registers every built-in mechanism.
 """
 
-from memattn.layers import abc  # noqa: F401  (registers the "abc-*" mechanisms)
+from memattn.layers import abc  # noqa: F401  (registers the "abc-*" mechanisms and "gsa")
 from memattn.layers import gmat  # noqa: F401  (registers "gmat")
 from memattn.layers import linear  # noqa: F401  (registers "linear" and "gated-linear")
 from memattn.layers import persistent  # noqa: F401  (registers "persistent")

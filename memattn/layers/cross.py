@@ -21,15 +21,18 @@ the whole source (a set: no position of the target enters it):
     abc-l2g        φ_s = e_{s/c} on every c-th source token.
     abc-cluster    the source keys grouped by k-means; slot j the mean of cluster j.
                    These five write a `BoundedMemoryState` (K̃ = Σ φ_s ⊗ k_s, Ṽ likewise).
+    gsa            gated slot attention (Zhang et al. 2024): `cross_slots` slots per head
+                   written in source order, each keeping α_s = σ(W_g h_s)^(1/τ) of what it
+                   holds and taking the rest from token s (`GSAState`).
     linear, gated-linear
                    C = Σ_s v_s φ(k_s)ᵀ (gated: g_s ⊙ on keys and values), read C φ(q)
                    (normalised by z = Σ_s φ(k_s) when the mechanism normalises) (`LinearMemory`).
 
-The slot memories (every abc-* above but the window) are read by a softmax over the slots,
-o = softmax_M(K̃ q / √D)ᵀ Ṽ; their size is fixed whatever S, and the sizes come from the
-cross mechanism's own options (`model.cross_attention`; abc-mlp's `cross_slots` when the
-model's own mechanism serves). Source positions count real tokens only, so a padded source
-writes what it would alone; padding writes nothing.
+The slot memories (every abc-* above but the window, and gsa) are read by a softmax over the
+slots, o = softmax_M(K̃ q / √D)ᵀ Ṽ; their size is fixed whatever S, and the sizes come from
+the cross mechanism's own options (`model.cross_attention`; abc-mlp's or gsa's `cross_slots`
+when the model's own mechanism serves). Source positions count real tokens only, so a padded
+source writes what it would alone; padding writes nothing.
 
 A mechanism says in the registry whether it can serve as cross attention and with which
 layer (`register_cross` below); `build_cross_attention(name, options, spec)` builds it, and
@@ -46,7 +49,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from memattn.errors import ConfigError, ShapeError, check_tensor
-from memattn.layers.abc import PAD_LOGIT, activation_logits, reset_phi
+from memattn.layers.abc import PAD_LOGIT, activation_logits, forget_gates, reset_phi
 from memattn.layers.abc.given import l2g_phi, linformer_phi, meanpool_phi, random_phi
 from memattn.layers.base import LayerSpec, check_mask, get_mechanism, mechanisms, parse_options, register_cross
 from memattn.layers.linear import NORMALIZER_EPS, feature
@@ -54,6 +57,7 @@ from memattn.ops.abc import ABCState, BoundedMemoryState
 from memattn.ops.abc.chunked import abc_memory, read_memory
 from memattn.ops.abc.cluster import sequence_kmeans
 from memattn.ops.abc.common import compute_dtype
+from memattn.ops.gsa import GSAState, gsa_memory
 from memattn.ops.softmax import softmax_attention
 
 
@@ -144,7 +148,7 @@ class SlotCrossAttention(_Cross):
     """A bounded memory of M slots per head written by the source, read by a softmax over
     the slots; subclasses write it (`memory`)."""
 
-    def forward(self, x: torch.Tensor, memory: ABCState | BoundedMemoryState) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, memory: ABCState | BoundedMemoryState | GSAState) -> torch.Tensor:
         q = self.query(x, memory.k.shape[0])
         o = read_memory(q.to(memory.k.dtype), memory.k, memory.v, self.spec.head_dim ** -0.5)
         return self.finish(o.to(x.dtype))
@@ -183,6 +187,24 @@ class ABCCrossAttention(SlotCrossAttention):
             s = s.masked_fill(~src_mask[:, :, None, None], PAD_LOGIT)
         dt = compute_dtype(src)
         return abc_memory(k.to(dt), v.to(dt), s.to(dt))
+
+
+class GSACrossAttention(SlotCrossAttention):
+    """gsa cross attention: `cross_slots` slots per head written by the source through its
+    forget gates, in order; fixed size."""
+
+    def __init__(self, spec: LayerSpec, options: Any) -> None:
+        super().__init__(spec, options)
+        self.gate = nn.Linear(spec.d_model, spec.n_heads * options.cross_slots, bias=options.bias)
+
+    def memory(self, src: torch.Tensor, src_mask: torch.Tensor | None = None) -> GSAState:
+        """src [B, S, d] -> GSAState (k [B, H, M, D], v [B, H, M, D]): the memory after the
+        source. Padding (src_mask False) has α = 1 and writes nothing; fp32 for fp16 / bf16."""
+        k, v = self.source_kv(src, src_mask)
+        g = forget_gates(self.gate, src, self.spec.n_heads, self.options.gate_logit_normalizer,
+                         src_mask)
+        dt = compute_dtype(src)
+        return gsa_memory(k.to(dt), v.to(dt), g.to(dt))
 
 
 class GivenPhiCrossAttention(SlotCrossAttention):
@@ -286,6 +308,7 @@ register_cross("abc-random", RandomCrossAttention)
 register_cross("abc-meanpool", MeanPoolCrossAttention)
 register_cross("abc-l2g", L2GCrossAttention)
 register_cross("abc-cluster", ClusterCrossAttention)
+register_cross("gsa", GSACrossAttention)
 register_cross("linear", lambda spec, o: LinearCrossAttention(spec, o, gated=False))
 register_cross("gated-linear", lambda spec, o: LinearCrossAttention(spec, o, gated=True))
 

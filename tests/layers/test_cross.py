@@ -34,6 +34,9 @@ def phi_by_hand(m, name, h_src, k):
         z = (h_src @ m.phi.weight.T).view(S, HEADS, -1)[:, m._head]
         a = {"exp": z.exp(), "relu": z.relu().clamp_min(1e-12), "sigmoid": z.sigmoid()}[o.activation]
         return a / a.sum(0)  # normalised over the real source tokens, per slot
+    if name == "gsa":  # α_s = σ(W_g h_s)^(1/τ); φ_s = (1 - α_s) Π_{j>s} α_j: what is left of token s
+        a = torch.sigmoid(h_src @ m.gate.weight.T).view(S, HEADS, -1)[:, m._head] ** (1 / o.gate_logit_normalizer)
+        return torch.stack([(1 - a[s]) * a[s + 1:].prod(0) for s in range(S)])
     if name == "abc-linformer":
         return torch.nn.functional.softplus(m.columns[:S])
     if name == "abc-random":
@@ -90,7 +93,8 @@ CROSS = {"softmax": {}, "abc-window": {"window": 4}, "abc-mlp": {"cross_slots": 
          "abc-mlp-sigmoid": {"cross_slots": 3, "activation": "sigmoid"},
          "abc-linformer": {"num_slots": 3}, "abc-random": {"num_slots": 3, "seed": 5},
          "abc-meanpool": {"num_slots": 5, "pool": 2}, "abc-l2g": {"num_slots": 5, "every": 2},
-         "abc-cluster": {"num_clusters": 3, "iters": 2}, "linear": {}, "gated-linear": {}}
+         "abc-cluster": {"num_clusters": 3, "iters": 2}, "linear": {}, "gated-linear": {},
+         "gsa": {"num_slots": 7, "cross_slots": 3, "gate_logit_normalizer": 2.0}}
 
 
 @pytest.mark.parametrize("case", list(CROSS))
@@ -103,6 +107,14 @@ def test_cross_attention_reads_the_source_memory(case):
     torch.testing.assert_close(m(x, m.memory(src, mask)), by_hand(m, name, x, src, mask))
     # padding writes nothing: the same as the source without it
     torch.testing.assert_close(m(x[1:], m.memory(src[1:, 3:])), m(x, m.memory(src, mask))[1:])
+
+
+def test_gsa_cross_memory_has_cross_slots_and_a_fixed_size():
+    m = cross("gsa", num_slots=7, cross_slots=3)
+    assert type(m).__name__ == "GSACrossAttention"
+    short = m.memory(torch.randn(2, 4, D_MODEL, dtype=F64))
+    long = m.memory(torch.randn(2, 400, D_MODEL, dtype=F64))
+    assert [tuple(t.shape) for t in short] == [tuple(t.shape) for t in long] == [(2, HEADS, 3, HEAD)] * 2
 
 
 def test_abc_cross_memory_has_cross_slots_and_a_fixed_size():

@@ -15,7 +15,8 @@ CAUSAL = [name for name, m in mechanisms().items() if m.causal]
 OPTIONS = {"abc-window": {"window": 4}, "abc-dilated": {"window": 3, "dilation": 3},
            "abc-meanpool": {"num_slots": 16, "pool": 2}, "abc-l2g": {"num_slots": 16, "every": 3},
            "abc-linformer": {"num_slots": 8}, "abc-random": {"num_slots": 8}, "abc-mlp": {"num_slots": 8},
-           "abc-cluster": {"num_clusters": 8}, "gmat": {"num_memory": 2, "chunk_size": 4, "window": 4}}
+           "abc-cluster": {"num_clusters": 8}, "gmat": {"num_memory": 2, "chunk_size": 4, "window": 4},
+           "gsa": {"num_slots": 8}}
 REFUSED = {"gmat": "cannot read left-padded rows",  # one layout of memory blocks per batch
            "abc-dilated": "multiple of attention.dilation"}  # unless padded by multiples of d
 

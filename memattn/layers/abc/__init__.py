@@ -28,6 +28,10 @@ The strategies differ only in the write rule, i.e. how φ is chosen; each lives 
     cluster.py    abc-cluster     keys grouped into n clusters (k-means over the sequence; causal:
                                   online k-means centres); slot j holds the mean of the keys /
                                   values of cluster j.
+    gated.py      gsa             gated slot attention (Zhang et al. 2024): no φ to normalise;
+                                  each slot forgets at a rate α = σ(W_g x)^(1/τ) [H, M] and takes
+                                  the rest from the token, K̃_t = α_t ⊙ K̃_{t-1} + (1 - α_t) ⊗ k_t
+                                  (`memattn.ops.gsa`).
 
     common.py     what they share: the layer base `ABCLayer`, the decoding state
                   `ABCMemoryState`, PAD_LOGIT.
@@ -38,13 +42,15 @@ rotate q and k at their absolute positions before anything is written, as in `so
 
 Layout: x [B, T, d] -> y [B, T, d]; q, k, v [B, T, H, D]; φ and slot logits [B, T, H, M].
 attention_mask [B, T] bool (True = real token): padding writes nothing (φ = 0, or a slot
-logit of PAD_LOGIT for abc-mlp; abc-window / abc-dilated mask padding keys out).
+logit of PAD_LOGIT for abc-mlp, a forget gate α = 1 for gsa; abc-window / abc-dilated mask
+padding keys out).
 
-Importing this package registers every "abc-*" mechanism.
+Importing this package registers every "abc-*" mechanism and "gsa".
 """
 
 from memattn.layers.abc.cluster import ABCClusterAttention, ABCClusterOptions
 from memattn.layers.abc.common import PAD_LOGIT, ABCLayer, ABCMemoryState
+from memattn.layers.abc.gated import GatedSlotAttention, GSAOptions, forget_gates
 from memattn.layers.abc.given import (
     ABCL2GAttention,
     ABCL2GOptions,
@@ -91,11 +97,14 @@ __all__ = [
     "ABCWindowOptions",
     "ABCWorkspaceAttention",
     "ABCWorkspaceOptions",
+    "GSAOptions",
+    "GatedSlotAttention",
     "GivenPhiLayer",
     "QueueState",
     "RingBufferState",
     "Workspace",
     "activation_logits",
+    "forget_gates",
     "random_slots",
     "reset_phi",
 ]

@@ -36,7 +36,8 @@ class ABCMemoryState(AttentionState):
     """Fixed-size decoding state of an ABC layer: the op's state and the tokens seen.
 
     inner: an ABCState (log_z [B, H, M], k [B, H, M, K], v [B, H, M, V]) for abc-mlp, a
-    BoundedMemoryState (k [B, H, M, K], v [B, H, M, V]) for the given-φ strategies.
+    BoundedMemoryState (k [B, H, M, K], v [B, H, M, V]) for the given-φ strategies, a
+    GSAState (k [B, H, M, K], v [B, H, M, V]) for gsa.
     """
 
     fixed_size = True
