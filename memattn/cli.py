@@ -456,33 +456,18 @@ def new_folder(path: str) -> Path:
 
 
 def cmd_export_hf(args) -> int:
-    import json
-
-    from memattn.data.vocab import Vocab
     from memattn.errors import ConfigError
-    from memattn.models import CausalLM, Encoder
-    from memattn.train import model_from_checkpoint
 
     try:
-        from memattn.integrations.hf import MemattnForCausalLM, MemattnForMaskedLM, tokenizer_of
+        from memattn.integrations.export import export_run
     except ImportError as e:
         raise ConfigError(str(e)) from None
-    from memattn.warmstart import HF_VOCAB
 
-    model, cfg, vocab = model_from_checkpoint(args.run)
-    wrappers = {CausalLM: (MemattnForCausalLM, "AutoModelForCausalLM"), Encoder: (MemattnForMaskedLM, "AutoModelForMaskedLM")}
-    if type(model) not in wrappers:
-        raise ConfigError(f"export-hf: {args.run} is a {cfg.task} run; causal LMs (task=lm) and masked-LM "
-                          "encoders (task=mlm) are exported")
-    wrapper, auto = wrappers[type(model)]
     out = new_folder(args.out)
-    tokenizer = tokenizer_of(Vocab.from_json(vocab), masked=isinstance(model, Encoder))
-    wrapper.from_memattn(model, pad_token_id=tokenizer.pad_token_id).save_pretrained(out)
-    tokenizer.save_pretrained(out)
-    (out / HF_VOCAB).write_text(json.dumps(vocab))
-    print(f"memattn export-hf: wrote {out} (config.json, model.safetensors, the tokenizer, {HF_VOCAB}); "
-          f"load it with AutoTokenizer and {auto}.from_pretrained after `import memattn.integrations.hf`",
-          file=sys.stderr)
+    auto = export_run(args.run, out)
+    print(f"memattn export-hf: wrote {out} (config.json, model.safetensors, the tokenizer, a model card); "
+          f"load it with AutoTokenizer and {auto}.from_pretrained after `import memattn.integrations.hf` "
+          "(or with trust_remote_code=True)", file=sys.stderr)
     return 0
 
 
@@ -491,9 +476,7 @@ def cmd_convert(args) -> int:
     from memattn.typed import parse_key_value
 
     try:
-        import transformers
-
-        from memattn.integrations.convert import convert, save_converted
+        from memattn.integrations.convert import convert_pretrained
     except ImportError as e:
         raise ConfigError(str(e)) from None
     options = {}
@@ -509,19 +492,12 @@ def cmd_convert(args) -> int:
         except ValueError:
             raise ConfigError(f"--layers: expected layer numbers like 0,2,5, got {args.layers!r}") from None
     out = new_folder(args.out)
-    config = transformers.AutoConfig.from_pretrained(args.model)
-    masked = any("MaskedLM" in a for a in (getattr(config, "architectures", None) or []))
-    auto = transformers.AutoModelForMaskedLM if masked else transformers.AutoModelForCausalLM
-    model = auto.from_pretrained(args.model)
-    convert(model, args.attention, options, layers=layers)
-    save_converted(model, out)
-    try:  # the folder carries the tokenizer that `memattn train train.init_from=OUT` reads with
-        transformers.AutoTokenizer.from_pretrained(args.model).save_pretrained(out)
-        kept = "with its tokenizer"
-    except (OSError, ValueError):
-        kept = "without a tokenizer (none found; give data.tokenizer= to train it)"
-    print(f"memattn convert: wrote {out} {kept}; load it with memattn.integrations.convert.load_converted, "
-          f"or train on with `memattn train train.init_from={out}`", file=sys.stderr)
+    had_tokenizer = convert_pretrained(args.model, args.attention, options, layers, out)
+    kept = ("with its tokenizer" if had_tokenizer
+            else "without a tokenizer (the source has none; give data.tokenizer= to train it)")
+    print(f"memattn convert: wrote {out} {kept}; load it with transformers' Auto classes after "
+          "`import memattn.integrations.hf` (or with trust_remote_code=True), or train on with "
+          f"`memattn train train.init_from={out}`", file=sys.stderr)
     return 0
 
 
@@ -727,11 +703,14 @@ def build_parser() -> argparse.ArgumentParser:
     x.set_defaults(fn=cmd_experiment)
 
     h = sub.add_parser("export-hf", help="write a run as a Hugging Face transformers folder",
-                       description="Write a trained causal LM or masked-LM encoder as a transformers "
-                       "model folder (config.json, model.safetensors, the run's vocabulary as a "
-                       "tokenizer), loadable with AutoTokenizer and AutoModelForCausalLM / "
-                       "AutoModelForMaskedLM.from_pretrained once `memattn.integrations.hf` is "
-                       "imported, and usable as train.init_from. Needs memattn[hf].")
+                       description="Write a trained causal LM or masked-LM encoder (or a trained "
+                       "converted model) as a transformers model folder (config.json, model.safetensors, "
+                       "the run's vocabulary as a tokenizer, a model card), with its own model type, the "
+                       "context length trained at and a bos/eos token: loadable with AutoTokenizer and "
+                       "AutoModelForCausalLM / AutoModelForMaskedLM.from_pretrained once "
+                       "`memattn.integrations.hf` is imported or with trust_remote_code=True "
+                       "(pipelines, PEFT, lm-evaluation-harness), and usable as train.init_from. "
+                       "Needs memattn[hf].")
     h.add_argument("run", help="run folder or checkpoint written by `memattn train`")
     h.add_argument("-o", "--out", required=True, help="folder to write (new or empty)")
     h.set_defaults(fn=cmd_export_hf)
@@ -740,8 +719,10 @@ def build_parser() -> argparse.ArgumentParser:
                         description="Load a Hugging Face model folder (Llama, Mistral, Qwen2/3, GPT-2, "
                         "BERT, RoBERTa), replace its self-attention by a memattn mechanism (q/k/v/o "
                         "weights copied, everything else untouched, the mechanism's own parameters "
-                        "new) and save it, loadable with memattn.integrations.convert.load_converted. "
-                        "Needs memattn[hf].")
+                        "new) and save it with its own model type (memattn-llama, ...), loadable with "
+                        "transformers' Auto classes once `memattn.integrations.hf` is imported or with "
+                        "trust_remote_code=True. A folder memattn wrote already is refused (convert the "
+                        "original). Needs memattn[hf].")
     cv.add_argument("model", help="a transformers model folder (or hub name, where a network is there)")
     cv.add_argument("--attention", required=True, help="the mechanism (memattn info --mechanisms)")
     cv.add_argument("overrides", nargs="*", metavar="attention.OPTION=VALUE",

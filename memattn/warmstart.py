@@ -55,6 +55,15 @@ def read_source(path: str | os.PathLike) -> Source:
     path = Path(path)
     config = path / "config.json"
     if is_converted(path):
+        record = json.loads(config.read_text())[CONVERSION_KEY]
+        family = json.loads(config.read_text()).get("model_type", "")
+        bidirectional = (record.get("causal") is False if isinstance(record, dict) and "causal" in record
+                         else family.removeprefix("memattn-") in ("bert", "roberta"))
+        if bidirectional:
+            raise CheckpointError(f"train.init_from: {path} converts a bidirectional encoder ({family}): every "
+                                  "token of its layers sees the tokens after it, so as a causal LM it would "
+                                  "learn to read the next token; convert a decoder (Llama, Mistral, Qwen2/3, "
+                                  "GPT-2) to train a causal LM")
         return Source(path, {}, None, None, converted=True)
     if path.is_dir() and config.exists() and (path / "model.safetensors").exists():
         from safetensors.torch import load_file

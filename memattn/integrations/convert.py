@@ -18,13 +18,22 @@ reads like the original only with `softmax`; the others are meant to be trained 
 
 Decoding keeps each converted layer's memattn state in the transformers cache (a
 `StateLayer` in the place of that layer's key/value layer), so beam search reorders it and
-bounded mechanisms stay fixed in size under `generate`. `save_converted` / `load_converted`
-round-trip a converted model (the conversion is recorded in its config).
+bounded mechanisms stay fixed in size under `generate`.
+
+A converted model is of its family's converted class (`MemattnLlamaForCausalLM`, a
+`LlamaForCausalLM`; `MemattnBertForMaskedLM`, ...: FAMILIES) with its own model type
+("memattn-llama", ...) and the conversion recorded in its config, so the folder it saves
+(`save_pretrained`, `save_converted`, `memattn convert`) loads as the converted model and as
+nothing else: `AutoModelForCausalLM.from_pretrained(folder)` once this module (or
+memattn.integrations.hf) is imported, or with `trust_remote_code=True` through the folder's
+copy of `modeling_memattn.py`; `load_converted` does the same. The folder also carries a model
+card and memattn's folder format (`memattn.integrations.folders`). PEFT's LoRA targets by
+default what it targets in the source family plus every converted layer's `qkv`.
 
 Refused with an error: rotary scaling other than the default, sliding-window layers,
 mechanisms that need the model's cooperation (memory tokens: gmat; layer-to-layer state:
-abc-workspace; a mechanism's own feed-forward), cross attention, and a head dim times heads
-other than the hidden size.
+abc-workspace; a mechanism's own feed-forward), cross attention, a head dim times heads
+other than the hidden size, and a static (preallocated key/value) cache.
 """
 
 from __future__ import annotations
@@ -42,12 +51,15 @@ from memattn.layers.base import (AttentionState, LayerSpec, build_attention, bui
 from memattn.layers.positions import Rotary
 
 try:
+    import transformers
     from transformers import AutoConfig
     from transformers.cache_utils import EncoderDecoderCache
 except ImportError as e:  # pragma: no cover - exercised only without transformers
     raise ImportError("memattn.integrations.convert needs transformers 5: pip install 'memattn[hf]'") from e
 
-from memattn.integrations.hf import StatefulLayer  # noqa: E402  (after the check for transformers)
+from memattn.integrations.folders import (FORMAT, check_format, config_file, read_config,  # noqa: E402
+                                          write_card, write_remote_code)
+from memattn.integrations.hf import STATIC_CACHE, StatefulLayer, refuse_static_cache, tell_peft  # noqa: E402
 from memattn.warmstart import CONVERSION_KEY as CONFIG_KEY  # noqa: E402
 
 LLAMA_LIKE = ("LlamaAttention", "MistralAttention", "Qwen2Attention", "Qwen3Attention")
@@ -134,6 +146,8 @@ class ConvertedAttention(nn.Module):
             while len(past_key_values.layers) <= self.layer_idx:  # a cache that adds layers lazily
                 past_key_values.layers.append(StateLayer())
             slot = past_key_values.layers[self.layer_idx]
+            if getattr(slot, "is_compileable", False):
+                raise ConfigError(f"past_key_values: {STATIC_CACHE}")
             if not isinstance(slot, StateLayer):
                 slot = past_key_values.layers[self.layer_idx] = StateLayer()
             if slot.state is None:
@@ -193,7 +207,8 @@ def _check_model(config, kind: str, index: int) -> None:
             raise ConfigError(f"convert: rotary scaling {rope.get('rope_type')!r} is not supported "
                               "(the default rotary positions are)")
         layer_types = getattr(config, "layer_types", None) or []
-        sliding = (getattr(config, "sliding_window", None) is not None and type(config).__name__ == "MistralConfig") \
+        mistral = isinstance(config, transformers.MistralConfig)
+        sliding = (getattr(config, "sliding_window", None) is not None and mistral) \
             or (index < len(layer_types) and layer_types[index] == "sliding_attention")
         if sliding:
             raise ConfigError(f"convert: layer {index} is sliding-window attention; set config.sliding_window "
@@ -260,6 +275,7 @@ def convert(model: nn.Module, attention: str, options: dict[str, Any] | None = N
         raise ConfigError("convert: the model was converted already; convert the original once, "
                           "choosing its layers with layers=")
     config = model.config
+    recorded = getattr(config, CONFIG_KEY, None)  # a folder being loaded: its record stands
     found = [(name, m, _kind(m)) for name, m in model.named_modules() if _kind(m) is not None]
     if not found:
         raise ConfigError(f"convert: no supported attention module in {type(model).__name__} (supported: "
@@ -281,9 +297,18 @@ def convert(model: nn.Module, attention: str, options: dict[str, Any] | None = N
                                        index if layer_idx is None else layer_idx)
         parent_path, _, child = path.rpartition(".")
         setattr(model.get_submodule(parent_path) if parent_path else model, child, converted)
-    setattr(config, CONFIG_KEY, {"attention": attention, "options": dict(options or {}),
-                                 "layers": sorted(chosen),
-                                 "source": getattr(config, "_name_or_path", None) or None})
+    source = recorded.get("source") if isinstance(recorded, dict) else getattr(config, "_name_or_path", None)
+    record = {"attention": attention, "options": dict(options or {}), "layers": sorted(chosen),
+              "source": source or None, "causal": all(kind != "bert" for _, _, kind in found)}
+    converted_config = CONFIG_BY_SOURCE.get(type(config))
+    if converted_config is not None:  # it saves as what it now is (own model_type, auto_map, card)
+        config.__class__ = converted_config
+        config.memattn_format = FORMAT
+        tell_peft(config.model_type, lora_targets(config.model_type))
+    converted_model = CONVERTED_BY_SOURCE.get(type(model))
+    if converted_model is not None:
+        model.__class__ = converted_model
+    setattr(config, CONFIG_KEY, record)
     return model
 
 
@@ -310,24 +335,41 @@ class ConvertedLM(nn.Module):
 
 
 def save_converted(model: nn.Module, folder: str | Path) -> None:
-    """`save_pretrained` of a converted model; its config records the conversion."""
+    """`save_pretrained` of a converted model: a folder of its converted family (FAMILIES) that
+    records the conversion and loads as nothing else."""
     if not hasattr(model.config, CONFIG_KEY):
         raise ConfigError("save_converted: the model was not converted by memattn")
+    if not isinstance(model, ConvertedModel):
+        raise ConfigError(f"save_converted: memattn saves converted {', '.join(sorted(SOURCE_NAMES))}; a "
+                          f"converted {type(model).__name__} would not load back as converted")
     model.save_pretrained(folder)
 
 
 def load_converted(folder: str | Path, auto_class=None) -> nn.Module:
-    """A converted model saved with `save_converted`: the original architecture built from the
-    config, converted as recorded, then every weight loaded (strictly)."""
-    from safetensors.torch import load_file
-    from transformers import AutoModelForCausalLM
+    """A converted model saved by memattn, in eval mode: its converted family's class through
+    `auto_class` (default: AutoModelForMaskedLM for a masked LM, else AutoModelForCausalLM).
+    A folder of an earlier memattn (the source's model_type and the recorded conversion) is
+    rebuilt: the original architecture from the config, converted as recorded, then every
+    weight loaded (strictly)."""
+    from transformers import AutoModelForCausalLM, AutoModelForMaskedLM
 
     folder = Path(folder)
+    raw = read_config(folder)
+    masked = any("MaskedLM" in a for a in raw.get("architectures") or [])
+    auto = auto_class or (AutoModelForMaskedLM if masked else AutoModelForCausalLM)
+    if str(raw.get("model_type", "")).startswith("memattn-"):
+        return auto.from_pretrained(folder).eval()
+    return _load_earlier_folder(folder, auto)
+
+
+def _load_earlier_folder(folder: Path, auto) -> nn.Module:
+    from safetensors.torch import load_file
+
     config = AutoConfig.from_pretrained(folder)
     recorded = getattr(config, CONFIG_KEY, None)
     if not isinstance(recorded, dict):
         raise ConfigError(f"load_converted: {folder}/config.json records no memattn conversion")
-    model = (auto_class or AutoModelForCausalLM).from_config(config)
+    model = auto.from_config(config)
     convert(model, recorded["attention"], recorded["options"], layers=recorded["layers"])
     weights = {}
     for file in sorted(folder.glob("*.safetensors")):
@@ -341,3 +383,241 @@ def load_converted(folder: str | Path, auto_class=None) -> nn.Module:
     model.tie_weights()
     return model.eval()
 
+
+def conversion_of(config) -> dict[str, Any]:
+    """The conversion a converted config records, its keys checked (ConfigError naming the file)."""
+    where = config_file(config)
+    record = getattr(config, CONFIG_KEY, None)
+    if not isinstance(record, dict):
+        raise ConfigError(f"{where}: model_type {config.model_type!r} is a model converted by memattn, but "
+                          f"{CONFIG_KEY} is {'missing' if record is None else 'not a mapping'}")
+    unknown = sorted(set(record) - {"attention", "options", "layers", "source", "causal"})
+    layers = record.get("layers")
+    problem = (f"unknown keys {unknown}" if unknown
+               else "attention: expected a mechanism name" if not isinstance(record.get("attention"), str)
+               else "options: expected a mapping" if not isinstance(record.get("options", {}), dict)
+               else "layers: expected a list of layer numbers" if layers is not None and not (
+                   isinstance(layers, list) and all(isinstance(i, int) and not isinstance(i, bool) for i in layers))
+               else None)
+    if problem:
+        raise ConfigError(f"{where}: {CONFIG_KEY}.{problem}")
+    return record
+
+
+def lora_targets(model_type: str) -> list[str]:
+    """PEFT LoRA's default target modules of a converted family: the source family's (kept in
+    the layers left as they were) and every converted layer's q/k/v projection."""
+    family = model_type.removeprefix("memattn-")
+    source = {"gpt2": ["c_attn"], "bert": ["query", "value"], "roberta": ["query", "value"]}
+    return [*source.get(family, ["q_proj", "v_proj"]), "qkv"]
+
+
+def cache_nbytes(cache) -> int:
+    """Bytes a transformers cache holds: converted layers' states and the other layers' keys and values."""
+    total = 0
+    for layer in cache.layers:
+        if isinstance(layer, StateLayer):
+            total += layer.state.nbytes() if layer.state is not None else 0
+        else:
+            total += sum(t.numel() * t.element_size() for t in (getattr(layer, "keys", None),
+                                                                 getattr(layer, "values", None))
+                         if torch.is_tensor(t))
+    return total
+
+
+def decoding_state(model: nn.Module, lengths: tuple[int, int] = (8, 16)) -> tuple[int, float]:
+    """(fixed bytes, bytes per token) of a converted decoder's cache, batch of one, its dtype."""
+    from transformers import DynamicCache
+
+    sizes = []
+    device = next(model.parameters()).device
+    for n in lengths:
+        cache = DynamicCache(config=model.config)
+        with torch.no_grad():
+            model(torch.zeros(1, n, dtype=torch.long, device=device), past_key_values=cache, use_cache=True)
+        sizes.append(cache_nbytes(cache))
+    per_token = (sizes[1] - sizes[0]) / (lengths[1] - lengths[0])
+    return int(sizes[0] - per_token * lengths[0]), per_token
+
+
+def context_length(config) -> int | None:
+    """The context length a config declares (what lm-evaluation-harness reads windows of)."""
+    for key in ("n_positions", "max_position_embeddings", "n_ctx"):
+        if isinstance(getattr(config, key, None), int):
+            return getattr(config, key)
+    return None
+
+
+def converted_card_facts(model: nn.Module) -> dict[str, Any]:
+    """What a model card can say of a converted model by itself."""
+    record = conversion_of(model.config)
+    n = len([m for m in model.modules() if isinstance(m, ConvertedAttention) or _kind(m) is not None])
+    source = record.get("source") or "a pretrained model"
+    family = model.config.model_type.removeprefix("memattn-")
+    facts: dict[str, Any] = {
+        "title": f"{Path(str(source)).name} with memattn {record['attention']} attention",
+        "what": (f"A {family} model ({source}) whose self-attention memattn replaced by its "
+                 f"{record['attention']!r} mechanism ({'causal' if record.get('causal', True) else 'bidirectional'}): "
+                 "the q/k/v and output weights copied, everything else as it was, the mechanism's own "
+                 "parameters new (a conversion reads like the original only with softmax; the others are "
+                 "meant to be trained on). Converting it again is refused: convert the original."),
+        "mechanism": record["attention"], "options": record.get("options") or {},
+        "layers": f"{', '.join(map(str, record['layers']))} of {n}" if record.get("layers") is not None else None,
+        "source": source, "context_length": context_length(model.config),
+        "load": type(model)._memattn_auto}
+    if isinstance(model, ConvertedDecoder):
+        facts["state"] = decoding_state(model)
+    return facts
+
+
+class ConvertedModel:
+    """What a converted family's class adds to its transformers class (`MemattnLlamaForCausalLM`
+    is a `LlamaForCausalLM`): built from a config that records a conversion, it converts itself
+    as recorded, so that `from_pretrained` loads every weight in its place; saved, its folder
+    says what it is (auto_map and `modeling_memattn.py`, memattn_format, a model card)."""
+
+    _memattn_auto = "AutoModel"  # the Auto class that loads this class, set per class
+
+    def __init__(self, config, *args: Any, **kwargs: Any) -> None:
+        super().__init__(config, *args, **kwargs)
+        record = conversion_of(config)
+        try:
+            convert(self, record["attention"], record.get("options") or {}, layers=record.get("layers"))
+        except ConfigError as e:
+            raise ConfigError(f"{config_file(config)}: {CONFIG_KEY} does not convert this model: {e}") from None
+        tell_peft(config.model_type, lora_targets(config.model_type))
+
+    def save_pretrained(self, save_directory, *args: Any, **kwargs: Any) -> None:
+        """transformers' save_pretrained, then auto_map and `modeling_memattn.py`, memattn_format
+        and a model card (unless the folder has one)."""
+        self._auto_class = None  # memattn writes its own auto_map (not a copy of this module)
+        self.config._auto_class = None
+        self.config.memattn_format = FORMAT
+        super().save_pretrained(save_directory, *args, **kwargs)
+        if kwargs.get("is_main_process", True):
+            family = FAMILIES[self.config.model_type.removeprefix("memattn-")]
+            base = CONVERTED_CLASSES[f"Memattn{family[1]['AutoModel']}"]
+            write_remote_code(save_directory, {"AutoConfig": type(self.config).__name__,
+                                               "AutoModel": base.__name__,
+                                               type(self)._memattn_auto: type(self).__name__})
+            if not (Path(save_directory) / "README.md").exists():
+                write_card(save_directory, converted_card_facts(self))
+
+
+class ConvertedDecoder(ConvertedModel):
+    """A converted decoder: `generate` refuses a static cache (STATIC_CACHE) up front."""
+
+    def generate(self, *args: Any, **kwargs: Any):
+        refuse_static_cache(self, kwargs)
+        return super().generate(*args, **kwargs)
+
+
+# The families memattn converts, by the source's model_type: its config class and, by Auto
+# class, the model classes whose converted folders load.
+FAMILIES = {
+    "llama": ("LlamaConfig", {"AutoModel": "LlamaModel", "AutoModelForCausalLM": "LlamaForCausalLM"}),
+    "mistral": ("MistralConfig", {"AutoModel": "MistralModel", "AutoModelForCausalLM": "MistralForCausalLM"}),
+    "qwen2": ("Qwen2Config", {"AutoModel": "Qwen2Model", "AutoModelForCausalLM": "Qwen2ForCausalLM"}),
+    "qwen3": ("Qwen3Config", {"AutoModel": "Qwen3Model", "AutoModelForCausalLM": "Qwen3ForCausalLM"}),
+    "gpt2": ("GPT2Config", {"AutoModel": "GPT2Model", "AutoModelForCausalLM": "GPT2LMHeadModel"}),
+    "bert": ("BertConfig", {"AutoModel": "BertModel", "AutoModelForMaskedLM": "BertForMaskedLM"}),
+    "roberta": ("RobertaConfig", {"AutoModel": "RobertaModel", "AutoModelForMaskedLM": "RobertaForMaskedLM"}),
+}
+
+
+def _converted_config_class(model_type: str) -> type:
+    base = getattr(transformers, FAMILIES[model_type][0])
+
+    class Converted(base):
+        memattn_conversion: dict | None = None
+        memattn_format: int | None = None
+
+        def __post_init__(self, **kwargs: Any) -> None:
+            super().__post_init__(**kwargs)
+            check_format(self.memattn_format, config_file(self))
+
+    Converted.model_type = f"memattn-{model_type}"
+    Converted.__name__ = Converted.__qualname__ = f"Memattn{base.__name__}"
+    Converted.__doc__ = f"A {base.__name__} that records a memattn conversion (model_type {Converted.model_type!r})."
+    return Converted
+
+
+def _register_families() -> tuple[dict[str, type], dict[type, type], dict[type, type]]:
+    """Build every converted class and register it with its Auto class: (classes by name,
+    converted config class by source config class, converted model class by source class)."""
+    by_name: dict[str, type] = {}
+    configs: dict[type, type] = {}
+    models: dict[type, type] = {}
+    for model_type, (_, heads) in FAMILIES.items():
+        config_class = _converted_config_class(model_type)
+        configs[config_class.__mro__[1]] = by_name[config_class.__name__] = config_class
+        transformers.AutoConfig.register(config_class.model_type, config_class, exist_ok=True)
+        tell_peft(config_class.model_type, lora_targets(config_class.model_type))
+        for auto_name, source_name in heads.items():
+            source = getattr(transformers, source_name)
+            mixin = ConvertedDecoder if auto_name == "AutoModelForCausalLM" else ConvertedModel
+            cls = type(f"Memattn{source_name}", (mixin, source),
+                       {"config_class": config_class, "_memattn_auto": auto_name, "__module__": __name__,
+                        "__doc__": f"A {source_name} converted by memattn (its folder: model_type "
+                                   f"{config_class.model_type!r})."})
+            models[source] = by_name[cls.__name__] = cls
+            getattr(transformers, auto_name).register(config_class, cls, exist_ok=True)
+    return by_name, configs, models
+
+
+CONVERTED_CLASSES, CONFIG_BY_SOURCE, CONVERTED_BY_SOURCE = _register_families()
+SOURCE_NAMES = {source.__name__ for source in CONVERTED_BY_SOURCE}
+globals().update(CONVERTED_CLASSES)  # each class importable by its name, as auto_map names it
+
+
+# Files one of which a folder with a tokenizer holds (transformers' names)
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "vocab.txt",
+                   "spiece.model", "sentencepiece.bpe.model")
+
+
+def source_tokenizer(name: str | Path):
+    """The tokenizer of a model folder or hub name, or None when it has none (a folder without
+    tokenizer files, or one that transformers reads as empty)."""
+    from transformers import AutoTokenizer
+
+    folder = Path(name)
+    if folder.is_dir() and not any((folder / f).exists() for f in TOKENIZER_FILES):
+        return None
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(name)
+    except (OSError, ValueError, TypeError, KeyError):
+        return None
+    return tokenizer if len(tokenizer) > 0 else None
+
+
+def convert_pretrained(name: str | Path, attention: str, options: dict[str, Any], layers: list[int] | None,
+                       out: Path) -> bool:
+    """`memattn convert`: the model `name` (folder or hub name) converted and saved in `out`
+    with its tokenizer, if it has one (returns whether it had). A folder memattn wrote already
+    (converted, or exported from a memattn run) is refused: converting it again would read its
+    converted layers as the source's attention, and a memattn model starts another mechanism
+    with train.init_from."""
+    from transformers import AutoModelForCausalLM, AutoModelForMaskedLM
+
+    local = Path(name) / "config.json"
+    raw = read_config(Path(name)) if local.is_file() else {}
+    config = AutoConfig.from_pretrained(name)
+    record = raw.get(CONFIG_KEY, getattr(config, CONFIG_KEY, None))
+    if str(raw.get("model_type", config.model_type)).startswith("memattn-") or record is not None:
+        record = record if isinstance(record, dict) else {}
+        source = record.get("source")
+        raise ConfigError(f"convert: {name} was converted by memattn already ({record.get('attention')!r} in layers "
+                          f"{record.get('layers')}); convert the original{' ' + source if source else ''} once, "
+                          f"choosing its layers with --layers, or train this one on with "
+                          f"`memattn train train.init_from={name}`")
+    if config.model_type == "memattn":
+        raise ConfigError(f"convert: {name} is a memattn model already; start another mechanism from it "
+                          f"with `memattn train attention=NAME train.init_from={name}`")
+    masked = any("MaskedLM" in a for a in (getattr(config, "architectures", None) or []))
+    model = (AutoModelForMaskedLM if masked else AutoModelForCausalLM).from_pretrained(name)
+    convert(model, attention, options, layers=layers)
+    save_converted(model, out)
+    tokenizer = source_tokenizer(name)
+    if tokenizer is not None:  # the tokenizer `memattn train train.init_from=OUT` reads with
+        tokenizer.save_pretrained(out)
+    return tokenizer is not None

@@ -13,6 +13,7 @@ as one prefix or a fresh block every C tokens, and drops them from the output.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -283,10 +284,15 @@ class Transformer(nn.Module):
 
     def hidden(self, idx: torch.Tensor, *, cache: ModelCache | None = None,
                attention_mask: torch.Tensor | None = None,
-               memories: list | None = None) -> torch.Tensor:
+               memories: list | None = None, layer_inputs: list | None = None,
+               run_block: Callable | None = None) -> torch.Tensor:
         """idx [B, T] -> final-norm hidden states [B, T, d]; with `cache`, continue and update it.
 
         memories: with cross attention, the source memory of each block.
+        layer_inputs: a list to which each block's input [B, T, d] is appended (memory rows
+        left out): the embeddings, then each block's output but the last.
+        run_block: called as run_block(block, *args) in the place of block(*args), e.g. to
+        recompute each block in the backward pass (activation checkpointing) from outside.
         """
         if idx.dim() != 2 or idx.is_floating_point() or idx.is_complex() or idx.dtype == torch.bool:
             raise ShapeError(f"idx: expected integer token ids [B, T], got shape {tuple(idx.shape)} "
@@ -319,9 +325,12 @@ class Transformer(nn.Module):
                                                       attention_mask)
         layer_outputs: dict = {}  # what a layer passes to later ones, in this pass only
         for i, block in enumerate(self.blocks):
+            if layer_inputs is not None:
+                layer_inputs.append(x if tokens is None or x.shape[1] == T else x[:, tokens])
             state = cache.states[i] if cache is not None else None
-            x, state = block(x, state, attention_mask,
-                             memories[i] if memories is not None else None, positions, layer_outputs)
+            args = (x, state, attention_mask, memories[i] if memories is not None else None, positions,
+                    layer_outputs)
+            x, state = block(*args) if run_block is None else run_block(block, *args)
             if cache is not None:
                 cache.states[i] = state
         if cache is not None:

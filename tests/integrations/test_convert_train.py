@@ -57,7 +57,7 @@ def test_a_converted_model_trains_resumes_and_evaluates_with_its_tokenizer(text_
     log = read_log(tmp_path / "whole" / "run")
     assert log[-1]["loss"] < log[0]["loss"]
     model, cfg, vocab = model_from_checkpoint(tmp_path / "whole" / "run")
-    assert type(model.hf).__name__ == "LlamaForCausalLM" and summary["params"] == model.num_parameters()
+    assert type(model.hf).__name__ == "MemattnLlamaForCausalLM" and summary["params"] == model.num_parameters()
     assert type(model.hf.model.layers[0].self_attn).__name__ == "ConvertedAttention"
     # the corpus was read with the converted folder's tokenizer
     text = "Good night sweet prince."
@@ -78,6 +78,16 @@ def test_a_converted_model_trains_resumes_and_evaluates_with_its_tokenizer(text_
 
     assert main(["eval", str(tmp_path / "whole" / "run"), "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["bpc"] > 0
+
+    # exported: the trained model as its converted family, with the run's tokenizer and length
+    assert main(["export-hf", str(tmp_path / "whole" / "run"), "-o", str(tmp_path / "exported")]) == 0
+    exported = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "exported")
+    ids = torch.tensor([fast(text, add_special_tokens=False)["input_ids"]])
+    with torch.no_grad():
+        assert torch.equal(exported(ids).logits, model.hf(ids).logits)
+    assert exported.config.max_position_embeddings == 16  # train.seq_len
+    assert transformers.AutoTokenizer.from_pretrained(tmp_path / "exported").model_max_length == 16
+    assert "| training steps | 6 |" in (tmp_path / "exported" / "README.md").read_text()
 
     # uptraining towards the original: a KL term to the model the folder was converted from
     distil = load_config("tiny", tiny_overrides(text_file, tmp_path / "distil", *extra, "train.distill_weight=0.5"))
