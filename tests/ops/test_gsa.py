@@ -88,6 +88,25 @@ def test_not_causal_reads_the_memory_of_the_whole_sequence(with_state):
         assert_same(run_with_grads(form, q, k, v, g, state, causal=False), want, **F64)
 
 
+@pytest.mark.parametrize("gate_scale,paths", [(0.3, {"factored"}), (10.0, {"factored", "exact"}),
+                                              (30.0, {"exact"})])
+def test_factored_and_exact_chunks_both_match_reference(gate_scale, paths, monkeypatch):
+    """A group of chunks whose gates sum to at least -FACTORED_RANGE takes the factored
+    matmuls, any other the exact weights; mild, mixed and strong gates, groups of 2 chunks,
+    each way against the reference with every gradient."""
+    monkeypatch.setattr(chunked_module, "GROUP_ELEMENTS", 2 * 2 * 2 * 8 * 8 * 4)
+    taken = []
+    for name in ("_chunk_group", "_chunk_group_factored"):
+        real = getattr(chunked_module, name)
+        monkeypatch.setattr(chunked_module, name, functools.partial(
+            lambda real, name, *a: taken.append(name) or real(*a), real, name))
+    q, k, v, g = inputs(T=63, grad=True, gate_scale=gate_scale, seed=3)
+    state = gsa_state(grad=True)
+    want = run_with_grads(gsa_reference, q, k, v, g, state)
+    assert_same(run_with_grads(functools.partial(gsa_chunked, chunk_size=8), q, k, v, g, state), want, **F64)
+    assert {"factored" if n.endswith("factored") else "exact" for n in taken} == paths
+
+
 def test_chunks_computed_in_groups_match_reference(monkeypatch):
     """A long sequence computes its chunks in groups (the [C, C, M] weights of a group stay
     under GROUP_ELEMENTS): groups of 2 chunks here, the memory carried between them."""
