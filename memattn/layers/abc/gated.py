@@ -29,8 +29,8 @@ from torch import nn
 from memattn.errors import ConfigError
 from memattn.layers.abc.common import ABCLayer, ABCMemoryState, check_positive, state_dtype
 from memattn.layers.base import LayerSpec, register
-from memattn.ops.abc.common import compute_dtype
-from memattn.ops.gsa import GSAState, gated_slot_attention, gated_slot_attention_step
+from memattn.ops.gsa import GSAState, gated_slot_attention
+from memattn.ops.gsa.recurrent import gsa_step_
 
 
 @dataclass
@@ -108,10 +108,10 @@ class GatedSlotAttention(ABCLayer):
                          attention_mask)
         if memory_state is not None and x.shape[1] == 1 and not torch.is_grad_enabled():
             # decoding: the token written into the memory in place, as a KVCache grows
-            dt = compute_dtype(q, *memory_state.inner)
-            inner = GSAState(*(t.to(dt).contiguous() for t in memory_state.inner))
-            o, inner = gated_slot_attention_step(q[:, 0], k[:, 0], v[:, 0], g[:, 0], inner,
-                                                 inplace=True)
+            inner = memory_state.inner
+            if not all(t.is_contiguous() for t in inner):
+                inner = GSAState(*(t.contiguous() for t in inner))
+            o = gsa_step_(q[:, 0], k[:, 0], v[:, 0], g[:, 0], inner)
             memory_state.update(inner, 1)
             return self.finish(o[:, None]), memory_state
         initial = memory_state.inner if memory_state is not None else None

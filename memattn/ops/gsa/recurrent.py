@@ -62,6 +62,18 @@ def gated_slot_attention_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     return o.to(q.dtype), state
 
 
+def gsa_step_(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, state: GSAState,
+              scale: float | None = None) -> torch.Tensor:
+    """`gated_slot_attention_step` with inplace=True and without its checks, for a caller that
+    built the inputs itself (a layer decoding without autograd, where a step is a few small ops
+    and the checks cost as much): q, k, v [B, H, *], g [B, H, M]; the state's tensors
+    contiguous, in float32 (float64 for float64 inputs), written in place. Returns o [B, H, V]
+    in q's dtype."""
+    dt = state.k.dtype
+    _update(state, k.to(dt), v.to(dt), g.to(dt), inplace=True)
+    return _read(q.to(dt), state.k, state.v, default_scale(scale, q.shape[-1])).to(q.dtype)
+
+
 def gsa_recurrent(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, *,
                   scale: float | None = None, initial_state: GSAState | None = None,
                   output_final_state: bool = False) -> tuple[torch.Tensor, GSAState | None]:
