@@ -121,9 +121,9 @@ def test_bad_options_are_config_errors_naming_the_option(options, named):
         AttentionConfig("gsa", options)
 
 
-def test_gsa_is_registered_causal_bidirectional_and_cross():
+def test_gsa_is_registered_causal_bidirectional_streaming_and_cross():
     gsa = mechanisms()["gsa"]
-    assert gsa.causal and gsa.bidirectional and gsa.cross is not None
+    assert gsa.causal and gsa.bidirectional and gsa.streams(gsa.options()) and gsa.cross is not None
     options = AttentionConfig("gsa", {"num_slots": 7}).typed
     assert (options.num_slots, options.cross_slots, options.gate_logit_normalizer, options.read) == \
         (7, 7, 8.0, "softmax")
