@@ -29,7 +29,7 @@ $(VENV)/.installed: pyproject.toml Makefile
 	$(PY) -m pip install --quiet -e ".[test,plot,hf,mt,eval]"
 	touch $@
 
-DEMO_ATTENTION ?= softmax abc-mlp
+DEMO_ATTENTION ?= softmax gsa
 
 demo: setup
 	$(VENV)/bin/memattn demo --attention $(DEMO_ATTENTION)

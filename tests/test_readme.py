@@ -1,12 +1,35 @@
-"""README.md: every ```python block runs as written; the two commands are the first ones."""
+"""README.md and docs/*.md: every ```python block runs as written, every relative link points
+at a file or folder that is there, the two commands open the README, and the README's table of
+mechanisms says what the registry declares."""
 
 import re
 from pathlib import Path
 
 import pytest
 
-README = Path(__file__).resolve().parents[1] / "README.md"
-BLOCKS = re.findall(r"```python\n(.*?)```", README.read_text(), flags=re.S)
+ROOT = Path(__file__).resolve().parents[1]
+README = ROOT / "README.md"
+PAGES = [README, *sorted((ROOT / "docs").glob("*.md"))]
+# packages of memattn's extras that a block may import; `make test` installs them all
+OPTIONAL = {"transformers", "peft", "lm_eval", "accelerate", "datasets", "tokenizers", "matplotlib"}
+
+FENCE = re.compile(r"^```.*?^```", flags=re.S | re.M)
+LINK = re.compile(r"!?\[[^\]]*\]\(([^)\s]+)(?:\s+\"[^\"]*\")?\)")
+
+
+def blocks(page: Path) -> list[str]:
+    return re.findall(r"^```python\n(.*?)^```", page.read_text(), flags=re.S | re.M)
+
+
+def name(page: Path) -> str:
+    return page.relative_to(ROOT).as_posix()
+
+
+SNIPPETS = [(page, i) for page in PAGES for i in range(len(blocks(page)))]
+
+
+def test_the_pages_are_there():
+    assert README.is_file() and len(PAGES) > 1, "README.md and docs/*.md"
 
 
 def test_readme_opens_with_the_two_commands():
@@ -14,6 +37,59 @@ def test_readme_opens_with_the_two_commands():
     assert [line.split("#")[0].strip() for line in first.strip().splitlines()] == ["make demo", "make test"]
 
 
-@pytest.mark.parametrize("index", range(len(BLOCKS)))
-def test_python_snippet_runs(index):
-    exec(compile(BLOCKS[index], f"README.md[python block {index}]", "exec"), {})
+@pytest.mark.parametrize(("page", "index"), SNIPPETS, ids=[f"{name(p)}[{i}]" for p, i in SNIPPETS])
+def test_python_snippet_runs(page, index):
+    code = compile(blocks(page)[index], f"{name(page)}[python block {index}]", "exec")
+    try:
+        exec(code, {"__name__": f"snippet_{index}"})
+    except ModuleNotFoundError as e:
+        if (e.name or "").split(".")[0] in OPTIONAL:
+            pytest.skip(f"{name(page)} block {index} needs {e.name} (one of memattn's extras)")
+        raise
+
+
+def links(page: Path) -> list[str]:
+    """The targets of page's markdown links and images, outside code."""
+    text = FENCE.sub("", page.read_text())
+    text = re.sub(r"`[^`\n]*`", "", text)  # inline code
+    return LINK.findall(text)
+
+
+@pytest.mark.parametrize("page", PAGES, ids=name)
+def test_relative_links_point_at_something(page):
+    broken = []
+    for target in links(page):
+        if re.match(r"^(https?:|mailto:|#)", target):
+            continue
+        path = target.split("#")[0]
+        if not (page.parent / path).exists():
+            broken.append(target)
+    assert not broken, f"{name(page)}: links to nothing: {', '.join(broken)}"
+
+
+def test_links_are_found():
+    assert "docs/front_page.png" in links(README) and "docs/mechanisms.md" in links(README)
+
+
+def test_readme_lists_every_mechanism_and_what_the_registry_says_of_its_streaming():
+    """One row per registered mechanism; its last column says what `memattn info --mechanisms`
+    prints: yes, with options, not shown, or — for a mechanism that is not causal."""
+    from memattn.layers.base import mechanisms
+
+    section = README.read_text().split("## Mechanisms", 1)[1].split("\n## ", 1)[0]
+    rows = {}
+    for line in section.splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if line.startswith("| `") and len(cells) >= 2:
+            rows[cells[0].strip("`")] = cells[-1]
+    expected = {}
+    for key, mech in mechanisms().items():
+        if not mech.causal:
+            expected[key] = "—"
+        elif mech.streams(mech.options()):
+            expected[key] = "yes"
+        elif callable(mech.streaming):
+            expected[key] = "with options"
+        else:
+            expected[key] = "not shown"
+    assert rows == expected
