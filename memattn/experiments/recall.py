@@ -1,0 +1,699 @@
+"""What a bounded memory can recall: MQAR and passkey retrieval at matched state size.
+
+The trade-off table users ask for: what each memory keeps and what it loses, at the same
+decoding-state bytes. For every mechanism of the registry that can be used causally, a
+small causal LM (`memattn.models.CausalLM`) is trained on a mix of two synthetic tasks of
+our own seeded generators (`memattn.data.recall`):
+
+- MQAR (multi-query associative recall): `pairs` key-value pairs, then queries of keys seen
+  earlier; accuracy = share of the queries' values predicted right (teacher forcing).
+- Passkey: a few digits after a marker, `distance` filler tokens, a query marker after which
+  the digits come again; accuracy = share of passkeys with every digit right (teacher
+  forcing). Trained at distances up to the training length, tested there and at 1k ... 64k
+  tokens: bounded mechanisms stream through their fixed-size cache in chunks of `chunk`
+  tokens (constant memory); softmax, whose KV cache grows, reads each row as one window of at
+  most `max_window` tokens, and a longer one is "not read". A mechanism's own limit met while
+  reading (abc-linformer's learned columns, abc-l2g's and abc-meanpool's slot positions end)
+  is also "not read", with its message.
+
+Matched state size: each target of `state_bytes` (bytes of decoding state per layer) picks,
+for each mechanism, the value of the option that sizes its state (`STATE_SIZE_OPTION`) whose
+state is closest to the target (in ratio), the bytes measured from `model.init_cache(1)` once
+it holds what it keeps (`state_bytes`: after training rows until its bytes stop changing).
+Mechanisms whose state no option sizes (linear, gated-linear: H·K·V set by d_model and
+n_heads) get one row at their own size; softmax is the ceiling, one row, its bytes at the
+training length on the row (its cache grows with every token).
+
+Budget: MQAR is learned slowly at this scale. In a probe at these defaults (softmax, one CPU
+thread), MQAR accuracy rose from 0.26 at 2,000 steps to 0.375 at 5,000 while the passkey was
+right from about 2,500 steps on: the table compares mechanisms at one equal budget (`steps`),
+not at convergence. The full run (24 models with the 14 causal mechanisms registered when it
+was sized, 4,000 steps each) takes about 70 minutes with
+--jobs 2 on an otherwise idle 2-core CPU, one thread a model: steps of 26 (softmax) to 245 ms
+(abc-cluster, 32 clusters), evaluation 1 to 7 minutes a model (softmax's 64k-token windows).
+
+    memattn experiment recall [--quick] [--jobs N] [steps=4000 state_bytes=[4096,16384] ...]
+
+Each model is a run folder under runs/ (checkpoint, log.jsonl, row.json once evaluated): the
+command continues what is unfinished and reuses what is done. Writes results.json,
+results.md and recall.png to the output folder.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import platform
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+from memattn.config import AttentionConfig, ModelConfig, TrainConfig
+from memattn.data.recall import RecallVocab, answer_hits, answer_loss, mqar_batch, passkey_batch
+from memattn.errors import ConfigError, ShapeError
+from memattn.experiments._common import command_of, save_figure, write_results
+from memattn.experiments._runner import CHECKPOINT_FILE, ROW_FILE, Job, finished_row, run_jobs
+from memattn.fileio import atomic_write
+from memattn.layers.base import mechanisms
+from memattn.models.lm import CausalLM
+from memattn.train import lr_at, param_groups, project_parameters, step_seed
+from memattn.typed import apply_overrides, parse_settings
+
+DESCRIPTION = ("recall at matched state size: MQAR and passkey (up to 64k tokens) accuracy of every "
+               "causal mechanism")
+NAME = "recall"
+
+
+@dataclass
+class Settings:
+    """What the experiment runs; every field can be overridden as key=value."""
+
+    mechanisms: tuple[str, ...] = ("all",)  # registry names, or all: every causal mechanism
+    state_bytes: tuple[int, ...] = (4096, 16384)  # targets: decoding-state bytes per layer
+    d_model: int = 64
+    n_layers: int = 2
+    n_heads: int = 2
+    ff_mult: float = 2.0
+    length: int = 64  # tokens of a training row (both tasks); MQAR is tested at this length
+    pairs: int = 8  # MQAR key-value pairs a row; queries: (length - 2·pairs) / 2
+    keys: int = 16  # MQAR key vocabulary
+    values: int = 16  # MQAR value vocabulary
+    digits: int = 5  # passkey digits
+    filler: int = 16  # passkey filler vocabulary
+    distances: tuple[int, ...] = (1024, 4096, 16384, 65536)  # passkey tests past training
+    steps: int = 4000
+    batch: int = 32  # rows a step: MQAR, then passkey
+    mqar_share: float = 0.75  # share of a step's rows that are MQAR (the passkey is learned sooner)
+    lr: float = 3e-3  # AdamW, warm-up then cosine decay to a tenth
+    warmup: int = 100
+    weight_decay: float = 0.1
+    mqar_test: int = 512  # MQAR test rows
+    passkey_test: int = 16  # passkey test rows at each distance
+    test_batch: int = 16  # rows read at once when streaming
+    chunk: int = 512  # tokens read a call when streaming through a fixed-size state
+    max_window: int = 65536  # longest window read at once by a growing state (softmax)
+    log_every: int = 50
+    save_every: int = 500
+    seed: int = 0
+    threads: int = 1  # torch threads of a model's worker
+
+    def __post_init__(self) -> None:
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if f.name == "mechanisms":
+                known = [n for n, m in mechanisms().items() if m.causal]
+                unknown = [n for n in value if n not in known and n != "all"]
+                if unknown or ("all" in value and len(value) > 1):
+                    raise ConfigError(f"mechanisms: expected [all] or causal mechanisms among "
+                                      f"{', '.join(known)}, got {list(value)}")
+                continue
+            if f.name == "mqar_share":
+                if not 0 < value < 1:
+                    raise ConfigError(f"mqar_share: expected a share strictly between 0 and 1, got {value!r}")
+                continue
+            values = value if isinstance(value, tuple) else (value,)
+            zero_ok = f.name in ("seed", "warmup", "weight_decay")
+            if any(v < 0 or (v == 0 and not zero_ok) for v in values):
+                raise ConfigError(f"{f.name}: expected {'non-negative' if zero_ok else 'positive'} "
+                                  f"values, got {value!r}")
+        if self.d_model % self.n_heads:
+            raise ConfigError(f"d_model: {self.d_model} is not divisible by n_heads={self.n_heads}")
+        queries, odd = divmod(self.length - 2 * self.pairs, 2)
+        if self.pairs > self.keys or queries < 1 or odd:
+            raise ConfigError(f"length: a row is {self.pairs} pairs (pairs <= keys = {self.keys}) and an "
+                              f"even number >= 2 of query tokens; got length={self.length}, pairs={self.pairs}")
+        if not 1 <= round(self.batch * self.mqar_share) < self.batch:
+            raise ConfigError(f"batch: {self.batch} rows at mqar_share={self.mqar_share} leave no row to one "
+                              "of the two tasks")
+        if self.train_distance < 0:
+            raise ConfigError(f"length: a passkey of {self.digits} digits needs rows of at least "
+                              f"{2 + 2 * self.digits} tokens, got {self.length}")
+
+    @property
+    def train_distance(self) -> int:
+        """The longest passkey distance trained on (distances 0 ... this)."""
+        return self.length - 2 - 2 * self.digits
+
+    @property
+    def vocab(self) -> RecallVocab:
+        return RecallVocab(digits=10, filler=self.filler, keys=self.keys, values=self.values)
+
+
+QUICK = {"state_bytes": (4096,), "d_model": 32, "length": 32, "pairs": 4,
+         "digits": 3, "distances": (256,), "steps": 4, "batch": 8, "warmup": 2, "mqar_test": 16,
+         "passkey_test": 4, "test_batch": 4, "chunk": 128, "log_every": 2, "save_every": 2}
+# Settings that decide which models run, not what one model computes: left out of a job's
+# settings, so that a run folder is reused whichever targets and mechanisms a command names.
+PLANNING = ("mechanisms", "state_bytes")
+TEST_SEED = 1_000_003  # test rows: drawn from their own seeds, the same for every model
+
+
+@dataclass(frozen=True)
+class StateSize:
+    """How a mechanism's decoding state is sized. option: the option that sets it (None: no
+    option does); fixed: options that go with every size; cover(value, length): options that
+    let a state of that size hold a training row (a position-based write: its slots times
+    their stride must reach the row's end); ceiling: a growing state read whole."""
+
+    option: str | None = None
+    fixed: dict[str, Any] = field(default_factory=dict)
+    cover: Callable[[int, int], dict[str, Any]] | None = None
+    ceiling: bool = False
+    why: str = ""  # for option None: what sets its size
+
+
+# Which option sets the state size of each mechanism. The registry has no such field yet; this
+# table can move into `memattn.layers.base.Mechanism` later. A causal mechanism missing from it
+# runs once with its default options when its state is fixed in size, else is skipped.
+STATE_SIZE_OPTION: dict[str, StateSize] = {
+    "abc-cluster": StateSize("num_clusters"),
+    "abc-dilated": StateSize("window"),
+    "abc-l2g": StateSize("num_slots", cover=lambda v, length: {"every": -(-length // v)}),
+    "abc-linformer": StateSize("num_slots"),
+    "abc-meanpool": StateSize("num_slots", cover=lambda v, length: {"pool": -(-length // v)}),
+    "abc-mlp": StateSize("num_slots"),
+    "abc-random": StateSize("num_slots"),
+    "abc-window": StateSize("window"),
+    "gsa": StateSize("num_slots"),
+    "gmat": StateSize("chunk_size", fixed={"num_memory": 2}),
+    "persistent": StateSize("window", fixed={"context": "window"}),
+    "linear": StateSize(why="its state H·K·V is set by d_model and n_heads"),
+    "gated-linear": StateSize(why="its state H·K·V is set by d_model and n_heads"),
+    "softmax": StateSize(ceiling=True, why="its KV cache grows with every token: the ceiling"),
+}
+SIZE_VALUES = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512)
+FILL = 2 * SIZE_VALUES[-1]  # tokens read at most to fill a fixed-size state (the longest window)
+
+
+# ---------------------------------------------------------------------------------------------
+# models and their state
+
+
+def build_model(s: Settings, attention: AttentionConfig) -> CausalLM:
+    """The experiment's causal LM with `attention` (rotary positions; weights from torch's
+    global seed)."""
+    cfg = ModelConfig(vocab_size=s.vocab.size, d_model=s.d_model, n_layers=s.n_layers, n_heads=s.n_heads,
+                      ff_mult=s.ff_mult, positions="rotary", max_len=s.length, attention=attention)
+    return CausalLM(cfg)
+
+
+@torch.no_grad()
+def state_bytes(model: CausalLM, length: int) -> tuple[int, bool]:
+    """(bytes of `model.init_cache(1)` once it holds what it keeps, whether every layer's state is
+    fixed in size). A growing state: after one row of `length` tokens. A fixed-size one: after
+    rows of `length` tokens until its bytes stop changing (a window longer than a row fills up),
+    at most FILL tokens; one that cannot read further (a ShapeError: its positions end) holds
+    all it ever will."""
+    cache = model.init_cache(1)
+    row = torch.zeros(1, length, dtype=torch.long)
+    model.hidden(row, cache=cache)
+    before, read = None, length
+    while cache.fixed_size and cache.nbytes() != before and read < FILL:
+        before = cache.nbytes()
+        try:
+            model.hidden(row, cache=cache)
+        except ShapeError:
+            break
+        read += length
+    return cache.nbytes(), cache.fixed_size
+
+
+def plan(s: Settings) -> tuple[list[dict], list[dict]]:
+    """(models, skipped). A model: {"mechanism", "options", "name", "targets" (the targets of
+    s.state_bytes it stands for: all of them where no option sizes it), "state_bytes_per_layer",
+    "size_option" (None: no option sizes it), "sizing" (how its size was chosen, in words)}; a
+    skipped mechanism: {"mechanism", "reason"}. Every causal mechanism of the registry (or of
+    s.mechanisms) is in one of the lists."""
+    planned, skipped = [], []
+    for name, mech in mechanisms().items():
+        if not mech.causal or (s.mechanisms != ("all",) and name not in s.mechanisms):
+            continue
+        size = STATE_SIZE_OPTION.get(name)
+        try:
+            if size is None or size.option is None:
+                options = {} if size is None else dict(size.fixed)
+                nbytes, fixed = state_bytes(build_model(s, AttentionConfig(name, options)), s.length)
+                if not fixed and not (size is not None and size.ceiling):
+                    skipped.append({"mechanism": name, "reason": "its state grows with the sequence and no "
+                                    "option bounding it is known (add it to STATE_SIZE_OPTION)"})
+                    continue
+                planned.append({"mechanism": name, "options": options, "targets": list(s.state_bytes),
+                                "state_bytes_per_layer": nbytes / s.n_layers, "size_option": None,
+                                "sizing": size.why if size is not None else
+                                "no size option known (STATE_SIZE_OPTION): its default options"})
+                continue
+            sized = sizes_of(s, name, size)
+        except (ConfigError, ShapeError) as e:
+            skipped.append({"mechanism": name, "reason": f"cannot be built or read on this task: {e}"})
+            continue
+        if not sized:
+            skipped.append({"mechanism": name, "reason": f"no value of attention.{size.option} in "
+                            f"{SIZE_VALUES[0]} ... {SIZE_VALUES[-1]} gives a fixed-size state on this task"})
+            continue
+        chosen: dict[int, list[int]] = {}
+        for target in s.state_bytes:
+            value = min(sized, key=lambda v: (abs(math.log(sized[v] / target)), v))
+            chosen.setdefault(value, []).append(target)
+        for value, targets in sorted(chosen.items()):
+            options = {**size.fixed, size.option: value, **(size.cover(value, s.length) if size.cover else {})}
+            planned.append({"mechanism": name, "options": options, "targets": targets,
+                            "state_bytes_per_layer": sized[value], "size_option": size.option,
+                            "sizing": f"attention.{size.option} closest to the target"})
+    for p in planned:
+        p["name"] = " ".join([p["mechanism"], *(f"{k}={v}" for k, v in p["options"].items()
+                                                if size_key(p["mechanism"], k))])
+    return planned, skipped
+
+
+def size_key(mechanism: str, key: str) -> bool:
+    """Whether option `key` of `mechanism` belongs in its row's name (the size option, and
+    the options that follow from it)."""
+    size = STATE_SIZE_OPTION.get(mechanism)
+    return size is not None and key not in size.fixed
+
+
+def sizes_of(s: Settings, name: str, size: StateSize) -> dict[int, float]:
+    """{value of size.option: state bytes per layer} over SIZE_VALUES, for the values whose
+    model builds, reads a training row and keeps a fixed-size state of some bytes; values in
+    increasing order until one's state is 4 times the largest target."""
+    out = {}
+    for value in SIZE_VALUES:
+        options = {**size.fixed, size.option: value, **(size.cover(value, s.length) if size.cover else {})}
+        try:
+            nbytes, fixed = state_bytes(build_model(s, AttentionConfig(name, options)), s.length)
+        except (ConfigError, ShapeError):
+            continue
+        if fixed and nbytes > 0:
+            out[value] = nbytes / s.n_layers
+            if out[value] > 4 * max(s.state_bytes):
+                break
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# jobs: one run folder a model
+
+
+def job_of(s: Settings, planned: dict) -> Job:
+    """A model's job: every setting that decides what it computes, then its attention."""
+    values = dataclasses.asdict(s)
+    settings = [f"{k}={json.dumps(list(v) if isinstance(v, tuple) else v)}" for k, v in values.items()
+                if k not in PLANNING]
+    attention = [f"attention.name={planned['mechanism']}",
+                 *(f"attention.{k}={json.dumps(v)}" for k, v in planned["options"].items())]
+    return Job(planned["name"], (*settings, *attention))
+
+
+def job_settings(job: Job) -> tuple[Settings, AttentionConfig]:
+    """(Settings, attention) of a job."""
+    attention = [text for text in job.settings if text.startswith("attention.")]
+    s = parse_settings(Settings, [text for text in job.settings if text not in attention], name=NAME)
+    data = apply_overrides({}, attention)["attention"]
+    return s, AttentionConfig.from_mapping(data, "attention")
+
+
+def training_batch(s: Settings, step: int) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """Step `step`'s rows (the same for every model): (tokens [batch, length], answers
+    [batch, length], m): rows :m are MQAR (m = batch · mqar_share, rounded), rows m: passkeys at
+    distances uniform in 0 ... s.train_distance."""
+    g = torch.Generator().manual_seed(step_seed(s.seed, step))
+    m = round(s.batch * s.mqar_share)
+    a = mqar_batch(m, length=s.length, pairs=s.pairs, vocab=s.vocab, generator=g)
+    distance = torch.randint(0, s.train_distance + 1, (s.batch - m,), generator=g)
+    b = passkey_batch(s.batch - m, distance=distance, digits=s.digits, vocab=s.vocab, generator=g,
+                      length=s.length)
+    return torch.cat([a[0], b[0]]), torch.cat([a[1], b[1]]), m
+
+
+def train_job(run_dir: Path, job: Job, measure=None) -> dict:
+    """Train one model in run_dir (checkpoint.safetensors every save_every steps, log.jsonl;
+    resumed from the checkpoint when there is one), evaluate it, write row.json."""
+    from memattn.checkpoint import load_checkpoint, restore, save_checkpoint
+
+    row = finished_row(run_dir, job)
+    if row is not None:
+        return row
+    s, attention = job_settings(job)
+    torch.set_num_threads(s.threads)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    atomic_write(run_dir / "settings.json", lambda tmp: tmp.write_text(json.dumps(list(job.settings))))
+    torch.manual_seed(s.seed)
+    model = build_model(s, attention)
+    optimizer = torch.optim.AdamW(param_groups(model, s.weight_decay), lr=s.lr, betas=(0.9, 0.98))
+    schedule = TrainConfig(steps=s.steps, lr=s.lr, warmup=min(s.warmup, s.steps), min_lr_ratio=0.1)
+    ckpt, log = run_dir / CHECKPOINT_FILE, run_dir / "log.jsonl"
+    state = {"step": 0, "seconds": 0.0}
+    if ckpt.exists():
+        saved = load_checkpoint(ckpt)
+        restore(saved, model, optimizer)
+        state = saved.meta["state"]
+        kept = [line for line in log.read_text().splitlines() if json.loads(line)["step"] <= state["step"]]
+        atomic_write(log, lambda tmp: tmp.write_text("".join(line + "\n" for line in kept)))
+    elif log.exists():
+        log.unlink()
+    model.train()
+    sums = {"loss": 0.0, "mqar_loss": 0.0, "passkey_loss": 0.0}
+    while state["step"] < s.steps:
+        step = state["step"]
+        start = time.perf_counter()
+        for group in optimizer.param_groups:
+            group["lr"] = lr_at(step, schedule)
+        tokens, answers, m = training_batch(s, step)
+        logits = model(tokens)
+        parts = answer_loss(logits[:m], tokens[:m], answers[:m]), answer_loss(logits[m:], tokens[m:], answers[m:])
+        loss = (parts[0] + parts[1]) / 2
+        aux = model.aux_loss()
+        optimizer.zero_grad(set_to_none=True)
+        (loss if aux is None else loss + aux).backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        project_parameters(model)
+        state["seconds"] += time.perf_counter() - start
+        state["step"] = step + 1
+        for key, value in zip(sums, (loss, *parts)):
+            sums[key] += value.item()
+        if state["step"] % s.log_every == 0 or state["step"] == s.steps:
+            n = state["step"] % s.log_every or s.log_every
+            record = {"step": state["step"], **{k: round(v / n, 4) for k, v in sums.items()},
+                      "seconds": round(state["seconds"], 1)}
+            sums = dict.fromkeys(sums, 0.0)
+            with open(log, "a") as f:
+                f.write(json.dumps(record) + "\n")
+        if state["step"] % s.save_every == 0 or state["step"] == s.steps:
+            save_checkpoint(ckpt, model, step=state["step"], optimizer=optimizer, meta={"state": state})
+    model.eval()
+    records = [json.loads(line) for line in log.read_text().splitlines() if line.strip()]
+    nbytes, fixed = state_bytes(model, s.length)
+    start = time.perf_counter()
+    row = {"model": job.name, "mechanism": attention.name, "options": dict(attention.options),
+           "settings": list(job.settings), "params": sum(p.numel() for p in model.parameters()),
+           "steps": state["step"], "train_s": round(state["seconds"], 1),
+           "final_loss": records[-1] if records else None,
+           "state_bytes": nbytes, "state_bytes_per_layer": nbytes / s.n_layers, "fixed_size": fixed,
+           "mqar_accuracy": mqar_accuracy(model, s),
+           "passkey": [passkey_accuracy(model, s, d) for d in (s.train_distance, *s.distances)]}
+    row["eval_s"] = round(time.perf_counter() - start, 1)
+    text = json.dumps(row, indent=2) + "\n"
+    atomic_write(run_dir / ROW_FILE, lambda tmp: tmp.write_text(text))
+    return row
+
+
+# ---------------------------------------------------------------------------------------------
+# evaluation
+
+
+@torch.no_grad()
+def mqar_accuracy(model: CausalLM, s: Settings) -> float:
+    """Share of the answers of s.mqar_test fresh MQAR rows of the training length predicted
+    right (one forward pass a batch of rows)."""
+    g = torch.Generator().manual_seed(TEST_SEED + s.seed)
+    hits = total = 0
+    for start in range(0, s.mqar_test, s.test_batch):
+        tokens, answers = mqar_batch(min(s.test_batch, s.mqar_test - start), length=s.length, pairs=s.pairs,
+                                     vocab=s.vocab, generator=g)
+        hits += int(answer_hits(model(tokens), tokens, answers).sum())
+        total += int(answers.sum())
+    return hits / total
+
+
+class NotRead(Exception):
+    """A row the model cannot read (a window too long, a limit of the mechanism)."""
+
+
+WINDOW_TOKENS = 131_072  # tokens a window read takes at once (rows × length), to bound memory
+
+
+@torch.no_grad()
+def read_tail(model: CausalLM, tokens: torch.Tensor, keep: int, s: Settings) -> tuple[torch.Tensor, str, int]:
+    """Logits [B, keep, V] of the last `keep` positions of tokens [B, T], how they were read
+    ("stream" or "window") and the decoding state's bytes per row at the end.
+
+    stream (every layer's state fixed in size): the first T - keep tokens in calls of s.chunk
+    tokens through one cache, then the last `keep`. window (a growing state): each group of rows
+    in one call, if T <= s.max_window. Raises NotRead otherwise, or when the mechanism meets a
+    limit of its own (ShapeError) while reading.
+    """
+    B, T = tokens.shape
+    stream = model.init_cache(1).fixed_size
+    try:
+        if stream:
+            cache = model.init_cache(B)
+            for start in range(0, T - keep, s.chunk):
+                model.hidden(tokens[:, start:min(start + s.chunk, T - keep)], cache=cache)
+            return model.head(model.hidden(tokens[:, T - keep:], cache=cache)), "stream", cache.nbytes() // B
+        if T > s.max_window:
+            raise NotRead(f"a window of {T:,} tokens exceeds max_window={s.max_window:,}")
+        rows = max(1, WINDOW_TOKENS // T)
+        out, nbytes = [], 0
+        for start in range(0, B, rows):
+            cache = model.init_cache(min(rows, B - start))
+            hidden = model.hidden(tokens[start:start + rows], cache=cache)
+            out.append(model.head(hidden[:, T - keep:]))
+            nbytes = cache.nbytes() // len(out[-1])
+        return torch.cat(out), "window", nbytes
+    except ShapeError as e:
+        raise NotRead(str(e)) from None
+
+
+def passkey_accuracy(model: CausalLM, s: Settings, distance: int) -> dict:
+    """{"distance", "tokens" (a row's length), "accuracy" (share of s.passkey_test rows with every
+    digit right), "digit_accuracy", "read", "state_bytes" (per row, at the end), "note"}; a row
+    that cannot be read gives accuracy None, read None and the reason in "note"."""
+    g = torch.Generator().manual_seed(TEST_SEED + s.seed + 7 * distance)
+    keep = s.digits + 1  # the query marker and the digits: the logits that predict the answers
+    result = {"distance": distance, "tokens": 2 + 2 * s.digits + distance, "accuracy": None,
+              "digit_accuracy": None, "read": None, "state_bytes": None, "note": ""}
+    right = digits = 0
+    for start in range(0, s.passkey_test, s.test_batch):
+        tokens, answers = passkey_batch(min(s.test_batch, s.passkey_test - start), distance=distance,
+                                        digits=s.digits, vocab=s.vocab, generator=g)
+        try:
+            logits, read, nbytes = read_tail(model, tokens, keep, s)
+        except NotRead as e:
+            return {**result, "note": f"not read: {e}"}
+        hits = answer_hits(logits, tokens[:, -keep:], answers[:, -keep:])  # [b, keep]
+        right += int((hits.sum(1) == s.digits).sum())
+        digits += int(hits.sum())
+        result.update(read=read, state_bytes=nbytes)
+    return {**result, "accuracy": right / s.passkey_test, "digit_accuracy": digits / (s.passkey_test * s.digits)}
+
+
+# ---------------------------------------------------------------------------------------------
+# the experiment
+
+
+def run(out_dir: Path, *, quick: bool = False, overrides: list[str] = (), jobs: int = 1) -> dict:
+    """Size, train (or reuse, or resume) and evaluate a model per mechanism and state size,
+    `jobs` at a time; write the results under out_dir."""
+    s = parse_settings(Settings, list(overrides), QUICK if quick else {}, name=NAME)
+    out_dir = Path(out_dir)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(s.threads)
+    try:
+        planned, skipped = plan(s)
+    finally:
+        torch.set_num_threads(threads)
+    if not planned:
+        raise ConfigError("mechanisms: no mechanism left to train: " + "; ".join(
+            f"{p['mechanism']}: {p['reason']}" for p in skipped))
+    job_list = [job_of(s, p) for p in planned]
+
+    def report(rows: dict[str, dict]) -> dict:
+        done = [{**rows[p["name"]], "targets": p["targets"], "size_option": p["size_option"], "sizing": p["sizing"],
+                 "streams": mechanisms()[p["mechanism"]].streams(
+                     AttentionConfig(p["mechanism"], p["options"]).typed)}
+                for p in planned if p["name"] in rows]
+        results = {"experiment": NAME, "quick": quick, "command": command_of(out_dir, NAME, quick, overrides),
+                   "settings": dataclasses.asdict(s), "train_distance": s.train_distance,
+                   "vocab_size": s.vocab.size, "finished": len(done), "runs_planned": len(planned),
+                   "rows": done, "skipped": skipped,
+                   "environment": {"torch": torch.__version__, "threads": s.threads,
+                                   "machine": platform.machine()}}
+        write_results(out_dir, results, render_markdown(results))
+        plot(results, out_dir / "recall.png")
+        return results
+
+    rows = run_jobs(out_dir, job_list, None, workers=jobs, label=NAME, work=train_job,
+                    steps_of=lambda job: job_settings(job)[0].steps, on_rows=report)
+    return report({row["model"]: row for row in rows})
+
+
+# ---------------------------------------------------------------------------------------------
+# the table and the figure
+
+
+def kib(n: float) -> str:
+    return f"{n / 1024:,.1f} KiB"
+
+
+def cell(p: dict, notes: list[str]) -> str:
+    """A passkey figure: accuracy, or "not read" with a footnote number."""
+    if p["accuracy"] is not None:
+        return f"{p['accuracy']:.2f}"
+    if p["note"] not in notes:
+        notes.append(p["note"])
+    return f"not read [{notes.index(p['note']) + 1}]"
+
+
+def render_markdown(results: dict) -> str:
+    s, rows = results["settings"], results["rows"]
+    distances = [results["train_distance"], *s["distances"]]
+    queries = (s["length"] - 2 * s["pairs"]) // 2
+    train_s = sum(r["train_s"] for r in rows)
+    lines = [
+        "# Recall at matched state size: what each memory keeps",
+        "",
+        f"Command: `{results['command']}`",
+        "",
+        f"**Seeds:** one per model, seed {s['seed']} (weights, training rows); test rows from their own "
+        f"seeds, the same for every model. **Budget:** {s['steps']:,} steps × {s['batch']} rows of "
+        f"{s['length']} tokens per model ({s['mqar_share']:.0%} MQAR, the rest passkey), AdamW lr {s['lr']:g} (warm-up "
+        f"{s['warmup']}, cosine to a tenth), {s['threads']} thread(s) a model; {results['finished']} of "
+        f"{results['runs_planned']} models trained, {train_s / 60:,.1f} min of training in all.",
+        "",
+        f"Models: causal LMs, d_model {s['d_model']}, {s['n_layers']} layers, {s['n_heads']} heads, "
+        f"feed-forward ×{s['ff_mult']:g}, rotary positions, vocabulary {results['vocab_size']}. "
+        f"MQAR: {s['pairs']} key-value pairs (keys distinct, of {s['keys']}; values of {s['values']}) then "
+        f"{queries} queries in rows of {s['length']} tokens; accuracy over the queries' values of "
+        f"{s['mqar_test']} test rows (chance {1 / s['values']:.3f}). Passkey: {s['digits']} digits, "
+        f"filler of {s['filler']} tokens, trained at distances 0 … {results['train_distance']}; accuracy = "
+        f"share of {s['passkey_test']} test rows per distance with every digit right (teacher forcing). "
+        f"Bounded states stream in calls of {s['chunk']} tokens; softmax reads one window of up to "
+        f"{s['max_window']:,} tokens. State bytes: `model.init_cache(1)` once it holds what it keeps (a growing "
+        "cache: after one training row), per layer; targets (bytes per layer) pick each mechanism's size "
+        "option closest to them.",
+        "",
+    ]
+    if results["quick"]:
+        lines.insert(2, "**Quick smoke run: too small for its numbers to mean anything.**\n")
+    notes: list[str] = []
+    head = ["mechanism", "options", "state / layer", "targets", "streams (registry)", "MQAR",
+            *(f"passkey {d:,}" + (" (trained)" if i == 0 else "") for i, d in enumerate(distances))]
+    lines += ["## Accuracy against distance", "", "| " + " | ".join(head) + " |",
+              "|" + "---|" * len(head)]
+    for r in sorted(rows, key=lambda r: (r["mechanism"], r["state_bytes"])):
+        opts = ", ".join(f"{k}={v}" for k, v in r["options"].items()) or "defaults"
+        size = kib(r["state_bytes_per_layer"])
+        if not r["fixed_size"]:
+            longest = max((p for p in r["passkey"] if p["state_bytes"]), key=lambda p: p["tokens"], default=None)
+            size += f" at {s['length']} tokens, growing" + (
+                f" ({kib(longest['state_bytes'] / s['n_layers'])} at {longest['tokens']:,})"
+                if longest and longest["tokens"] > s["length"] else "")
+        targets = ", ".join(kib(t) for t in r["targets"]) if r["size_option"] else "its one size"
+        lines.append(f"| {r['mechanism']} | {opts} | {size} | {targets} | "
+                     f"{'yes' if r['streams'] else 'no'} | {r['mqar_accuracy']:.3f} | "
+                     + " | ".join(cell(p, notes) for p in r["passkey"]) + " |")
+    for k in results["skipped"]:
+        lines.append(f"| {k['mechanism']} | skipped: {k['reason']} |" + " |" * (len(head) - 2))
+    lines += ["", *(f"[{i + 1}] {note}" for i, note in enumerate(notes)), ""]
+
+    targets = s["state_bytes"]
+    lines += ["## MQAR accuracy against state bytes", "",
+              "Each cell: accuracy (state bytes per layer) of the model sized for the target.", "",
+              "| mechanism | " + " | ".join(f"target {kib(t)}" for t in targets) + " |",
+              "|---|" + "---|" * len(targets)]
+    for name in sorted({r["mechanism"] for r in rows}):
+        cells = []
+        for t in targets:
+            r = next((r for r in rows if r["mechanism"] == name and t in r["targets"]), None)
+            cells.append("—" if r is None else f"{r['mqar_accuracy']:.3f} ({kib(r['state_bytes_per_layer'])})")
+        lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    lines += ["", *findings(results), "",
+              "Figure: `recall.png` (passkey accuracy against distance, the largest state of each "
+              "mechanism; MQAR accuracy against state bytes per layer). Every row's figures, losses and "
+              "state bytes per distance in `results.json`; each model's run folder under `runs/`.", ""]
+    return "\n".join(lines)
+
+
+def findings(results: dict) -> list[str]:
+    """What the literature reports next to what this run measured (only what was measured)."""
+    rows, s = results["rows"], results["settings"]
+    lines = ["## The literature found / we measured", ""]
+    ceiling = [r for r in rows if not r["fixed_size"]]
+    bounded = [r for r in rows if r["fixed_size"]]
+    if ceiling and bounded:
+        base = max(ceiling, key=lambda r: r["mqar_accuracy"])
+        per_target = []
+        for t in s["state_bytes"]:
+            at = [r for r in bounded if t in r["targets"]]
+            if at:
+                best = max(at, key=lambda r: r["mqar_accuracy"])
+                per_target.append(f"at {kib(t)} per layer the best bounded memory is {best['model']} "
+                                  f"({best['mqar_accuracy']:.3f}, {len(at)} compared)")
+        lines.append("- **Recall needs state.** Arora et al. (Zoology, 2023; Based, 2024) report that "
+                     "softmax attention solves MQAR where fixed-state mechanisms fall behind, and that "
+                     "their recall grows with their state size. We measured: "
+                     f"{base['model']} (growing cache, {kib(base['state_bytes_per_layer'])} per layer at "
+                     f"{s['length']} tokens) {base['mqar_accuracy']:.3f}; " + "; ".join(per_target) + ".")
+    grown = {}
+    for r in bounded:
+        grown.setdefault(r["mechanism"], []).append(r)
+    pairs = [sorted(v, key=lambda r: r["state_bytes"]) for v in grown.values() if len(v) > 1]
+    if pairs:
+        up = [v for v in pairs if v[-1]["mqar_accuracy"] > v[0]["mqar_accuracy"]]
+        lines.append(f"- **More state, more recall.** We measured MQAR higher at the larger state for "
+                     f"{len(up)} of the {len(pairs)} mechanisms with several sizes"
+                     + (f" (not for {', '.join(v[0]['mechanism'] for v in pairs if v not in up)})"
+                        if len(up) < len(pairs) else "") + ".")
+    far = max(s["distances"]) if s["distances"] else None
+    if far is not None:
+        held, lost, unread = [], [], []
+        for r in rows:
+            p = next(p for p in r["passkey"] if p["distance"] == far)
+            (unread if p["accuracy"] is None else held if p["accuracy"] >= 0.9 else lost).append((r, p))
+        text = (f"- **Passkey at {far:,} tokens** (trained up to {results['train_distance']}). We measured: "
+                f"{len(held)} of {len(rows)} models keep it (accuracy ≥ 0.9)"
+                + (f": {', '.join(r['model'] for r, _ in held)}" if held else "")
+                + f"; {len(lost)} lose it; {len(unread)} cannot read that far.")
+        declared = [(r, p) for r, p in held + lost if r["streams"]]
+        if declared:
+            text += (" Declared streaming in the registry: " + ", ".join(
+                f"{r['model']} {p['accuracy']:.2f}" for r, p in declared) + ".")
+        lines.append(text)
+    return lines
+
+
+def plot(results: dict, path: Path) -> None:
+    """recall.png: passkey accuracy against distance (log x, one line per mechanism, its largest
+    state) and MQAR accuracy against state bytes per layer (log x, one line per mechanism)."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return
+    rows = results["rows"]
+    fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4.6))
+    by: dict[str, list[dict]] = {}
+    for r in rows:
+        by.setdefault(r["mechanism"], []).append(r)
+    colors = plt.get_cmap("tab20").colors
+    for i, (name, group) in enumerate(sorted(by.items())):
+        group.sort(key=lambda r: r["state_bytes"])
+        largest = group[-1]
+        style = {"color": colors[i % len(colors)], "marker": "*" if not largest["fixed_size"] else "osD^v"[i % 5],
+                 "linestyle": "-" if i < len(colors) else "--"}
+        points = [(max(p["distance"], 1), p["accuracy"]) for p in largest["passkey"] if p["accuracy"] is not None]
+        if points:
+            x, y = zip(*points)
+            left.plot(x, y, label=f"{largest['model']}", **style)
+        right.plot([r["state_bytes_per_layer"] for r in group], [r["mqar_accuracy"] for r in group],
+                   label=name, **style)
+    left.axvline(max(results["train_distance"], 1), color="gray", linestyle="--", linewidth=1)
+    left.set_xscale("log")
+    left.set(title="passkey (dashed: longest distance trained)", xlabel="distance (filler tokens)",
+             ylabel="accuracy (every digit right)", ylim=(-0.05, 1.05))
+    right.set_xscale("log")
+    right.set(title="MQAR at the training length", xlabel="decoding state, bytes per layer",
+              ylabel="accuracy", ylim=(-0.05, 1.05))
+    for ax in (left, right):
+        ax.grid(alpha=0.3)
+    left.legend(fontsize=6, ncol=2)
+    right.legend(fontsize=6, ncol=2)
+    fig.tight_layout()
+    save_figure(fig, path)

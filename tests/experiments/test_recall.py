@@ -1,0 +1,205 @@
+"""memattn.data.recall (MQAR and passkey generators, answer scoring) and
+memattn.experiments.recall (sizing, settings, a quick run end to end)."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+
+from memattn.config import AttentionConfig
+from memattn.data.recall import RecallVocab, answer_hits, answer_loss, mqar_batch, passkey_batch
+from memattn.errors import ConfigError
+from memattn.experiments import get_experiment
+from memattn.experiments.recall import (
+    NAME,
+    QUICK,
+    STATE_SIZE_OPTION,
+    Settings,
+    build_model,
+    plan,
+    state_bytes,
+)
+from memattn.layers.base import mechanisms
+from memattn.typed import parse_settings
+
+VOCAB = RecallVocab(keys=8, values=8, filler=4)  # PASS 0, QUERY 1, digits 2-11, filler 12-15, keys 16-23, values 24-31
+
+
+def test_vocabulary_blocks():
+    assert (VOCAB.first_digit, VOCAB.first_filler, VOCAB.first_key, VOCAB.first_value, VOCAB.size) == \
+        (2, 12, 16, 24, 32)
+
+
+def test_mqar_rows_written_out():
+    tokens, answers = mqar_batch(2, length=12, pairs=3, vocab=VOCAB, generator=torch.Generator().manual_seed(0))
+    # row 0: pairs (18, 24) (19, 28) (20, 26), then queries 18 -> 24, 20 -> 26, 19 -> 28
+    assert tokens.tolist() == [[18, 24, 19, 28, 20, 26, 18, 24, 20, 26, 19, 28],
+                               [20, 25, 21, 30, 22, 31, 22, 31, 20, 25, 21, 30]]
+    assert answers.tolist() == [[False] * 7 + [True, False, True, False, True]] * 2
+
+
+def test_mqar_keys_are_distinct_and_each_query_gets_its_pairs_value():
+    pairs, length = 5, 30  # 10 queries: every key asked twice
+    tokens, answers = mqar_batch(16, length=length, pairs=pairs, vocab=VOCAB,
+                                 generator=torch.Generator().manual_seed(3))
+    for row, mask in zip(tokens.tolist(), answers.tolist()):
+        keys, values = row[0:2 * pairs:2], row[1:2 * pairs:2]
+        assert len(set(keys)) == pairs and all(VOCAB.first_key <= k < VOCAB.first_value for k in keys)
+        assert all(VOCAB.first_value <= v < VOCAB.size for v in values)
+        paired = dict(zip(keys, values))
+        asked = row[2 * pairs::2]
+        assert sorted(asked) == sorted(keys * 2)  # a random order of the keys, then another
+        assert row[2 * pairs + 1::2] == [paired[k] for k in asked]
+        assert [t for t, m in enumerate(mask) if m] == list(range(2 * pairs + 1, length, 2))
+
+
+def test_passkey_rows_written_out():
+    g = torch.Generator().manual_seed(0)
+    tokens, answers = passkey_batch(1, distance=3, digits=2, vocab=VOCAB, generator=g, length=12)
+    row = tokens[0].tolist()
+    # PASS d d | 3 filler | QUERY d d | filler to length 12
+    assert row[0] == VOCAB.PASS and row[6] == VOCAB.QUERY and row[7:9] == row[1:3]
+    assert all(2 <= d < 12 for d in row[1:3]) and all(12 <= f < 16 for f in row[3:6] + row[9:])
+    assert answers[0].tolist() == [False] * 7 + [True, True] + [False] * 3
+
+
+def test_passkey_sits_at_the_stated_distance():
+    distance = torch.tensor([0, 5, 17])
+    tokens, answers = passkey_batch(3, distance=distance, digits=4, vocab=VOCAB,
+                                    generator=torch.Generator().manual_seed(1))
+    assert tokens.shape == (3, 2 + 2 * 4 + 17)
+    for row, mask, d in zip(tokens.tolist(), answers.tolist(), distance.tolist()):
+        query = row.index(VOCAB.QUERY)
+        assert query - (1 + 4) == d  # the filler between the passkey's last digit and the query
+        assert row[query + 1:query + 5] == row[1:5]
+        assert [t for t, m in enumerate(mask) if m] == list(range(query + 1, query + 5))
+    tokens, _ = passkey_batch(2, distance=1000, digits=5, vocab=VOCAB, generator=torch.Generator().manual_seed(1))
+    assert tokens.shape == (2, 1012) and (tokens[:, 1006] == VOCAB.QUERY).all()
+
+
+def test_generators_name_the_bad_argument():
+    g = torch.Generator().manual_seed(0)
+    with pytest.raises(ConfigError, match="pairs: expected 1 .. 8"):
+        mqar_batch(1, length=40, pairs=9, vocab=VOCAB, generator=g)
+    with pytest.raises(ConfigError, match="length: expected 2·pairs plus an even number"):
+        mqar_batch(1, length=11, pairs=3, vocab=VOCAB, generator=g)
+    with pytest.raises(ConfigError, match="length: a passkey of 2 digits at distance 10 needs 16 tokens"):
+        passkey_batch(1, distance=10, digits=2, vocab=VOCAB, generator=g, length=12)
+
+
+def test_scoring_counts_exactly_the_answer_positions():
+    tokens, answers = mqar_batch(3, length=20, pairs=4, vocab=VOCAB, generator=torch.Generator().manual_seed(2))
+    V = VOCAB.size
+    # logits at t put all mass on token t + 1: every prediction right
+    right = torch.full((3, 20, V), -1e4)
+    right[:, :-1].scatter_(2, tokens[:, 1:, None], 0.0)
+    assert torch.equal(answer_hits(right, tokens, answers), answers)
+    assert answer_loss(right, tokens, answers).item() == pytest.approx(0.0, abs=1e-6)
+    # wrong everywhere but before the answers: the same hits
+    wrong = right.roll(1, dims=2)
+    before_answer = torch.zeros_like(answers)
+    before_answer[:, :-1] = answers[:, 1:]
+    mixed = torch.where(before_answer[..., None], right, wrong)
+    assert torch.equal(answer_hits(mixed, tokens, answers), answers)
+    # one answer predicted wrong: exactly one hit fewer; all wrong before the answers: none
+    b, t = answers.nonzero()[4].tolist()
+    mixed[b, t - 1] = wrong[b, t - 1]
+    hits = answer_hits(mixed, tokens, answers)
+    assert hits.sum() == answers.sum() - 1 and not hits[b, t] and not (hits & ~answers).any()
+    assert not answer_hits(torch.where(before_answer[..., None], wrong, right), tokens, answers).any()
+    # uniform logits: the loss is ln V whatever the answers
+    assert answer_loss(torch.zeros(3, 20, V), tokens, answers).item() == pytest.approx(math.log(V))
+
+
+def test_settings_are_typed_and_checked():
+    s = parse_settings(Settings, ["steps=12", "state_bytes=[4096,16384]", "mechanisms=[softmax,linear]"], name=NAME)
+    assert (s.steps, s.state_bytes, s.mechanisms) == (12, (4096, 16384), ("softmax", "linear"))
+    assert s.train_distance == 64 - 2 - 2 * 5
+    with pytest.raises(ConfigError, match=r"mechanisms: expected \[all\] or causal mechanisms"):
+        parse_settings(Settings, ["mechanisms=[abc-workspace]"], name=NAME)  # bidirectional only
+    with pytest.raises(ConfigError, match="length: a row is 8 pairs"):
+        parse_settings(Settings, ["length=33"], name=NAME)
+    with pytest.raises(ConfigError, match="mqar_share: expected a share strictly between 0 and 1, got 1.0"):
+        parse_settings(Settings, ["mqar_share=1"], name=NAME)
+    with pytest.raises(ConfigError, match="steps: expected positive values"):
+        parse_settings(Settings, ["steps=0"], name=NAME)
+
+
+def test_sizing_picks_the_option_closest_to_each_target_and_lets_new_mechanisms_join(monkeypatch):
+    s = parse_settings(Settings, ["mechanisms=[abc-mlp,linear,softmax]", "state_bytes=[2048,8192]"],
+                       QUICK, name=NAME)
+    planned, skipped = plan(s)
+    mlp = [p for p in planned if p["mechanism"] == "abc-mlp"]
+    assert [p["options"]["num_slots"] for p in mlp] == [8, 32] and [p["targets"] for p in mlp] == [[2048], [8192]]
+    for p in planned:
+        model = build_model(s, AttentionConfig(p["mechanism"], p["options"]))
+        assert state_bytes(model, s.length)[0] / s.n_layers == p["state_bytes_per_layer"]
+    (linear,) = [p for p in planned if p["mechanism"] == "linear"]
+    assert linear["size_option"] is None and linear["targets"] == [2048, 8192] and not skipped
+    # a mechanism the sizing table does not know: its defaults when its state is fixed in size,
+    # else skipped with the reason
+    monkeypatch.delitem(STATE_SIZE_OPTION, "abc-mlp")
+    monkeypatch.delitem(STATE_SIZE_OPTION, "softmax")
+    planned, skipped = plan(s)
+    (mlp,) = [p for p in planned if p["mechanism"] == "abc-mlp"]
+    assert mlp["options"] == {} and "no size option known" in mlp["sizing"]
+    assert [k["mechanism"] for k in skipped] == ["softmax"] and "grows" in skipped[0]["reason"]
+
+
+@pytest.mark.slow
+def test_quick_run_writes_the_table_plot_and_command_and_reuses_finished_models(tmp_path):
+    (tmp_path / "command.txt").write_text("memattn experiment recall --quick\n")
+    result = get_experiment("recall").run(tmp_path, quick=True, overrides=[], jobs=1)
+    table = (tmp_path / "results.md").read_text()
+    assert (tmp_path / "recall.png").stat().st_size > 0
+    assert result["command"] == "memattn experiment recall --quick" and result["command"] in table
+    assert json.loads((tmp_path / "results.json").read_text())["rows"] == result["rows"]
+    assert "Seeds:" in table and "Budget:" in table and "## The literature found / we measured" in table
+    causal = {name for name, m in mechanisms().items() if m.causal}
+    listed = [r["mechanism"] for r in result["rows"]] + [k["mechanism"] for k in result["skipped"]]
+    assert set(listed) == causal and all(k["reason"] for k in result["skipped"])
+    assert all(f"| {name} |" in table for name in causal)
+    s = parse_settings(Settings, [], QUICK, name=NAME)
+    for row in result["rows"]:
+        model = build_model(s, AttentionConfig(row["mechanism"], row["options"]))
+        assert row["state_bytes"] == state_bytes(model, s.length)[0], row["model"]
+        assert 0.0 <= row["mqar_accuracy"] <= 1.0
+        assert [p["distance"] for p in row["passkey"]] == [s.train_distance, *s.distances]
+        for p in row["passkey"]:
+            assert (p["accuracy"] is None) == p["note"].startswith("not read"), (row["model"], p)
+    (ceiling,) = [r for r in result["rows"] if r["mechanism"] == "softmax"]
+    assert not ceiling["fixed_size"] and ceiling["passkey"][-1]["read"] == "window"
+    assert all(r["fixed_size"] for r in result["rows"] if r is not ceiling)
+    # a second run reuses every finished model
+    rows = {p: p.stat().st_mtime_ns for p in tmp_path.glob("runs/*/row.json")}
+    again = get_experiment("recall").run(tmp_path, quick=True, overrides=[], jobs=1)
+    assert again["rows"] == result["rows"] and {p: p.stat().st_mtime_ns for p in rows} == rows
+
+
+def test_an_interrupted_model_resumes_from_its_checkpoint_to_the_same_row(tmp_path, monkeypatch):
+    import memattn.experiments.recall as recall
+
+    s = parse_settings(Settings, ["mechanisms=[abc-window]"], QUICK, name=NAME)
+    (planned,), _ = plan(s)
+    job = recall.job_of(s, planned)
+    whole = recall.train_job(tmp_path / "whole", job)
+    batch = recall.training_batch
+
+    def interrupted(s, step):
+        if step == 3:
+            raise KeyboardInterrupt
+        return batch(s, step)
+
+    monkeypatch.setattr(recall, "training_batch", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        recall.train_job(tmp_path / "cut", job)
+    assert not (tmp_path / "cut" / "row.json").exists()
+    monkeypatch.setattr(recall, "training_batch", batch)
+    resumed = recall.train_job(tmp_path / "cut", job)
+    logs = [(tmp_path / d / "log.jsonl").read_text().splitlines() for d in ("whole", "cut")]
+    assert [json.loads(line)["loss"] for line in logs[0]] == [json.loads(line)["loss"] for line in logs[1]]
+    for key in ("mqar_accuracy", "passkey", "state_bytes", "steps"):
+        assert resumed[key] == whole[key], key
