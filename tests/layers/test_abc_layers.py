@@ -113,10 +113,11 @@ def test_abc_mlp_recency_weighs_each_token_by_its_slots_rate(positions):
     torch.testing.assert_close(got, want, rtol=1e-9, atol=1e-9)
 
 
-def test_abc_mlp_recency_counts_real_tokens_only():
-    """A left-padded row, prefilled then decoded, equals the row alone: the rate tilts by the
-    real tokens written, whatever the padding before them."""
-    m = layer("abc-mlp", positions="rotary", num_slots=4, recency=True)
+@pytest.mark.parametrize("options", [{"recency": True}, {"forget": True}, {"recency": True, "forget": True}])
+def test_abc_mlp_decays_count_real_tokens_only(options):
+    """A left-padded row, prefilled then decoded, equals the row alone: the rates tilt by the
+    real tokens written, whatever the padding before them (padding forgets nothing)."""
+    m = layer("abc-mlp", positions="rotary", num_slots=4, **options)
     x = torch.randn(2, 12, D_MODEL, dtype=F64)
     mask = torch.ones(2, 12, dtype=torch.bool)
     mask[1, :4] = False
@@ -178,23 +179,6 @@ def test_abc_mlp_forget_starts_with_a_long_horizon():
     """W_f = 0 and b_f = -5 at init: every token forgets softplus(-5) ≈ 0.0067 of the past."""
     m = build_attention("abc-mlp", {"forget": True}, LayerSpec(D_MODEL, HEADS))
     assert not m.forget.weight.any() and torch.all(m.forget.bias == -5.0)
-
-
-@pytest.mark.parametrize("recency", [False, True])
-def test_abc_mlp_forget_counts_real_tokens_only(recency):
-    """A left-padded row, prefilled then decoded, equals the row alone: padding forgets nothing."""
-    m = layer("abc-mlp", positions="rotary", num_slots=4, forget=True, recency=recency)
-    x = torch.randn(2, 12, D_MODEL, dtype=F64)
-    mask = torch.ones(2, 12, dtype=torch.bool)
-    mask[1, :4] = False
-    state = m.init_state(2)
-    with torch.no_grad():
-        got = [m(x[:, :7], memory_state=state, attention_mask=mask[:, :7],
-                 positions=(mask.cumsum(1) - 1).clamp_min(0)[:, :7])[0]]
-        got += [m(x[:, t:t + 1], memory_state=state, positions=(mask.cumsum(1) - 1)[:, t:t + 1])[0]
-                for t in range(7, 12)]
-        alone, _ = m(x[1:, 4:])
-    torch.testing.assert_close(torch.cat(got, 1)[1, 4:], alone[0], rtol=1e-9, atol=1e-9)
 
 
 def test_abc_mlp_forget_streams_a_million_tokens_with_a_bounded_state():

@@ -108,6 +108,23 @@ def _segment_sums(C: int, device, dtype) -> torch.Tensor:
     return ((i < j) & (j <= t)).to(dtype).view(C * C, C)
 
 
+def _carry(G_end: torch.Tensor, local_k: torch.Tensor, local_v: torch.Tensor, mem_k: torch.Tensor,
+           mem_v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The memories before each of n chunks and after the last: a short scan. G_end
+    [B, H, n, M] is each chunk's summed log gates, local_k / local_v [B, H, n, M, K / V] its
+    writes at its end; a chunk changes the memory by expm1(G_end) ⊙ mem + its writes, added as
+    one increment (with gates near 1 exp(G_end) rounds to 1 in a way that would bias a long
+    stream, expm1 does not). Returns (before_k, before_v [B, H, n, M, K / V], mem_k, mem_v)."""
+    before_k, before_v = [], []
+    for forget, add_k, add_v in zip(torch.expm1(G_end[..., None]).unbind(2), local_k.unbind(2),
+                                    local_v.unbind(2)):
+        before_k.append(mem_k)
+        before_v.append(mem_v)
+        mem_k = mem_k + torch.addcmul(add_k, forget, mem_k)
+        mem_v = mem_v + torch.addcmul(add_v, forget, mem_v)
+    return torch.stack(before_k, dim=2), torch.stack(before_v, dim=2), mem_k, mem_v
+
+
 def _chunk_group(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
                  mem_k: torch.Tensor, mem_v: torch.Tensor
                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -124,19 +141,8 @@ def _chunk_group(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Ten
     G = g.cumsum(dim=-2)  # [B, H, n, C, M]: G_t - G_start, ≤ 0
     decay = torch.exp(G)
 
-    # The memories before each chunk: a short scan over the group's chunks. A chunk changes
-    # them by (exp(G_end) - 1) ⊙ mem + its writes, added as one increment: with gates near 1
-    # exp(G_end) rounds to 1 in a way that would bias a long stream, expm1 does not.
     last = last.transpose(-1, -2)  # [B, H, n, M, C]
-    local_k, local_v = last @ k, last @ v  # [B, H, n, M, K], [B, H, n, M, V], each chunk's write
-    before_k, before_v = [], []
-    for forget, add_k, add_v in zip(torch.expm1(G[:, :, :, -1, :, None]).unbind(2),
-                                    local_k.unbind(2), local_v.unbind(2)):
-        before_k.append(mem_k)
-        before_v.append(mem_v)
-        mem_k = mem_k + torch.addcmul(add_k, forget, mem_k)
-        mem_v = mem_v + torch.addcmul(add_v, forget, mem_v)
-    before_k, before_v = torch.stack(before_k, dim=2), torch.stack(before_v, dim=2)
+    before_k, before_v, mem_k, mem_v = _carry(G[..., -1, :], last @ k, last @ v, mem_k, mem_v)
 
     seen = torch.ones(C, C, dtype=torch.bool, device=q.device).tril()  # [t, i]: t ≥ i
     qk = (q @ k.transpose(-1, -2)).masked_fill(~seen, 0.0)  # [B, H, n, C(t), C(i)]
@@ -164,18 +170,9 @@ def _chunk_group_factored(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: 
     G = g.cumsum(dim=-2)  # [B, H, n, C, M], ≥ -FACTORED_RANGE
     decay = torch.exp(G)
     A = w * torch.exp(-G)  # [B, H, n, C(i), M]
-    # the memories before each chunk: a chunk's writes at its end are exp(G_end) ⊙ Aᵀ k;
-    # the memory changes by expm1(G_end) ⊙ mem + those writes (see `_chunk_group`)
+    # a chunk's writes at its end are exp(G_end) ⊙ Aᵀ k
     last = (A * decay[..., -1:, :]).transpose(-1, -2)  # [B, H, n, M, C]
-    local_k, local_v = last @ k, last @ v
-    before_k, before_v = [], []
-    for forget, add_k, add_v in zip(torch.expm1(G[:, :, :, -1, :, None]).unbind(2),
-                                    local_k.unbind(2), local_v.unbind(2)):
-        before_k.append(mem_k)
-        before_v.append(mem_v)
-        mem_k = mem_k + torch.addcmul(add_k, forget, mem_k)
-        mem_v = mem_v + torch.addcmul(add_v, forget, mem_v)
-    before_k, before_v = torch.stack(before_k, dim=2), torch.stack(before_v, dim=2)
+    before_k, before_v, mem_k, mem_v = _carry(G[..., -1, :], last @ k, last @ v, mem_k, mem_v)
 
     seen = torch.ones(C, C, dtype=torch.bool, device=q.device).tril()  # [t, i]: t ≥ i
     qk = (q @ k.transpose(-1, -2)).masked_fill(~seen, 0.0)  # [B, H, n, C(t), C(i)]
