@@ -105,3 +105,22 @@ def set_learned_spans(model: torch.nn.Module, spans: list[list[float]]) -> None:
     for block, tokens in zip(getattr(model, "blocks", []), spans):
         if tokens:
             block.attn.set_spans(tokens)
+
+
+def state_bytes_by_layer(model, lengths: tuple[int, int] = (64, 128)) -> list[dict]:
+    """Each layer's decoding state of a memattn causal LM, batch of one, fp32: [{"layer",
+    "attention" (its mechanism), "fixed_bytes", "bytes_per_token", "fixed_size"}], measured by
+    reading `lengths` tokens (two lengths: the bytes that grow per token and those that do not)."""
+    sizes = []
+    for n in lengths:
+        cache = model.init_cache(1)
+        with torch.no_grad():
+            model(torch.zeros(1, n, dtype=torch.long), cache=cache)
+        sizes.append([s.nbytes() for s in cache.states])
+    out = []
+    for i, (short, long) in enumerate(zip(*sizes)):
+        per_token = (long - short) / (lengths[1] - lengths[0])
+        out.append({"layer": i, "attention": model.cfg.layer_attention(i).name,
+                    "fixed_bytes": int(short - per_token * lengths[0]), "bytes_per_token": per_token,
+                    "fixed_size": cache.states[i].fixed_size})
+    return out

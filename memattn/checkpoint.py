@@ -3,12 +3,16 @@
 Tensors: `model.<name>` (tied parameters stored once, their aliases listed in the JSON),
 `optim.<param index>.<key>` for the optimiser state, `extra.<name>` for any other run state
 (e.g. the memory carried between training segments). Metadata key "memattn" holds the
-JSON: format version, step, config, vocabulary, optimiser param groups, metrics.
+JSON: format version, step, config, vocabulary, optimiser param groups, metrics, and a
+checksum of every tensor (checked when the file is read; files written before it was
+added load without it). A loaded checkpoint is verified: a step >= 0, finite numbers only,
+aliases that name stored tensors.
 Writes are atomic: a temporary file in the same folder, fsync, then os.replace.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 from dataclasses import dataclass
@@ -75,6 +79,7 @@ def save_checkpoint(path: str | os.PathLike, model: torch.nn.Module, *, step: in
                 else:
                     scalars.setdefault(str(pid), {})[key] = value
         full["optimizer"] = {"param_groups": sd["param_groups"], "scalars": scalars}
+    full["checksum"] = checksum(tensors)
     text = json.dumps(full)
     try:
         atomic_write(path, lambda tmp: save_file(tensors, str(tmp), metadata={"memattn": text}))
@@ -94,7 +99,42 @@ def load_checkpoint(path: str | os.PathLike) -> Checkpoint:
     meta, tensors = read_tagged(path, what="checkpoint", error=CheckpointError)
     if meta.get("format") != FORMAT:
         raise CheckpointError(f"checkpoint {path}: format {meta.get('format')!r}, expected {FORMAT!r}")
+    verify(path, meta, tensors)
     return Checkpoint(path, meta, tensors)
+
+
+def checksum(tensors: dict[str, torch.Tensor]) -> str:
+    """A digest of every tensor's name, dtype, shape and bytes, in name order."""
+    h = hashlib.blake2b(digest_size=16)
+    for name in sorted(tensors):
+        t = tensors[name].detach().contiguous().cpu()
+        h.update(f"{name}|{str(t.dtype).removeprefix('torch.')}|{list(t.shape)}|".encode())
+        h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+    return f"blake2b:{h.hexdigest()}"
+
+
+def verify(path: Path, meta: dict[str, Any], tensors: dict[str, torch.Tensor]) -> None:
+    """CheckpointError unless the checkpoint read from `path` is whole and usable: its step a
+    number >= 0, its tensors those its checksum was made of (when it has one), every number
+    finite, every alias naming a stored tensor."""
+    step = meta.get("step")
+    if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+        raise CheckpointError(f"checkpoint {path}: its step is {step!r}, expected a number of steps >= 0; "
+                              "the file was altered after it was saved")
+    if "checksum" in meta and meta["checksum"] != checksum(tensors):
+        raise CheckpointError(f"checkpoint {path}: its tensors do not match the checksum saved with them; "
+                              "the file was altered or damaged after it was saved (use an earlier copy, or "
+                              "train it again)")
+    for name, t in tensors.items():
+        if t.is_floating_point() and not bool(torch.isfinite(t).all()):
+            bad = int((~torch.isfinite(t)).sum())
+            raise CheckpointError(f"checkpoint {path}: tensor {name} holds {bad:,} values that are not finite "
+                                  "(NaN or infinity); a model with them computes nothing useful (use an earlier "
+                                  "checkpoint, or train again with a lower train.lr)")
+    aliases = meta.get("aliases", {})
+    if not isinstance(aliases, dict) or any(f"model.{target}" not in tensors for target in aliases.values()):
+        raise CheckpointError(f"checkpoint {path}: its tied-weight aliases name tensors it does not hold; "
+                              "the file was altered after it was saved")
 
 
 def restore(ckpt: Checkpoint, model: torch.nn.Module,

@@ -7,16 +7,69 @@ e.g. `memattn train --config demo model.n_layers=2 attention=softmax train.steps
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import os
 import sys
 import time
 from pathlib import Path
 
-from memattn.errors import MemattnError
+from memattn.errors import ConfigError, MemattnError, UsageError
+from memattn.fileio import atomic_write, atomic_write_text
 
 OVERRIDES_HELP = ("key=value overrides of the config, checked against its fields: "
                   "model.* data.* train.*, and attention=NAME / attention.OPTION=VALUE "
                   "for the mechanism (e.g. model.d_model=128 train.steps=200 attention=softmax)")
+
+
+# ---------------------------------------------------------------------------------------
+# Numeric options: each range is checked once, by its argparse type
+
+
+def int_at_least(least: int, what: str = "a number", note: str = ""):
+    """An argparse type: an integer >= `least`, else a one-line error naming the option
+    ("--batch-size: expected a number >= 1, got 0"). `what` names the quantity, `note` follows
+    the bound (e.g. " (0: all)")."""
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            value = None
+        if value is None or value < least:
+            raise argparse.ArgumentTypeError(f"expected {what} >= {least}{note}, got {text}")
+        return value
+
+    parse.__name__ = f"integer >= {least}"
+    return parse
+
+
+def float_at_least(least: float, what: str = "a finite number", note: str = ""):
+    """An argparse type: a finite float >= `least`, else a one-line error naming the option."""
+    import math
+
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            value = None
+        if value is None or not math.isfinite(value) or value < least:
+            raise argparse.ArgumentTypeError(f"expected {what} >= {least:g}{note}, got {text}")
+        return value
+
+    parse.__name__ = f"number >= {least:g}"
+    return parse
+
+
+positive_int = int_at_least(1)
+non_negative_int = int_at_least(0)
+
+
+class ArgumentParser(argparse.ArgumentParser):
+    """argparse whose errors are one line raised as UsageError (main prints it and returns 2),
+    never a usage block and sys.exit in the middle of a caller's process."""
+
+    def error(self, message: str):
+        raise UsageError(f"{message} (see {self.prog} --help)", prog=self.prog)
 
 
 def _run_config(args):
@@ -48,10 +101,6 @@ def cmd_eval(args) -> int:
     from memattn.evaluate import as_tensor, check_streamable, evaluate
     from memattn.train import checkpoint_split, model_from_checkpoint
 
-    for name, value, least in (("--seq-len", args.seq_len, 0), ("--batch-size", args.batch_size, 1),
-                               ("--batches", args.batches, 0)):
-        if value < least:
-            raise ConfigError(f"{name}: expected a number >= {least}, got {value}")
     lengths = parse_lengths(args.lengths) if args.lengths is not None else None
     by_length = ("--streams", args.streams), ("--max-window", args.max_window), ("--chunk", args.chunk), \
         ("--plot", args.plot)
@@ -75,19 +124,27 @@ def cmd_eval(args) -> int:
         return eval_by_length(args, model, cfg, as_tensor(ids), lengths, chars_per_token)
     if cfg.task == "mlm":
         return eval_masked(args, model, cfg, ids)
-    ids = as_tensor(ids)
     seq_len = args.seq_len or cfg.train.seq_len
     stream = args.stream or cfg.train.segments
-    if args.context < 0:
-        raise ConfigError(f"--context: expected a number of tokens >= 0, got {args.context}")
+    check_window(cfg, len(ids), seq_len, 0 if stream else args.context, args.split,
+                 streams=args.batch_size if stream else 0)
+    ids = as_tensor(ids)
     if stream and args.context:
         raise ConfigError("--context: a stream (--stream, or a run trained with train.segments) "
                           "already reads everything before each segment")
     if args.stream:
         check_streamable(model)
-    result = evaluate(model, ids, seq_len=seq_len, batch_size=args.batch_size,
-                      max_batches=args.batches, device=args.device, segments=stream,
-                      context=args.context, chars_per_token=chars_per_token)
+    windows = (len(ids) - 1 - args.context) // seq_len
+    if args.batches:
+        windows = min(windows, args.batches * args.batch_size)
+    read, scored = windows * (args.context + seq_len), windows * seq_len
+    if not stream and args.context and read > 1_000_000 and read > 8 * scored:
+        print(f"memattn eval: note: each window re-reads --context {args.context:,} tokens before scoring "
+              f"{seq_len}: {read:,} tokens read to score {scored:,} (--batches N reads fewer)", file=sys.stderr)
+    with progress_bar(f"eval {cfg.model.attention.name}", "window", quiet=args.json or args.quiet) as progress:
+        result = evaluate(model, ids, seq_len=seq_len, batch_size=args.batch_size,
+                          max_batches=args.batches, device=args.device, segments=stream,
+                          context=args.context, chars_per_token=chars_per_token, progress=progress)
     result.update(split=args.split, seq_len=seq_len, context=args.context, stream=stream,
                   checkpoint=str(args.checkpoint))
     reading = ("one stream per row, state carried" if stream else
@@ -96,6 +153,48 @@ def cmd_eval(args) -> int:
           f"{args.split}: loss {result['loss']:.4f} nats, {result['bpc']:.4f} bits/char, "
           f"perplexity {result['ppl']:.3f} over {result['tokens']:,} tokens ({reading})")
     return 0
+
+
+def check_window(cfg, tokens: int, seq_len: int, context: int, split: str, streams: int = 0) -> None:
+    """ConfigError unless a split of `tokens` tokens holds one window of context + seq_len
+    tokens and its next one (or, streamed, `streams` streams of a segment each), and the
+    model's learned positions, if any, reach that far: refused before anything is read."""
+    names = "--seq-len" + (" / --context" if context else "")
+    if streams and (tokens - 1) // streams < seq_len:
+        raise ConfigError(f"--seq-len / --batch-size: the {split} split holds {tokens:,} tokens, too few for "
+                          f"{streams} streams of a segment of {seq_len} tokens each; use a smaller --batch-size "
+                          "or --seq-len")
+    if not streams and tokens < context + seq_len + 1:
+        raise ConfigError(f"{names}: the {split} split holds {tokens:,} tokens, fewer than one window of "
+                          f"{context + seq_len:,} tokens and its next one ({context:,} of context + seq_len "
+                          f"{seq_len:,} + 1); use a shorter {names.replace(' / ', ' or ')}")
+    if cfg.model.positions in ("learned", "split") and context + seq_len > cfg.model.max_len:
+        raise ConfigError(f"{names}: windows of {context + seq_len:,} tokens run past the model's learned "
+                          f"positions (model.max_len={cfg.model.max_len:,}); use at most {cfg.model.max_len:,} "
+                          "tokens in all")
+
+
+@contextlib.contextmanager
+def progress_bar(label: str, unit: str, *, quiet: bool = False):
+    """A progress callback (done, total) that shows a bar with the time left on stderr once a
+    job has run for 2 s (none with `quiet`); the bar is closed when the block ends."""
+    bar = None
+
+    def progress(done: int, total: int) -> None:
+        nonlocal bar
+        if quiet:
+            return
+        if bar is None:
+            from tqdm.auto import tqdm
+
+            bar = tqdm(total=total, desc=label, unit=unit, delay=2, dynamic_ncols=True)
+        bar.update(done - bar.n)
+
+    try:
+        yield progress
+    finally:
+        if bar is not None:
+            bar.close()
 
 
 def parse_lengths(text: str) -> list[int]:
@@ -119,9 +218,6 @@ def eval_by_length(args, model, cfg, ids, lengths, chars_per_token) -> int:
     from memattn.evaluate import MAX_WINDOW, evaluate_by_length, plot_by_length
 
     streams, chunk, max_window = args.streams or 1, args.chunk or 0, args.max_window or MAX_WINDOW
-    for name, value, least in (("--streams", streams, 1), ("--chunk", chunk, 0), ("--max-window", max_window, 1)):
-        if value < least:
-            raise ConfigError(f"{name}: expected a number >= {least}, got {value}")
     bar = None
 
     def progress(done: int, total: int) -> None:  # tokens scored, on stderr
@@ -221,24 +317,21 @@ def cmd_translate(args) -> int:
     from memattn.train import model_from_checkpoint
     from memattn.translation import translate_texts
 
-    if args.beam < 1:
-        raise ConfigError(f"--beam: expected a beam of at least 1, got {args.beam}")
     check_device(args.device)
-    model, cfg, vocab_json = model_from_checkpoint(args.run, args.device)
-    if cfg.task != "translation":
-        raise ConfigError(f"{args.run}: a {cfg.task} run; `memattn translate` needs a translation run")
     path = Path(args.input)
-    if not path.is_file():
-        raise ConfigError(f"--input: no such file {path}")
-    texts = path.read_text(encoding="utf-8").splitlines()
-    out = translate_texts(model, Vocab.from_json(vocab_json), texts, beam=args.beam,
-                          length_penalty=args.length_penalty, max_len=args.max_len or None,
-                          batch_size=args.batch_size, device=args.device, where=str(path))
-    text = "".join(line + "\n" for line in out)
-    if args.output:
-        Path(args.output).write_text(text, encoding="utf-8")
-    else:
-        sys.stdout.write(text)
+    texts = read_text_input(path, "--input").splitlines()
+    with output_file(args.output, "--output", {"the --input file": path, "the run": args.run}) as out:
+        model, cfg, vocab_json = model_from_checkpoint(args.run, args.device)
+        if cfg.task != "translation":
+            raise ConfigError(f"{args.run}: a {cfg.task} run; `memattn translate` needs a translation run")
+        translated = translate_texts(model, Vocab.from_json(vocab_json), texts, beam=args.beam,
+                                     length_penalty=args.length_penalty, max_len=args.max_len,
+                                     batch_size=args.batch_size, device=args.device, where=str(path))
+        text = "".join(line + "\n" for line in translated)
+        if out is not None:
+            atomic_write_text(out, text)
+        else:
+            sys.stdout.write(text)
     return 0
 
 
@@ -251,12 +344,6 @@ def cmd_generate(args) -> int:
 
     from memattn.errors import ConfigError
 
-    if args.tokens < 0:
-        raise ConfigError(f"--tokens: expected a number of tokens >= 0, got {args.tokens}")
-    if args.top_k < 0:
-        raise ConfigError(f"--top-k: expected k >= 0 (0: sample from all), got {args.top_k}")
-    if not args.temperature >= 0 or args.temperature == float("inf"):
-        raise ConfigError(f"--temperature: expected a finite number >= 0 (0: greedy), got {args.temperature}")
     check_device(args.device)
     model, cfg, vocab_json = model_from_checkpoint(args.checkpoint, args.device)
     if cfg.task != "lm" or not hasattr(model, "init_cache"):
@@ -346,6 +433,92 @@ def check_device(name: str) -> None:
         raise ConfigError(f"--device: {name!r} is not a torch device (e.g. cpu, cuda, cuda:1)") from None
     if device.type == "cuda" and not torch.cuda.is_available():
         raise ConfigError(f"--device: {name!r} asked for, but no CUDA device is available")
+    if device.type == "cuda" and device.index is not None and device.index >= torch.cuda.device_count():
+        raise ConfigError(f"--device: {name!r} asked for, but this machine has {torch.cuda.device_count()} "
+                          "CUDA device(s), numbered from 0")
+    if device.type == "mps" and not torch.backends.mps.is_available():
+        raise ConfigError(f"--device: {name!r} asked for, but no Apple GPU (mps) is available")
+    if device.type not in ("cpu", "cuda", "mps"):
+        raise ConfigError(f"--device: {name!r} is a torch device that memattn does not run on "
+                          "(it holds no data or is not supported); use cpu or cuda")
+
+
+def available_memory() -> int | None:
+    """Bytes of memory this process may still take: the system's available memory, and its
+    control group's limit where there is one; None when neither can be read."""
+    found = []
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                found.append(int(line.split()[1]) * 1024)
+    except (OSError, ValueError, IndexError):
+        pass
+    try:
+        limit = Path("/sys/fs/cgroup/memory.max").read_text().strip()
+        if limit != "max":
+            used = int(Path("/sys/fs/cgroup/memory.current").read_text())
+            found.append(int(limit) - used)
+    except (OSError, ValueError):
+        pass
+    return min(found) if found else None
+
+
+def check_fits_in_memory(build, what: str) -> None:
+    """ConfigError when the model build() makes would not fit in the memory available: it is
+    built on the meta device first (shapes, no data), so a size that cannot be held is refused
+    before anything is allocated."""
+    import torch
+
+    try:
+        with torch.device("meta"):
+            model = build()
+    except MemattnError:
+        raise
+    except Exception:  # noqa: BLE001 (a model that cannot be sized this way is built for real)
+        return
+    tensors = [*model.parameters(), *model.buffers()]
+    need = sum(t.numel() * t.element_size() for t in tensors)
+    have = available_memory()
+    if have is not None and need > have:
+        params = sum(p.numel() for p in model.parameters())
+        raise ConfigError(f"{what}: the model asked for has {params:,} parameters, {need / 2**30:,.1f} GiB, more "
+                          f"than the {have / 2**30:,.1f} GiB of memory available here; choose smaller sizes "
+                          "(model.d_model, model.n_layers, attention options)")
+
+
+def read_text_input(path: str | os.PathLike, option: str) -> str:
+    """The UTF-8 text of the input file `path` (given by `option`), or ConfigError naming it."""
+    path = Path(path)
+    if not path.exists():
+        raise ConfigError(f"{option}: no such file {path}")
+    if not path.is_file():
+        raise ConfigError(f"{option}: {path} is not a file")
+    try:
+        return path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"{option}: {path} is not UTF-8 text (byte {e.start} cannot be read); convert it "
+                          "to UTF-8, e.g. iconv -f latin1 -t utf-8") from None
+
+
+@contextlib.contextmanager
+def output_file(path: str | os.PathLike | None, option: str, reads: dict):
+    """Checks and holds the output file `path` of a command (given by `option`) while the block
+    writes it: not a file the command reads (`reads`: what names each -> its path), not a
+    folder, its folder made now (so a path that cannot be written fails before any work), and
+    no other memattn process writing it at the same time. Yields the Path (None: no output
+    file, e.g. standard output)."""
+    from memattn.fileio import check_not_an_input, output_lock
+
+    if path is None:
+        yield None
+        return
+    out = Path(path)
+    check_not_an_input(out, reads, option, ConfigError)
+    if out.is_dir():
+        raise ConfigError(f"{option}: {out} is a folder; give the path of a file to write")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with output_lock(out, option, ConfigError):
+        yield out
 
 
 def state_memory(model, lengths=(64, 128)) -> tuple[int, float]:
@@ -383,8 +556,9 @@ def cmd_info(args) -> int:
         model, cfg, _ = model_from_checkpoint(args.checkpoint)
     else:
         cfg = _run_config(args)
-        vocab = cfg.model.vocab_size or 256
-        model = CausalLM(dataclasses.replace(cfg.model, vocab_size=vocab)).eval()
+        model_cfg = dataclasses.replace(cfg.model, vocab_size=cfg.model.vocab_size or 256)
+        check_fits_in_memory(lambda: CausalLM(model_cfg), "info")
+        model = CausalLM(model_cfg).eval()
     causal = cfg.task == "lm" and hasattr(model, "init_cache")  # a memattn causal LM decodes
     fixed, per_token = (state_memory(model, (min(64, cfg.model.max_len // 2), min(128, cfg.model.max_len)))
                         if causal else (None, None))
@@ -395,6 +569,10 @@ def cmd_info(args) -> int:
         "heads": m.n_heads, "positions": m.positions, "vocab_size": model.cfg.vocab_size if hasattr(model, "cfg") else m.vocab_size,
         "state_fixed_bytes": fixed, "state_bytes_per_token": per_token,
     }
+    if causal:  # each layer's own state: a hybrid mixes fixed and growing ones
+        from memattn.analysis import state_bytes_by_layer
+
+        info["state_by_layer"] = state_bytes_by_layer(model, (min(64, m.max_len // 2), min(128, m.max_len)))
     spans = learned_spans(model)
     if spans:  # adaptive attention span: z per head (tokens), per layer
         info["spans"] = {str(i): [round(z, 1) for z in zs] for i, zs in enumerate(spans) if zs}
@@ -409,6 +587,9 @@ def cmd_info(args) -> int:
     if causal:
         print(f"decoding state {fixed:,} bytes fixed + {per_token:,.0f} bytes per token of context"
               f" (batch 1, fp32{'; constant in context length' if per_token == 0 else ''})")
+        for layer in info["state_by_layer"]:
+            print(f"  layer {layer['layer']:<8}{layer['attention']}: {layer['fixed_bytes']:,} bytes fixed"
+                  + (f" + {layer['bytes_per_token']:,.0f} per token" if layer["bytes_per_token"] else ""))
     else:
         print(f"task           {cfg.task}" + (" (a converted transformers model)" if cfg.task == "lm" else ""))
     for n, (i, zs) in enumerate(info.get("spans", {}).items()):
@@ -423,56 +604,99 @@ def cmd_info(args) -> int:
 def cmd_demo(args) -> int:
     from memattn.demo import run_demo
 
-    from memattn.errors import ConfigError
-
-    if args.warm_steps < 0:
-        raise ConfigError(f"--warm-steps: expected a number of steps >= 0, got {args.warm_steps}")
-    if not args.contexts or min(args.contexts) < 1:
-        raise ConfigError(f"--contexts: expected context lengths >= 1, got {args.contexts}")
     run_demo(args.config, args.overrides, mechanisms=args.attention, out_dir=args.out_dir,
-             warm_steps=args.warm_steps, contexts=tuple(sorted(set(args.contexts))))
+             warm_steps=args.warm_steps, contexts=tuple(sorted(set(args.contexts))), overwrite=args.overwrite)
     return 0
 
 
 def cmd_experiment(args) -> int:
     from memattn.experiments import get_experiment
+    from memattn.fileio import output_lock
 
     module = get_experiment(args.name)
     out_dir = Path(args.out_dir or f"results/{args.name}")
-    out_dir.mkdir(parents=True, exist_ok=True)
-    (out_dir / "command.txt").write_text(args.command_line + "\n")
-    module.run(out_dir, quick=args.quick, overrides=args.overrides, jobs=args.jobs)
+    if out_dir.exists() and not out_dir.is_dir():
+        raise ConfigError(f"--out-dir: {out_dir} is a file; give a folder for the results")
+    if args.quick and holds_full_results(out_dir):
+        raise ConfigError(f"--quick: {out_dir} holds the full results of experiment {args.name} (results.json); "
+                          f"a quick run would write over them; give it a folder of its own with --out-dir "
+                          f"(e.g. --out-dir runs/{args.name}-quick)")
+    with output_lock(out_dir, "--out-dir", ConfigError):
+        command = out_dir / "command.txt"
+        before = command.read_bytes() if command.exists() else None
+        results = out_dir / "results.json"
+        made_before = results.stat().st_mtime_ns if results.exists() else None
+        created = not out_dir.exists()
+        atomic_write_text(command, args.command_line + "\n")
+        try:
+            module.run(out_dir, quick=args.quick, overrides=args.overrides, jobs=args.jobs)
+        except MemattnError:  # refused (settings, a run folder made otherwise): leave the folder as it was
+            if (results.stat().st_mtime_ns if results.exists() else None) == made_before:
+                if before is None:
+                    command.unlink(missing_ok=True)
+                else:
+                    atomic_write(command, lambda tmp: tmp.write_bytes(before))
+                if created and not any(out_dir.iterdir()):
+                    out_dir.rmdir()
+            raise
     return 0
 
 
-def new_folder(path: str) -> Path:
-    """The `-o` folder of a command that writes a model: new or empty, else ConfigError."""
-    from memattn.errors import ConfigError
+def holds_full_results(out_dir: Path) -> bool:
+    """Whether `out_dir` holds an experiment's results from a full run (results.json without
+    "quick": true, or one that cannot be read): what a --quick run must not write over."""
+    path = out_dir / "results.json"
+    if not path.is_file():
+        return False
+    try:
+        return json.loads(path.read_text(encoding="utf-8")).get("quick") is not True
+    except (OSError, ValueError, AttributeError):
+        return True
+
+
+def new_folder(path: str, reads: dict | None = None) -> Path:
+    """The `-o` folder of a command that writes a model: new or empty, not a file, not what
+    the command reads (`reads`: what names each -> its path), else ConfigError."""
+    from memattn.fileio import check_not_an_input
 
     out = Path(path)
+    check_not_an_input(out, reads or {}, "-o", ConfigError)
+    if out.exists() and not out.is_dir():
+        raise ConfigError(f"-o: {out} is a file; give a new (or empty) folder")
     if out.exists() and any(out.iterdir()):
         raise ConfigError(f"-o: {out} is not empty; choose a new folder")
     return out
 
 
-def cmd_export_hf(args) -> int:
-    from memattn.errors import ConfigError
+@contextlib.contextmanager
+def new_output_folder(path: str, reads: dict | None = None):
+    """Write the `-o` folder `path` of a command: checked (`new_folder`), held against other
+    memattn processes writing it at the same time (the second is refused), and written whole
+    or not at all (`memattn.fileio.atomic_folder`). Yields the folder to write into."""
+    from memattn.fileio import atomic_folder, output_lock
 
+    out = new_folder(path, reads)
+    with output_lock(out, "-o", ConfigError):
+        new_folder(path, reads)  # again, now that no other memattn process can write it
+        with atomic_folder(out) as work:
+            yield work
+
+
+def cmd_export_hf(args) -> int:
     try:
         from memattn.integrations.export import export_run
     except ImportError as e:
         raise ConfigError(str(e)) from None
 
-    out = new_folder(args.out)
-    auto = export_run(args.run, out)
-    print(f"memattn export-hf: wrote {out} (config.json, model.safetensors, the tokenizer, a model card); "
+    with new_output_folder(args.out, {"the run": args.run}) as work:
+        auto = export_run(args.run, work)
+    print(f"memattn export-hf: wrote {args.out} (config.json, model.safetensors, the tokenizer, a model card); "
           f"load it with AutoTokenizer and {auto}.from_pretrained after `import memattn.integrations.hf` "
           "(or with trust_remote_code=True)", file=sys.stderr)
     return 0
 
 
 def cmd_convert(args) -> int:
-    from memattn.errors import ConfigError
     from memattn.typed import parse_key_value
 
     try:
@@ -491,40 +715,57 @@ def cmd_convert(args) -> int:
             layers = [int(i) for i in args.layers.split(",")]
         except ValueError:
             raise ConfigError(f"--layers: expected layer numbers like 0,2,5, got {args.layers!r}") from None
-    out = new_folder(args.out)
-    had_tokenizer = convert_pretrained(args.model, args.attention, options, layers, out)
+    with new_output_folder(args.out, {"the model": args.model}) as work:
+        had_tokenizer = convert_pretrained(args.model, args.attention, options, layers, work)
     kept = ("with its tokenizer" if had_tokenizer
             else "without a tokenizer (the source has none; give data.tokenizer= to train it)")
-    print(f"memattn convert: wrote {out} {kept}; load it with transformers' Auto classes after "
+    print(f"memattn convert: wrote {args.out} {kept}; load it with transformers' Auto classes after "
           "`import memattn.integrations.hf` (or with trust_remote_code=True), or train on with "
-          f"`memattn train train.init_from={out}`", file=sys.stderr)
+          f"`memattn train train.init_from={args.out}`", file=sys.stderr)
     return 0
 
 
 def cmd_compress(args) -> int:
     from memattn.data import Vocab
-    from memattn.errors import ConfigError
     from memattn.models.compressor import compress_ids, fingerprint, load_compressor, save_compressed
 
-    model, meta = load_compressor(args.checkpoint)
-    vocab = Vocab.from_json(meta["vocab"])
     source = Path(args.input)
-    if not source.is_file():
-        raise ConfigError(f"input: no such file {source}")
-    try:
-        text = source.read_text(encoding="utf-8")
-    except UnicodeDecodeError as e:
-        raise ConfigError(f"input: {source} is not UTF-8 text (byte {e.start} cannot be read)") from None
-    seq_len = args.seq_len or int(meta["seq_len"])
-    memory, lengths = compress_ids(model, vocab.encode(text), seq_len=seq_len, batch_size=args.batch_size)
-    if args.half:
-        memory = memory.half()
-    save_compressed(args.out, memory, lengths, model_fingerprint=fingerprint(model), seq_len=seq_len,
-                    characters=len(text), tokens=int(lengths.sum()), num_memory=model.num_memory, d_model=model.cfg.d_model)
+    with output_file(args.out, "-o", {"the input text": source, "the checkpoint": args.checkpoint}) as out:
+        model, meta = load_compressor(args.checkpoint)
+        vocab = Vocab.from_json(meta["vocab"])
+        text = read_text_input(source, "input")
+        note_unknown(vocab, text, f"{source}", "memattn compress")
+        seq_len = args.seq_len or int(meta["seq_len"])
+        memory, lengths = compress_ids(model, vocab.encode(text), seq_len=seq_len, batch_size=args.batch_size)
+        if args.half:
+            memory = memory.half()
+        save_compressed(out, memory, lengths, model_fingerprint=fingerprint(model), seq_len=seq_len,
+                        characters=len(text), tokens=int(lengths.sum()), num_memory=model.num_memory,
+                        d_model=model.cfg.d_model)
     stored = memory.numel() * memory.element_size()
     print(f"{len(text):,} characters -> {memory.shape[0]} sequences x {memory.shape[1]} vectors x "
-          f"{memory.shape[2]} ({stored:,} bytes of {str(memory.dtype).replace('torch.', '')}) in {args.out}")
+          f"{memory.shape[2]} ({stored:,} bytes of {str(memory.dtype).replace('torch.', '')}) in {args.out}"
+          f" (sequences of {seq_len} tokens)")
     return 0
+
+
+def note_unknown(vocab, text: str, where: str, command: str) -> None:
+    """Say (stderr) which characters of `text` a character vocabulary lacks and so reads as its
+    unknown symbol, how many; ConfigError when it has no unknown symbol for them."""
+    if getattr(vocab, "kind", None) != "char":
+        return
+    from collections import Counter
+
+    known = set(vocab.symbols) - ({vocab.symbols[vocab.unk_id]} if vocab.unk_id is not None else set())
+    counts = Counter(c for c in text if c not in known)
+    if not counts:
+        return
+    shown = "".join(c for c, _ in counts.most_common(20))
+    if vocab.unk_id is None:
+        raise ConfigError(f"{where}: characters not in the model's vocabulary: {shown!r}")
+    n = sum(counts.values())
+    print(f"{command}: note: {n:,} of the {len(text):,} characters of {where} ({100 * n / max(1, len(text)):.2g} %) "
+          f"are not in the model's vocabulary and are read as its unknown symbol: {shown!r}", file=sys.stderr)
 
 
 def cmd_decompress(args) -> int:
@@ -533,22 +774,24 @@ def cmd_decompress(args) -> int:
     from memattn.models.compressor import (check_compressed, decompress_ids, fingerprint, load_compressed,
                                            load_compressor)
 
-    compressed = load_compressed(args.compressed)
-    model, meta = load_compressor(args.checkpoint)
-    if compressed.meta.get("model") != fingerprint(model):
-        raise CheckpointError(f"compressed file {args.compressed} was made by another model than "
-                              f"{args.checkpoint} (their fingerprints differ)")
-    check_compressed(compressed, model, args.compressed)
-    vocab = Vocab.from_json(meta["vocab"])
-    ids = decompress_ids(model, compressed.memory, compressed.lengths, n_symbols=vocab.size,
-                         batch_size=args.batch_size)
-    text = vocab.decode(ids)
-    if args.out:
-        Path(args.out).write_text(text, encoding="utf-8")
-        print(f"{len(text):,} characters from {compressed.memory.shape[0]} sequences -> {args.out}",
-              file=sys.stderr)
-    else:
-        sys.stdout.write(text)
+    reads = {"the compressed file": args.compressed, "the checkpoint": args.checkpoint}
+    with output_file(args.out, "-o", reads) as out:
+        compressed = load_compressed(args.compressed)
+        model, meta = load_compressor(args.checkpoint)
+        if compressed.meta.get("model") != fingerprint(model):
+            raise CheckpointError(f"compressed file {args.compressed} was made by another model than "
+                                  f"{args.checkpoint} (their fingerprints differ)")
+        check_compressed(compressed, model, args.compressed)
+        vocab = Vocab.from_json(meta["vocab"])
+        ids = decompress_ids(model, compressed.memory, compressed.lengths, n_symbols=vocab.size,
+                             batch_size=args.batch_size)
+        text = vocab.decode(ids)
+        if out is not None:
+            atomic_write_text(out, text)
+            print(f"{len(text):,} characters from {compressed.memory.shape[0]} sequences -> {out}",
+                  file=sys.stderr)
+        else:
+            sys.stdout.write(text)
     return 0
 
 
@@ -569,8 +812,16 @@ def cmd_bench(args) -> int:
         reexec_tuned([sys.executable, "-m", "memattn", *sys.argv[1:]])  # returns when already tuned
     if args.threads:
         torch.set_num_threads(args.threads)
+    from memattn.fileio import check_writable, output_lock
+
+    out = settings.out_dir
+    if out.exists() and not out.is_dir():
+        raise ConfigError(f"--out: {out} is a file; give a folder for the results")
+    check_writable(out)  # a folder that cannot be written fails now, not after the runs
     start = time.perf_counter()
-    for name, paths in run_benchmarks(names, settings).items():
+    with output_lock(out, "--out", ConfigError):
+        written = run_benchmarks(names, settings)
+    for name, paths in written.items():
         print(f"{name}: " + ", ".join(str(p) for p in paths))
     print(f"[{len(names)} benchmark(s) in {time.perf_counter() - start:.0f} s on {settings.device}, "
           f"{args.dtype}, {torch.get_num_threads()} threads]", file=sys.stderr)
@@ -578,9 +829,11 @@ def cmd_bench(args) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="memattn", description=(
+    p = ArgumentParser(prog="memattn", description=(
         "Attention over a memory: train, evaluate and sample language models whose attention "
         "is any registered mechanism (see `memattn info`)."))
+    p.add_argument("--debug", action="store_true",
+                   help="show the traceback of an error instead of its one line (also MEMATTN_DEBUG=1)")
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     def with_config(sp, default="demo"):
@@ -606,30 +859,32 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("checkpoint", help="checkpoint file or run folder")
     e.add_argument("--split", choices=("train", "val", "test"), default="test",
                    help="which split of the corpus (default: %(default)s)")
-    e.add_argument("--seq-len", type=int, default=0, help="window length (default: the training seq_len)")
-    e.add_argument("--batch-size", type=int, default=16, help="windows per forward pass")
-    e.add_argument("--batches", type=int, default=0, help="evaluate only the first N batches (default: all)")
-    e.add_argument("--context", type=int, default=0,
+    e.add_argument("--seq-len", type=positive_int, help="window length (default: the training seq_len)")
+    e.add_argument("--batch-size", type=positive_int, default=16, help="windows per forward pass")
+    e.add_argument("--batches", type=non_negative_int, default=0,
+                   help="evaluate only the first N batches (default: all)")
+    e.add_argument("--context", type=int_at_least(0, "a number of tokens"), default=0,
                    help="tokens read before each scored segment but not scored (default: 0)")
     e.add_argument("--stream", action="store_true",
                    help="read the split as --batch-size contiguous streams in one pass, each layer's "
                    "fixed-size state carried from segment to segment (bounded mechanisms only)")
-    e.add_argument("--beam", type=int, default=5, help="translation runs: beam size (1: greedy)")
-    e.add_argument("--length-penalty", type=float, default=0.6,
+    e.add_argument("--beam", type=int_at_least(1, "a beam"), default=5,
+                   help="translation runs: beam size (1: greedy)")
+    e.add_argument("--length-penalty", type=float_at_least(0), default=0.6,
                    help="translation runs: GNMT length penalty alpha (default: %(default)s)")
     e.add_argument("--lengths", metavar="N,N,...",
                    help="quality by length: read documents of the longest N tokens and report bits per "
                    "character by position ([0, seq_len), then doubling) and over the first N tokens of "
                    "each; bounded mechanisms stream through their fixed state, others read one window "
                    "(language models only; e.g. 512,2048,8192,32768)")
-    e.add_argument("--streams", type=int, help="with --lengths: documents read (default: 1)")
-    e.add_argument("--chunk", type=int,
+    e.add_argument("--streams", type=positive_int, help="with --lengths: documents read (default: 1)")
+    e.add_argument("--chunk", type=positive_int,
                    help="with --lengths: tokens per call of a streamed read (default: the training seq_len)")
-    e.add_argument("--max-window", type=int,
+    e.add_argument("--max-window", type=positive_int,
                    help="with --lengths: longest window a growing-state model (softmax) reads; longer "
                    "lengths are reported as not read (default: 16384)")
     e.add_argument("--plot", metavar="FILE.png", help="with --lengths: plot bits per character against position")
-    e.add_argument("--quiet", action="store_true", help="with --lengths: no progress bar")
+    e.add_argument("--quiet", action="store_true", help="no progress bar")
     e.add_argument("--device", default="cpu", help="torch device to run on")
     e.add_argument("--json", action="store_true", help="print one JSON object")
     e.set_defaults(fn=cmd_eval)
@@ -640,11 +895,14 @@ def build_parser() -> argparse.ArgumentParser:
     tr.add_argument("run", help="checkpoint file or run folder of a translation run")
     tr.add_argument("--input", required=True, help="text file, one source sentence a line")
     tr.add_argument("--output", help="write the translations here (default: standard output)")
-    tr.add_argument("--beam", type=int, default=5, help="beam size (1: greedy; default: %(default)s)")
-    tr.add_argument("--length-penalty", type=float, default=0.6,
+    tr.add_argument("--beam", type=int_at_least(1, "a beam"), default=5,
+                    help="beam size (1: greedy; default: %(default)s)")
+    tr.add_argument("--length-penalty", type=float_at_least(0), default=0.6,
                     help="GNMT length penalty alpha, ((5 + length) / 6) ** alpha (default: %(default)s)")
-    tr.add_argument("--max-len", type=int, default=0, help="longest output in tokens (default: twice the longest source of its batch plus 10, at most model.max_len - 1)")
-    tr.add_argument("--batch-size", type=int, default=32, help="sentences decoded together")
+    tr.add_argument("--max-len", type=positive_int,
+                    help="longest output in tokens (default: twice the longest source of its batch plus 10, "
+                    "at most model.max_len - 1)")
+    tr.add_argument("--batch-size", type=positive_int, default=32, help="sentences decoded together")
     tr.add_argument("--device", default="cpu", help="torch device to run on")
     tr.set_defaults(fn=cmd_translate)
 
@@ -653,9 +911,10 @@ def build_parser() -> argparse.ArgumentParser:
                        "the prompt is read once into each layer's decoding state.")
     g.add_argument("checkpoint", help="checkpoint file or run folder")
     g.add_argument("--prompt", default="\n", help="text to continue (default: a newline)")
-    g.add_argument("--tokens", type=int, default=500, help="tokens to generate")
-    g.add_argument("--temperature", type=float, default=0.8, help="0 for greedy")
-    g.add_argument("--top-k", type=int, default=0, help="sample among the k likeliest (0: all)")
+    g.add_argument("--tokens", type=int_at_least(0, "a number of tokens"), default=500, help="tokens to generate")
+    g.add_argument("--temperature", type=float_at_least(0, note=" (0: greedy)"), default=0.8, help="0 for greedy")
+    g.add_argument("--top-k", type=int_at_least(0, "k", " (0: sample from all)"), default=0,
+                   help="sample among the k likeliest (0: all)")
     g.add_argument("--seed", type=int, default=0, help="sampling seed")
     g.add_argument("--compile", action="store_true",
                    help="decode through torch.compile (compiles first: tens of seconds on a CPU)")
@@ -678,14 +937,17 @@ def build_parser() -> argparse.ArgumentParser:
                        "model on the test split, generate a sample, and compare quality, speed and "
                        "the decoding cost and state at growing contexts (a table and a plot).")
     with_config(d)
-    d.add_argument("--attention", nargs="+", default=["softmax", "abc-mlp"],
+    d.add_argument("--attention", nargs="+", default=["softmax", "gsa"],
                    help="mechanisms to compare, the baseline first (default: %(default)s)")
-    d.add_argument("--warm-steps", type=int, default=200,
+    d.add_argument("--warm-steps", type=int_at_least(0, "a number of steps"), default=200,
                    help="steps each other mechanism trains after starting from the baseline; 0: "
                    "train it from scratch with the baseline's budget (default: %(default)s)")
-    d.add_argument("--contexts", type=int, nargs="+", default=[256, 1024, 4096, 16384],
+    d.add_argument("--contexts", type=int_at_least(1, "a context length"), nargs="+",
+                   default=[256, 1024, 4096, 16384],
                    help="context lengths at which decoding cost and state are measured (default: %(default)s)")
     d.add_argument("--out-dir", default="runs/demo", help="where runs and summary.json go (default: %(default)s)")
+    d.add_argument("--overwrite", action="store_true",
+                   help="replace an earlier demo in --out-dir (without it, such a folder is refused)")
     d.set_defaults(fn=cmd_demo)
 
     x = sub.add_parser("experiment", help="reproduce a paper's experiment, small",
@@ -696,7 +958,7 @@ def build_parser() -> argparse.ArgumentParser:
     x.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help=OVERRIDES_HELP)
     x.add_argument("--out-dir", help="where results go (default: results/NAME)")
     x.add_argument("--quick", action="store_true", help="a small smoke run, about a minute on a CPU")
-    x.add_argument("--jobs", type=int, default=1,
+    x.add_argument("--jobs", type=int_at_least(1, "a number of models at once"), default=1,
                    help="models trained at once, one thread each (experiments that train models "
                    "in run folders: abc-lm, persistent-lm); running the command again continues "
                    "unfinished models and reuses finished ones")
@@ -739,9 +1001,9 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("checkpoint", help="compressor checkpoint (e.g. from `memattn experiment gmat-mlm`)")
     c.add_argument("input", help="UTF-8 text file to compress")
     c.add_argument("-o", "--out", required=True, help="compressed file to write (.safetensors)")
-    c.add_argument("--seq-len", type=int, default=0, help="tokens per sequence (default: the training length)")
+    c.add_argument("--seq-len", type=positive_int, help="tokens per sequence (default: the training length)")
     c.add_argument("--half", action="store_true", help="store the vectors in float16 (half the bytes)")
-    c.add_argument("--batch-size", type=int, default=16, help="sequences per forward pass")
+    c.add_argument("--batch-size", type=positive_int, default=16, help="sequences per forward pass")
     c.set_defaults(fn=cmd_compress)
 
     dc = sub.add_parser("decompress", help="rebuild a text from its compressed memory vectors",
@@ -751,7 +1013,7 @@ def build_parser() -> argparse.ArgumentParser:
     dc.add_argument("compressed", help="file written by `memattn compress`")
     dc.add_argument("--checkpoint", required=True, help="the compressor checkpoint that made the file")
     dc.add_argument("-o", "--out", help="text file to write (default: standard output)")
-    dc.add_argument("--batch-size", type=int, default=16, help="sequences per forward pass")
+    dc.add_argument("--batch-size", type=positive_int, default=16, help="sequences per forward pass")
     dc.set_defaults(fn=cmd_decompress)
 
     b = sub.add_parser("bench", help="measure every mechanism against softmax: decode, encode, train, lookup",
@@ -778,15 +1040,18 @@ def build_parser() -> argparse.ArgumentParser:
                    "abc-meanpool:pool=512); default: every registered one. Softmax always runs as the baseline")
     b.add_argument("--out", help="output folder (default: benchmarks/results/DEVICE, or "
                    "benchmarks/results/DEVICE/quick with --quick; DEVICE is cpu or the GPU's name)")
-    b.add_argument("--repeats", type=int, help="timed calls per configuration, the median reported "
+    b.add_argument("--repeats", type=positive_int, help="timed calls per configuration, the median reported "
                    "(default: 5, 3 with --quick; decode times decode.steps greedy steps instead)")
-    b.add_argument("--warmup", type=int, help="untimed calls (decode: steps) before timing (default: 1)")
-    b.add_argument("--threads", type=int, default=0, help="torch threads on CPU (default: torch's choice)")
+    b.add_argument("--warmup", type=non_negative_int, help="untimed calls (decode: steps) before timing (default: 1)")
+    b.add_argument("--threads", type=non_negative_int, default=0, help="torch threads on CPU (default: torch's choice)")
     b.add_argument("--no-env-tuning", action="store_true",
                    help="on CPU, do not re-run with OMP_WAIT_POLICY=PASSIVE and the glibc malloc settings "
                    "of memattn.bench.timing.ENV (measure the environment as it is)")
     b.add_argument("--quiet", action="store_true", help="no progress bar")
     b.set_defaults(fn=cmd_bench)
+    for command in sub.choices.values():  # the global flag, also accepted after the command's name
+        command.add_argument("--debug", action="store_true", default=argparse.SUPPRESS,
+                             help="show the traceback of an error instead of its one line")
     return p
 
 
@@ -796,31 +1061,78 @@ def _experiment_list() -> str:
     return "; ".join(f"{name}: {m.DESCRIPTION}" for name, m in experiments().items()) or "none yet"
 
 
+def edge_message(e: BaseException) -> str | None:
+    """The one line a command prints for an error that reached its edge: what memattn raises on
+    purpose, and what the file system, safetensors, JSON and text decoding, torch.distributed
+    and the allocator raise (naming the file or option and what to do); None for anything else
+    (a bug: its traceback is shown)."""
+    import json as _json
+
+    from safetensors import SafetensorError
+
+    from memattn.fileio import describe_os_error
+
+    if isinstance(e, MemattnError):
+        return str(e)
+    if isinstance(e, OSError):
+        return describe_os_error(e)
+    if isinstance(e, SafetensorError):
+        return f"a safetensors file could not be read or written ({e}); check the file and the disk"
+    if isinstance(e, _json.JSONDecodeError):
+        return (f"a file is not valid JSON ({e}; near {e.doc[max(0, e.pos - 20):e.pos + 20]!r}); it was cut "
+                "short or edited: restore or remove it")
+    if isinstance(e, UnicodeDecodeError):
+        return (f"a file is not UTF-8 text ({e.reason} at byte {e.start}); convert it to UTF-8, "
+                "e.g. iconv -f latin1 -t utf-8")
+    import torch
+
+    dist_error = getattr(torch.distributed, "DistError", None)
+    if dist_error is not None and isinstance(e, dist_error):
+        return (f"torch.distributed: {e}; check that every process of the run is alive and can reach "
+                "the others (torchrun's MASTER_ADDR / MASTER_PORT)")
+    if isinstance(e, (MemoryError, torch.OutOfMemoryError)) or (
+            isinstance(e, RuntimeError) and ("can't allocate memory" in str(e) or "out of memory" in str(e))):
+        return (f"not enough memory ({e or type(e).__name__}); use smaller sizes (model, --batch-size, "
+                "context) or a machine with more memory")
+    return None
+
+
 def main(argv: list[str] | None = None) -> int:
+    """Run one command; return its exit status. A bad command line or input, a full or
+    read-only disk, a broken file: one line on stderr and status 2 (--debug or MEMATTN_DEBUG=1:
+    the traceback instead)."""
     import shlex
 
     argv = sys.argv[1:] if argv is None else list(argv)
+    debug = "--debug" in argv or os.environ.get("MEMATTN_DEBUG", "") not in ("", "0")
     parser = build_parser()
-    args, extra = parser.parse_known_args(argv)
-    # key=value overrides may also come after the flags (`experiment NAME --quick steps=10`)
-    if extra and hasattr(args, "overrides") and all("=" in x and not x.startswith("-") for x in extra):
-        args.overrides = [*args.overrides, *extra]
-    elif extra:
-        parser.error(f"unrecognized arguments: {' '.join(extra)}")
+    try:
+        args, extra = parser.parse_known_args(argv)
+        # key=value overrides may also come after the flags (`experiment NAME --quick steps=10`)
+        if extra and hasattr(args, "overrides") and all("=" in x and not x.startswith("-") for x in extra):
+            args.overrides = [*args.overrides, *extra]
+        elif extra:
+            parser.error(f"unrecognized arguments: {' '.join(extra)}")
+    except UsageError as e:
+        if debug:
+            raise
+        print(f"{e.prog}: error: {e}", file=sys.stderr)
+        return 2
     args.command_line = shlex.join(["memattn", *argv])
     try:
         return args.fn(args)
-    except MemattnError as e:
-        print(f"memattn {args.command}: error: {e}", file=sys.stderr)
-        return 2
     except KeyboardInterrupt:
         print(f"memattn {args.command}: interrupted", file=sys.stderr)
         return 130
     except BrokenPipeError:  # the reader went away (`memattn info | head -2`): stop quietly
-        import os
-
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no error at exit's flush
         return 141
+    except Exception as e:  # noqa: BLE001 (the command's edge: one line, or the traceback)
+        message = edge_message(e)
+        if message is None or debug:
+            raise
+        print(f"memattn {args.command}: error: {' '.join(message.split())}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

@@ -80,6 +80,14 @@ class ModelConfig:
     # self attention of an encoder-decoder's encoder (None: `attention` itself), e.g. softmax
     # in the encoder with bounded memories in the decoder, as in ABC's translation models
     encoder_attention: AttentionConfig | None = None
+    # a hybrid model: layer index -> the mechanism of that layer, e.g. {0: softmax,
+    # 3: {name: abc-window, window: 64}} (or model.attention_layers.0=softmax); the layers
+    # not named use `attention`. Keys are kept as strings ("0"), as JSON writes them.
+    attention_layers: dict[str, AttentionConfig] = field(default_factory=dict)
+
+    def layer_attention(self, index: int) -> AttentionConfig:
+        """The mechanism of layer `index` (0-based): its entry in attention_layers, else `attention`."""
+        return self.attention_layers.get(str(index), self.attention)
 
     def __post_init__(self) -> None:
         _positive("model.vocab_size", self.vocab_size, zero_ok=True)
@@ -98,6 +106,49 @@ class ModelConfig:
             raise ConfigError(f"model.max_len: split positions cover at most {SPLIT_BASE} x {SPLIT_BLOCKS} = "
                               f"{SPLIT_BASE * SPLIT_BLOCKS} tokens, got {self.max_len}")
         _one_of("model.norm", self.norm, ("layernorm", "rmsnorm"))
+        self.attention_layers = self._layer_mechanisms(self.attention_layers)
+
+    def _layer_mechanisms(self, given) -> dict[str, AttentionConfig]:
+        """attention_layers as {"i": AttentionConfig} in layer order: keys layer numbers in
+        0 .. n_layers - 1, values a mechanism's name, a mapping {name, OPTION: value, ...} or an
+        AttentionConfig; ConfigError naming the entry otherwise."""
+        if given is None:
+            return {}
+        if not isinstance(given, dict):
+            raise ConfigError(f"model.attention_layers: expected a mapping of layer numbers to mechanisms, "
+                              f"e.g. {{0: softmax}}, got {given!r}")
+        layers: dict[int, AttentionConfig] = {}
+        for key, value in given.items():
+            name = f"model.attention_layers.{key}"
+            try:
+                index = int(key) if not isinstance(key, bool) and str(key).strip().isdigit() else -1
+            except ValueError:
+                index = -1
+            if not 0 <= index < self.n_layers:
+                raise ConfigError(f"{name}: expected a layer number in 0 .. {self.n_layers - 1} "
+                                  f"(model.n_layers={self.n_layers}), got {key!r}")
+            if index in layers:
+                raise ConfigError(f"{name}: layer {index} is given twice")
+            if not isinstance(value, (str, dict, AttentionConfig)):
+                raise ConfigError(f"{name}: expected a mechanism's name or a mapping {{name: ..., OPTION: value}}, "
+                                  f"got {value!r}")
+            try:
+                if isinstance(value, str):
+                    value = AttentionConfig(value)
+                elif isinstance(value, dict):
+                    value = AttentionConfig.from_mapping(value, name)
+            except ConfigError as e:
+                raise ConfigError(f"{name}: {e}") from None
+            layers[index] = value
+        if layers:
+            from memattn.layers.base import get_mechanism
+
+            for mech in (self.attention, *layers.values()):
+                if getattr(get_mechanism(mech.name).layer, "memory_layout", None) is not None:
+                    raise ConfigError(f"model.attention_layers: {mech.name!r} places memory tokens in the "
+                                      "sequence every layer reads, so it cannot be mixed with other mechanisms "
+                                      "layer by layer")
+        return {str(i): layers[i] for i in sorted(layers)}
 
 
 @dataclass
@@ -198,6 +249,16 @@ class TrainConfig:
     # > 0: add distill_weight · KL(teacher ‖ model) per token to the loss, the teacher being
     # the init_from model, frozen (uptraining a converted model towards the original)
     distill_weight: float = 0.0
+    # > 0: attention transfer (LoLCATs' first stage) before the ordinary steps of a run started
+    # from a softmax model (train.init_from): transfer_steps updates of the mechanism's own
+    # parameters only (those the warm start did not copy; all else frozen), each layer's
+    # attention trained to give the frozen softmax layer's output on that layer's input in the
+    # softmax model (mean squared error, summed over the layers); memattn.transfer
+    transfer_steps: int = 0
+    transfer_lr: float = 0.0  # learning rate of the transfer steps (0: train.lr)
+    # > 0: the ordinary steps train rank-lora_rank adapters (LoRA) on the linear weights copied
+    # from train.init_from, and the mechanism's own parameters, with every copied weight frozen
+    lora_rank: int = 0
     out_dir: str = "runs/default"
 
     def __post_init__(self) -> None:
@@ -222,6 +283,17 @@ class TrainConfig:
         if self.distill_weight > 0 and self.segments:
             raise ConfigError("train.distill_weight: not with train.segments (the teacher carries no memory "
                               "from segment to segment)")
+        for name in ("transfer_steps", "lora_rank"):
+            value = getattr(self, name)
+            if value < 0:
+                raise ConfigError(f"train.{name}: expected a number >= 0, got {value}")
+            if value > 0 and not self.init_from:
+                raise ConfigError(f"train.{name}: trains a model started from another one; set train.init_from")
+            if value > 0 and (self.segments or self.parallel == "fsdp"):
+                raise ConfigError(f"train.{name}: not with train.segments or train.parallel=fsdp")
+        _positive("train.transfer_lr", self.transfer_lr, zero_ok=True)
+        if self.transfer_lr > 0 and not self.transfer_steps:
+            raise ConfigError("train.transfer_lr: the learning rate of the transfer steps; set train.transfer_steps")
         if not self.out_dir.strip():
             raise ConfigError("train.out_dir: expected a folder for the run, got an empty string")
 
@@ -244,6 +316,16 @@ class RunConfig:
                               f"and only it does; got data.corpus={self.data.corpus!r}")
         if self.task == "translation" and (self.train.segments or self.train.init_from):
             raise ConfigError("task=translation: train.segments and train.init_from are for language models")
+        if self.task != "translation" and self.train.label_smoothing:
+            raise ConfigError(f"train.label_smoothing: smooths the targets of translation runs (task=translation); "
+                              f"a task={self.task} run trains on the plain cross-entropy, so leave it at 0 (got "
+                              f"{self.train.label_smoothing})")
+        if self.task != "lm" and (self.train.transfer_steps or self.train.lora_rank):
+            raise ConfigError(f"task={self.task}: train.transfer_steps and train.lora_rank are for causal "
+                              "language models (task=lm)")
+        if self.task == "translation" and self.model.attention_layers:
+            raise ConfigError("model.attention_layers: the layers of an encoder-decoder take model.attention "
+                              "and model.encoder_attention")
 
 
 def to_dict(cfg) -> dict[str, Any]:

@@ -20,9 +20,11 @@ import torch
 
 from memattn.config import load_config
 from memattn.data import Vocab
+from memattn.errors import ConfigError
 from memattn.evaluate import as_tensor, evaluate, evaluate_by_length
+from memattn.fileio import atomic_write, atomic_write_text, check_writable, output_lock
 from memattn.generate import generate
-from memattn.train import load_run_corpus, model_from_checkpoint, train
+from memattn.train import holds_run, load_run_corpus, model_from_checkpoint, train
 
 PROMPT = "ROMEO.\n"
 CONTEXTS = (256, 1024, 4096, 16384)  # decoding cost and state measured after this many tokens
@@ -60,7 +62,31 @@ def bpc_at(model, ids, length: int, train_len: int, chars_per_token: float) -> d
 
 
 def run_demo(preset: str, overrides: list[str], mechanisms: list[str], out_dir: str,
-             warm_steps: int = 200, contexts: tuple[int, ...] = CONTEXTS) -> list[dict]:
+             warm_steps: int = 200, contexts: tuple[int, ...] = CONTEXTS, overwrite: bool = False) -> list[dict]:
+    """Train, measure and compare `mechanisms` (the baseline first), each in the run folder
+    out_dir/NAME, and write out_dir/summary.json and decoding.png. A folder that holds an
+    earlier demo is refused before anything is written, unless `overwrite` (its runs are then
+    replaced, each kept until its replacement has a checkpoint)."""
+    repeated = sorted({m for m in mechanisms if mechanisms.count(m) > 1})
+    if repeated:
+        raise ConfigError(f"--attention: {', '.join(repeated)} named twice; each mechanism is trained once, in "
+                          "its own run folder")
+    out = Path(out_dir)
+    if out.exists() and not out.is_dir():
+        raise ConfigError(f"--out-dir: {out} is a file; give a folder for the demo's runs")
+    with output_lock(out, "--out-dir", ConfigError):
+        earlier = [name for name in mechanisms if holds_run(out / name)]
+        if (out / "summary.json").exists():
+            earlier.insert(0, "summary.json")
+        if earlier and not overwrite:
+            raise ConfigError(f"--out-dir: {out} holds an earlier demo ({', '.join(earlier)}); replace it with "
+                              "--overwrite, or choose another --out-dir")
+        check_writable(out)  # before the corpus is prepared and anything trained
+        return _run_demo(preset, overrides, mechanisms, out_dir, warm_steps, contexts, overwrite)
+
+
+def _run_demo(preset: str, overrides: list[str], mechanisms: list[str], out_dir: str,
+              warm_steps: int, contexts: tuple[int, ...], overwrite: bool) -> list[dict]:
     rows = []
     base_dir = f"{out_dir}/{mechanisms[0]}"
     shown = [c for c in SHOWN if c in contexts] or list(contexts[-1:])
@@ -78,7 +104,7 @@ def run_demo(preset: str, overrides: list[str], mechanisms: list[str], out_dir: 
         how = (f"from {mechanisms[0]}, +{warm_steps} steps" if rows and warm_steps
                else f"{cfg.train.steps} steps")
         print(f"\n=== {name}: {how} ===")
-        summary = train(cfg, overwrite=True)  # the demo always trains anew
+        summary = train(cfg, overwrite=overwrite)
         model, cfg, vocab_json = model_from_checkpoint(summary["checkpoint"])
         test = evaluate(model, as_tensor(corpus.test), seq_len=cfg.train.seq_len,
                         batch_size=cfg.train.batch_size, chars_per_token=corpus.chars_per_token("test"))
@@ -94,8 +120,7 @@ def run_demo(preset: str, overrides: list[str], mechanisms: list[str], out_dir: 
                      "decoding": {str(c): v for c, v in cost.items()}})
     print_table(rows, shown)
     out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "summary.json").write_text(json.dumps(rows, indent=2))
+    atomic_write_text(out / "summary.json", json.dumps(rows, indent=2))
     plot_decoding(rows, out / "decoding.png")
     return rows
 
@@ -150,6 +175,6 @@ def plot_decoding(rows: list[dict], path: Path) -> None:
         ax.grid(alpha=0.3)
         ax.legend()
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    atomic_write(path, lambda tmp: fig.savefig(tmp, dpi=110, format="png"))
     plt.close(fig)
     print(f"plot: {path}")

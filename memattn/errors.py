@@ -13,6 +13,15 @@ class ConfigError(MemattnError, ValueError):
     """A configuration key or value that cannot be used."""
 
 
+class UsageError(ConfigError):
+    """A command line that cannot be parsed: an unknown option, a missing argument, a number
+    out of its range. `prog` is the command it concerns (e.g. "memattn eval")."""
+
+    def __init__(self, message: str, prog: str = "memattn") -> None:
+        super().__init__(message)
+        self.prog = prog
+
+
 class ShapeError(MemattnError, ValueError):
     """A tensor with the wrong rank, shape or dtype."""
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import numpy as np
 import torch
@@ -32,7 +33,7 @@ def segment_window(ids: torch.Tensor, streams: int, seq_len: int, segment: int) 
 def evaluate(model: torch.nn.Module, ids: torch.Tensor, *, seq_len: int, batch_size: int,
              max_batches: int = 0, device: str | torch.device = "cpu",
              segments: bool = False, context: int = 0, chars_per_token: float = 1.0,
-             by_position: bool = False) -> dict:
+             by_position: bool = False, progress: Callable[[int, int], None] | None = None) -> dict:
     """Loss over consecutive non-overlapping segments of `seq_len` scored tokens.
 
     ids: int64 [N]. max_batches > 0 evaluates only the first batches (deterministic).
@@ -48,6 +49,7 @@ def evaluate(model: torch.nn.Module, ids: torch.Tensor, *, seq_len: int, batch_s
     token over it (the split's average, also when only part of it is scored).
     by_position: also "bpc_by_position", the bits per character at each of the seq_len scored
     positions of a segment (the mean over the segments), where the loss falls in a window.
+    progress(windows done, windows in all): called after each batch of windows (not streams).
     Returns {"loss": nats/token, "bpc": bits/character, "bits_per_token", "ppl": perplexity,
     "tokens": count}.
     """
@@ -77,6 +79,8 @@ def evaluate(model: torch.nn.Module, ids: torch.Tensor, *, seq_len: int, batch_s
         targets = window[:, context + 1:]
         loss = F.cross_entropy(logits.float().transpose(1, 2), targets, reduction="none")  # [b, seq_len]
         per_position += loss.sum(0).double().cpu()
+        if progress is not None:
+            progress(min(start + batch_size, n_windows), n_windows)
     model.train(was_training)
     scores = _scores(per_position.sum().item(), n_windows * seq_len, chars_per_token)
     if by_position:
@@ -297,5 +301,9 @@ def plot_by_length(result: dict, path, title: str = "") -> None:
     ax.grid(alpha=0.3)
     ax.legend()
     fig.tight_layout()
-    fig.savefig(path, dpi=110, format="png")
-    plt.close(fig)
+    from memattn.fileio import atomic_write
+
+    try:
+        atomic_write(path, lambda tmp: fig.savefig(tmp, dpi=110, format="png"))
+    finally:
+        plt.close(fig)

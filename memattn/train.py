@@ -12,6 +12,10 @@ carries each layer's bounded, detached memory of the previous segment into the n
 That memory was made with the previous step's weights, so it cannot be rebuilt from a
 checkpoint's weights: checkpoints store it (gathered over the ranks) and --resume restores it.
 The objective adds the model's auxiliary losses (`aux_loss()`, e.g. adaptive-span penalties).
+
+A run started from a softmax run may first transfer attention (train.transfer_steps,
+memattn.transfer): steps of their own, before the ordinary ones, that train the mechanism's own
+parameters alone; they are logged, checkpointed and resumed like the ordinary steps.
 """
 
 from __future__ import annotations
@@ -33,7 +37,7 @@ import torch.nn.functional as F
 import yaml
 
 from memattn.checkpoint import load_checkpoint, restore, save_checkpoint
-from memattn.fileio import atomic_write
+from memattn.fileio import atomic_write, atomic_write_text, remove_stale_temporaries
 from memattn.config import RunConfig, TrainConfig, from_dict, to_dict
 from memattn.errors import CheckpointError, ConfigError, TrainingError
 from memattn.evaluate import as_tensor, evaluate, segment_window
@@ -78,8 +82,13 @@ def project_parameters(model: torch.nn.Module) -> None:
 
 def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict[str, Any]]:
     """Weight decay on matrices only (not on norms, biases or gains)."""
+    return decay_groups(model.parameters(), weight_decay)
+
+
+def decay_groups(params, weight_decay: float) -> list[dict[str, Any]]:
+    """The optimiser's groups of `params`: weight decay on matrices only."""
     decay, no_decay = [], []
-    for p in model.parameters():
+    for p in params:
         (decay if p.dim() >= 2 else no_decay).append(p)
     return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
 
@@ -128,6 +137,16 @@ class Distributed:
     def barrier(self) -> None:
         if self.enabled:
             dist.barrier()
+
+    def average_grads(self, params) -> None:
+        """Each gradient of `params` averaged over the ranks (for parameters that no DDP wrapper
+        reduces: attention transfer, which calls layers directly, and LoRA adapters)."""
+        if not self.enabled:
+            return
+        for p in params:
+            if p.grad is not None:
+                dist.all_reduce(p.grad)
+                p.grad /= self.world
 
     def close(self) -> None:
         if self.enabled and dist.is_initialized():
@@ -252,8 +271,12 @@ def run_folder_lock(out: Path, enabled: bool = True):
         return
     import fcntl
 
-    out.mkdir(parents=True, exist_ok=True)
-    with open(out / ".lock", "a+") as f:
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        f = open(out / ".lock", "a+")
+    except OSError as e:  # where the lock cannot be made, the run cannot be written: say so of the folder
+        raise type(e)(e.errno, e.strerror, str(out)) from e
+    with f:
         try:
             fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -261,15 +284,85 @@ def run_folder_lock(out: Path, enabled: bool = True):
             holder = f.read().strip() or "another process"
             raise ConfigError(f"train.out_dir: {out} is in use by {holder}; wait for it to finish "
                               "or choose another train.out_dir") from None
-        f.seek(0)
-        f.truncate()
-        f.write(f"process {os.getpid()} on {socket.gethostname()}\n")
-        f.flush()
+        with contextlib.suppress(OSError):  # who holds it, for the message of the refused (a full disk: unsaid)
+            f.seek(0)
+            f.truncate()
+            os.write(f.fileno(), f"process {os.getpid()} on {socket.gethostname()}\n".encode())  # unbuffered
         try:
             yield
         finally:
             f.truncate(0)
             fcntl.flock(f, fcntl.LOCK_UN)
+
+
+REPLACED = ".replaced"  # the run an --overwrite replaces, kept until the new run's first checkpoint
+REPLACING = ".replacing"  # the same while its files are being moved there
+
+
+def run_files(out: Path) -> list[Path]:
+    """The files of the run in folder `out` (what --overwrite replaces)."""
+    names = ("checkpoint.safetensors", "log.jsonl", "summary.json", "config.yaml")
+    return [out / n for n in names if (out / n).exists()] + sorted(out.glob("checkpoint.dcp.*"))
+
+
+def holds_run(out: Path) -> bool:
+    return (out / "checkpoint.safetensors").exists() or (out / "log.jsonl").exists()
+
+
+def set_run_aside(out: Path) -> bool:
+    """--overwrite: move the run in `out` into out/REPLACED (nothing is deleted yet); returns
+    whether there was one."""
+    files = run_files(out)
+    if not files:
+        return False
+    moving = out / REPLACING  # renamed to REPLACED once every file is in: a kill midway leaves REPLACING
+    moving.mkdir()
+    for f in files:
+        f.rename(moving / f.name)
+    moving.rename(out / REPLACED)
+    return True
+
+
+def settle_replaced_run(out: Path) -> None:
+    """Finish what an --overwrite left: once the new run has a checkpoint the replaced run is
+    removed; a new run that stopped before its first one is dropped and the replaced run put
+    back (said on stderr)."""
+    import shutil
+
+    moving = out / REPLACING
+    if moving.is_dir():  # killed while setting the run aside, before the new run started: put it back
+        for f in moving.iterdir():
+            f.rename(out / f.name)
+        moving.rmdir()
+    aside = out / REPLACED
+    if not aside.is_dir():
+        return
+    if (out / "checkpoint.safetensors").exists():
+        shutil.rmtree(aside)
+        return
+    for f in run_files(out):  # the new run's log and config: it saved nothing to go on from
+        shutil.rmtree(f) if f.is_dir() else f.unlink()
+    for f in aside.iterdir():
+        f.rename(out / f.name)
+    aside.rmdir()
+    print(f"memattn train: note: {out}: the run replacing the one there (--overwrite) stopped before its "
+          "first checkpoint; the run it replaced is back, as it was", file=sys.stderr)
+
+
+def read_summary(out: Path) -> dict[str, Any] | None:
+    """summary.json of the run in `out`, None when there is none or it cannot be read (a
+    write cut short by an older memattn; it is then written anew, and said so)."""
+    path = out / "summary.json"
+    if not path.exists():
+        return None
+    try:
+        summary = json.loads(path.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        summary = None
+    if not isinstance(summary, dict):
+        print(f"memattn train: note: {path} cannot be read (cut short); it is written anew", file=sys.stderr)
+        return None
+    return summary
 
 
 def train(cfg: RunConfig, *, resume: bool = False, overwrite: bool = False, progress: bool = True,
@@ -279,24 +372,43 @@ def train(cfg: RunConfig, *, resume: bool = False, overwrite: bool = False, prog
     resume: continue from the checkpoint in train.out_dir; a run that already reached
     train.steps is returned as it is (summary "complete": True; nothing is rewritten).
     overwrite: start anew in a train.out_dir that holds a run; without it (or resume) such a
-    folder is refused, so no run is replaced by accident.
+    folder is refused, so no run is replaced by accident. The replaced run is moved aside
+    (`REPLACED`) and removed only once the new run has saved its first checkpoint: a new run
+    that stops before that gives the old one back (at once, or at the next `train` in the
+    folder when the process was killed).
     """
     if resume and overwrite:
         raise ConfigError("--resume and --overwrite: choose one (continue the run, or replace it)")
+    out = Path(cfg.train.out_dir)
+    if out.exists() and not out.is_dir():
+        raise ConfigError(f"train.out_dir: {out} is a file, not a folder; choose a folder for the run")
     ddp = Distributed(cfg.train.device)
+    created = ddp.main and not out.exists()
     try:
-        out = Path(cfg.train.out_dir)
         with run_folder_lock(out, ddp.main):
-            if not (resume or overwrite) and ((out / "checkpoint.safetensors").exists()
-                                               or (out / "log.jsonl").exists()):
+            if ddp.main:
+                remove_stale_temporaries(out)  # what a killed write left; the lock says none is under way
+                settle_replaced_run(out)
+            if not (resume or overwrite) and holds_run(out):
                 raise ConfigError(f"train.out_dir: {out} holds a run already; continue it with "
                                   "--resume, replace it with --overwrite, or choose another train.out_dir")
-            summary = _train(cfg, ddp, resume, progress, on_step)
+            replacing = overwrite and ddp.main and set_run_aside(out)
+            try:
+                summary = _train(cfg, ddp, resume, progress, on_step)
+            finally:
+                if replacing:
+                    settle_replaced_run(out)
         # Every rank finishes before any tears the process group down: a rank that exits
         # while another is still in gloo's last exchange aborts it ("terminate called
         # without an active exception", seen once torch also loads triton).
         ddp.barrier()
         return summary
+    except BaseException:
+        if created and out.is_dir() and {p.name for p in out.iterdir()} <= {".lock"}:  # refused: no empty folder left
+            (out / ".lock").unlink(missing_ok=True)
+            with contextlib.suppress(OSError):
+                out.rmdir()
+        raise
     finally:
         ddp.close()
 
@@ -323,7 +435,8 @@ def _train(cfg: RunConfig, ddp: Distributed, resume: bool, progress: bool, on_st
     if source is not None and source.vocab is not None:
         from memattn.data import Vocab
 
-        corpus = corpus.encoded_with(Vocab.from_json(source.vocab))
+        corpus = read_with_vocab(corpus, Vocab.from_json(source.vocab), f"the vocabulary of train.init_from "
+                                 f"{tc.init_from}", say=ddp.main)
     if cfg.task == "mlm":
         from memattn.masked import MaskedLMTask
 
@@ -381,6 +494,99 @@ class LanguageModelData(NamedTuple):
     val_ids: torch.Tensor
 
 
+def drop_transfer_records_after(log: JsonlLog, step: int) -> None:
+    """Keep the transfer steps' records up to transfer step `step` (a resume in the transfer phase)."""
+    if not (log.enabled and log.path.exists()):
+        return
+    kept = []
+    for line in log.path.read_text(errors="replace").splitlines():
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if not (isinstance(record, dict) and record.get("transfer_step", 0) > step):
+            kept.append(line)
+    atomic_write(log.path, lambda tmp: tmp.write_text("".join(f"{line}\n" for line in kept)))
+
+
+def transfer_attention(cfg: RunConfig, ddp: Distributed, transfer, optimizer: torch.optim.Optimizer,
+                       train_ids: torch.Tensor, device, log: JsonlLog, ckpt_path: Path, meta: dict[str, Any],
+                       first: int, seconds_before: float, progress: bool, on_step) -> float:
+    """Transfer steps first .. train.transfer_steps of attention transfer (memattn.transfer):
+    `optimizer` updates the mechanism's own parameters only, every other one frozen meanwhile.
+
+    Like the ordinary steps, step k reads a batch and a dropout seed that are functions of
+    (train.seed, k, rank) alone (batches of "step" -1 - k: other windows than the ordinary
+    steps'), logs every train.log_every steps ({"phase": "transfer", "step": 0, "transfer_step",
+    "transfer_loss", "transfer_layers": the error of each transferred layer, "lr"}) and
+    checkpoints every train.save_every and at the last one (step 0, meta "transfer": {"step",
+    "steps"}, the transfer optimiser's state), so a run resumed in this phase goes on as an
+    uninterrupted one. Returns the seconds spent.
+    """
+    tc = cfg.train
+    n = tc.transfer_steps
+    schedule = dataclasses.replace(tc, steps=n, lr=tc.transfer_lr or tc.lr, warmup=min(tc.warmup, n // 10))
+    model = transfer.model
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    was = {id(p): p.requires_grad for p in model.parameters()}
+    model.requires_grad_(False)
+    for p in params:
+        p.requires_grad_(True)
+    model.train()
+    bar = None
+    if progress and ddp.main:
+        from tqdm.auto import tqdm
+
+        bar = tqdm(total=n, initial=first, desc=f"transfer to {cfg.model.attention.name}", unit="step",
+                   dynamic_ncols=True)
+    started = time.perf_counter()
+    try:
+        for k in range(first, n):
+            lr = lr_at(k, schedule)
+            for group in optimizer.param_groups:
+                group["lr"] = lr
+            x, _ = sample_batch(train_ids, -1 - k, tc, ddp.rank, ddp.world)
+            torch.manual_seed(step_seed(tc.seed, -1 - k, ddp.rank))  # dropout of this step
+            loss, layers = transfer.loss(x.to(device))
+            loss.backward()
+            ddp.average_grads(params)
+            if tc.grad_clip > 0:
+                torch.nn.utils.clip_grad_norm_(params, tc.grad_clip)
+            optimizer.step()
+            project_parameters(model)
+            optimizer.zero_grad(set_to_none=True)
+            done = k + 1
+            saving, logging = done % tc.save_every == 0 or done == n, done % tc.log_every == 0 or done == n
+            value = ddp.mean(loss.item()) if saving or logging else 0.0
+            if not math.isfinite(value):
+                raise TrainingError(f"transfer step {done}: the transfer loss is {value} (not finite), so "
+                                    f"training stopped and nothing of it was saved; lower train.transfer_lr "
+                                    f"(now {schedule.lr:g})")
+            if logging:
+                record = {"phase": "transfer", "step": 0, "transfer_step": done, "transfer_loss": value,
+                          "transfer_layers": {str(i): ddp.mean(t.item()) for i, t in zip(transfer.layers, layers)},
+                          "lr": lr}
+                log.write(record)
+                if bar is not None:
+                    bar.set_postfix(transfer_loss=f"{value:.4g}")
+                if on_step is not None:
+                    on_step(0, record)
+            if saving and ddp.main:
+                save_checkpoint(ckpt_path, model, step=0, optimizer=optimizer,
+                                meta=dict(meta, transfer={"step": done, "steps": n},
+                                          train_seconds=seconds_before + time.perf_counter() - started))
+            if saving:
+                ddp.barrier()
+            if bar is not None:
+                bar.update(1)
+    finally:
+        if bar is not None:
+            bar.close()
+        for p in model.parameters():
+            p.requires_grad_(was[id(p)])
+    return time.perf_counter() - started
+
+
 def _train_loop(cfg: RunConfig, ddp: Distributed, resume: bool, progress: bool, on_step, device,
                 data) -> dict[str, Any]:
     """The loop shared by the tasks: `data` is a LanguageModelData, or the task's object
@@ -397,11 +603,23 @@ def _train_loop(cfg: RunConfig, ddp: Distributed, resume: bool, progress: bool, 
     log = JsonlLog(out / "log.jsonl", ddp.main)
     torch.manual_seed(tc.seed)
     model = build_model(cfg)
-    teacher = None
-    if tc.distill_weight > 0:
+    own = None  # train.transfer_steps / lora_rank: the names of the mechanism's own parameters
+    if tc.transfer_steps or tc.lora_rank:
+        from memattn.transfer import check_transfer, own_parameters
+
+        if source.converted:
+            raise ConfigError(f"train.{'transfer_steps' if tc.transfer_steps else 'lora_rank'}: for memattn's own "
+                              f"models; {source.path} is a converted transformers model (train it with "
+                              "train.distill_weight, or with PEFT's LoRA)")
+        own = own_parameters(model, source)
+        if tc.transfer_steps:
+            check_transfer(model, source, own)
+    teacher = source_net = None  # source_net: the init_from model, frozen (distillation, transfer)
+    if tc.distill_weight > 0 or tc.transfer_steps:
         from memattn.warmstart import teacher_model
 
-        teacher = teacher_model(source).to(device)
+        source_net = teacher_model(source).to(device)
+        teacher = source_net if tc.distill_weight > 0 else None
     if source is not None and not source.converted and not resume:
         from memattn.warmstart import warm_start
 
@@ -416,7 +634,21 @@ def _train_loop(cfg: RunConfig, ddp: Distributed, resume: bool, progress: bool, 
         from memattn import sharded as fsdp
 
         fsdp.shard(model)
-    optimizer = torch.optim.AdamW(param_groups(model, tc.weight_decay), lr=tc.lr, betas=tc.betas)
+    trainable = list(model.parameters())  # what the ordinary steps train
+    transfer_optimizer = lora = None
+    if own is not None:
+        named = dict(model.named_parameters())
+        if tc.transfer_steps:
+            transfer_optimizer = torch.optim.AdamW(decay_groups([named[n] for n in own], tc.weight_decay),
+                                                   lr=tc.transfer_lr or tc.lr, betas=tc.betas)
+        if tc.lora_rank:
+            from memattn.transfer import LoRA
+            from memattn.warmstart import warm_start_weights
+
+            lora = LoRA(model, LoRA.targets_of(model, set(warm_start_weights(model, source))), tc.lora_rank)
+            trainable = [named[n] for n in own] + list(lora.parameters())
+    optimizer = torch.optim.AdamW(decay_groups(trainable, tc.weight_decay), lr=tc.lr, betas=tc.betas)
+    transferred = tc.transfer_steps if resume else 0  # transfer steps done (a checkpoint may say fewer)
     carry: ModelCache | None = None  # train.segments: the memory carried from step to step
     if tc.segments:
         check_segments(model, cfg)
@@ -430,28 +662,58 @@ def _train_loop(cfg: RunConfig, ddp: Distributed, resume: bool, progress: bool, 
         check_resumable(ckpt.meta["config"], cfg)
         start = ckpt.step
         seconds_before = float(ckpt.meta.get("train_seconds", 0.0))
-        if start >= tc.steps and (out / "summary.json").exists():  # complete: nothing to add
-            return dict(json.loads((out / "summary.json").read_text()), complete=True, checkpoint_step=start)
+        done_summary = read_summary(out) if start >= tc.steps else None
+        if done_summary is not None:  # complete: nothing to add
+            return dict(done_summary, complete=True, checkpoint_step=start)
+        if task is None and ddp.main:
+            changed = changed_splits(ckpt.meta.get("data", {}), corpus)
+            if changed:
+                which = " and ".join([", ".join(changed[:-1]), changed[-1]] if len(changed) > 1 else changed)
+                print(f"memattn train: note: --resume: the {which} split{'s' if len(changed) > 1 else ''} of "
+                      f"{cfg.data.corpus!r} {'are' if len(changed) > 1 else 'is'} not the text the checkpoint was "
+                      "trained with (it changed since); the run goes on with the text as it is now", file=sys.stderr)
+        in_transfer = start == 0 and "transfer" in ckpt.meta  # saved by the transfer steps
+        if in_transfer:
+            transferred = int(ckpt.meta["transfer"]["step"])
         if sharded:
             fsdp.load_shards(out, ckpt.meta, model, optimizer)
+        elif in_transfer:
+            restore(ckpt, model, transfer_optimizer if transferred < tc.transfer_steps else None)
         else:
             restore(ckpt, model, optimizer)
+        if lora is not None and not in_transfer:  # the checkpoint holds merged weights: the base is the source's
+            from memattn.warmstart import warm_start_weights
+
+            lora.load(ckpt.extra(), warm_start_weights(model, source))
         log.truncate_after(start)
+        if in_transfer:
+            drop_transfer_records_after(log, transferred)
         if tc.segments:
             carry = restore_carried_memory(ckpt, model, tc.batch_size // ddp.world, ddp, device)
     elif ddp.main:
         out.mkdir(parents=True, exist_ok=True)
         log.path.unlink(missing_ok=True)
     if ddp.main:
-        (out / "config.yaml").write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))
+        atomic_write_text(out / "config.yaml", yaml.safe_dump(to_dict(cfg), sort_keys=False))
+    meta = {"config": to_dict(cfg), "vocab": corpus.vocab.to_json(), "corpus": corpus.name,
+            "data": {split: fingerprint(corpus.split(split)) for split in ("train", "val", "test")}
+            if task is None else {}}
+    if transferred < tc.transfer_steps:
+        from memattn.transfer import AttentionTransfer
+
+        seconds_before += transfer_attention(
+            cfg, ddp, AttentionTransfer(model, source_net, own), transfer_optimizer, train_ids, device, log,
+            ckpt_path, meta, transferred, seconds_before, progress, on_step)
+    if lora is not None:  # the ordinary steps train the adapters and the mechanism's own parameters
+        model.requires_grad_(False)
+        for p in trainable:
+            p.requires_grad_(True)
+        lora.attach()
     wrapped = model
     if ddp.enabled and not sharded:
         wrapped = torch.nn.parallel.DistributedDataParallel(
             model, device_ids=[device.index] if device.type == "cuda" else None)
 
-    meta = {"config": to_dict(cfg), "vocab": corpus.vocab.to_json(), "corpus": corpus.name,
-            "data": {split: fingerprint(corpus.split(split)) for split in ("train", "val", "test")}
-            if task is None else {}}
     n_params = model.num_parameters()
     bar = None
     if progress and ddp.main:
@@ -498,8 +760,10 @@ def _train_loop(cfg: RunConfig, ddp: Distributed, resume: bool, progress: bool, 
                 distill = distill_loss(logits, teacher_logits)
                 aux = tc.distill_weight * distill if aux is None else aux + tc.distill_weight * distill
         (loss if aux is None else loss + aux).backward()
+        if lora is not None:
+            ddp.average_grads(lora.parameters())
         if tc.grad_clip > 0:
-            torch.nn.utils.clip_grad_norm_(model.parameters(), tc.grad_clip)
+            torch.nn.utils.clip_grad_norm_(trainable, tc.grad_clip)
         optimizer.step()
         project_parameters(model)
         optimizer.zero_grad(set_to_none=True)
@@ -545,6 +809,8 @@ def _train_loop(cfg: RunConfig, ddp: Distributed, resume: bool, progress: bool, 
             if sharded:  # every rank writes its shards and joins in gathering the weights
                 shards = fsdp.save_shards(out, done, model, optimizer, ddp.main)
                 weights = fsdp.full_weights(model)
+            if lora is not None:  # a model that reads without adapters, and the adapters to go on with
+                weights, extra = lora.merged_state(model), dict(extra, **lora.tensors())
             if ddp.main:
                 save_checkpoint(ckpt_path, model, step=done, optimizer=None if sharded else optimizer,
                                 extra=extra, state=weights,
@@ -565,7 +831,7 @@ def _train_loop(cfg: RunConfig, ddp: Distributed, resume: bool, progress: bool, 
                "wall_s": wall, "train_seconds": seconds_before + wall, "checkpoint": str(ckpt_path), "world_size": ddp.world,
                "ranks_in_sync": ddp.in_sync(model)}
     if ddp.main:
-        (out / "summary.json").write_text(json.dumps(summary, indent=2))
+        atomic_write_text(out / "summary.json", json.dumps(summary, indent=2))
     return summary
 
 
@@ -584,12 +850,42 @@ def checkpoint_split(path: str | os.PathLike, cfg: RunConfig, vocab_json: dict[s
         except ConfigError as e:
             raise ConfigError(f"{split} split of {cfg.data.corpus!r}: {e}") from None
     ids = corpus.split(split)
-    recorded = load_checkpoint(path).meta.get("data", {}).get(split)
-    if recorded is None or recorded == fingerprint(ids):
+    if split not in changed_splits(load_checkpoint(path).meta.get("data", {}), corpus, (split,)):
         return ids, corpus.chars_per_token(split), None
     return ids, corpus.chars_per_token(split), (f"the {split} split of {cfg.data.corpus!r} is not the one this checkpoint was trained "
                  "with (its text changed); the figures are of the text as it is now, read with the "
                  "checkpoint's vocabulary")
+
+
+def read_with_vocab(corpus, vocab, what: str, say: bool = True):
+    """`corpus` read with another vocabulary (`Corpus.encoded_with`), and a note on stderr
+    (`say`) of the characters `what` (that vocabulary, in words) lacks and reads as its
+    unknown symbol: how many, what share, which."""
+    import numpy as np
+
+    encoded = corpus.encoded_with(vocab)
+    if encoded is corpus or getattr(vocab, "kind", None) != "char" or vocab.unk_id is None \
+            or getattr(corpus.vocab, "kind", None) != "char":
+        return encoded
+    known = set(vocab.symbols) - {vocab.symbols[vocab.unk_id]}
+    missing = [i for i, c in enumerate(corpus.vocab.symbols) if c not in known and i != corpus.vocab.unk_id]
+    if not missing or not say:
+        return encoded
+    counts = {s: np.isin(corpus.split(s), missing) for s in ("train", "val", "test")}
+    n, total = sum(int(m.sum()) for m in counts.values()), sum(len(m) for m in counts.values())
+    if n:
+        seen = np.unique(np.concatenate([corpus.split(s)[m] for s, m in counts.items()]))
+        shown = "".join(corpus.vocab.symbols[i] for i in seen[:40])
+        print(f"memattn train: note: {n:,} of the {total:,} characters of {corpus.name!r} ({100 * n / total:.2g} %) "
+              f"are not in {what} and are read as its unknown symbol: {shown!r}", file=sys.stderr)
+    return encoded
+
+
+def changed_splits(recorded: dict[str, str], corpus, splits=("train", "val", "test")) -> list[str]:
+    """The splits of `corpus` whose token ids differ from the fingerprints a checkpoint
+    recorded at training (`recorded`: split -> fingerprint; a split it did not record counts
+    as unchanged): what eval and --resume say when the text changed since."""
+    return [s for s in splits if recorded.get(s) is not None and recorded[s] != fingerprint(corpus.split(s))]
 
 
 def fingerprint(ids) -> str:
@@ -627,6 +923,29 @@ def model_from_checkpoint(path: str | os.PathLike, device: str = "cpu"):
         raise CheckpointError(f"checkpoint {ckpt.path}: its metadata lacks {' and '.join(missing)}; "
                               "not a language-model checkpoint written by `memattn train`")
     cfg = from_dict(RunConfig, ckpt.meta["config"])
+    check_vocab_fits(ckpt, cfg)
     model = build_model(cfg)
     restore(ckpt, model)
     return model.to(device).eval(), cfg, ckpt.meta["vocab"]
+
+
+def check_vocab_fits(ckpt, cfg: RunConfig) -> None:
+    """CheckpointError unless the checkpoint's vocabulary can be read and has the size its
+    model was built for (model.vocab_size; one more, the mask token, for a masked LM): text
+    encoded with a vocabulary of another size would give ids the model does not have."""
+    from memattn.data import Vocab
+    from memattn.warmstart import is_converted
+
+    try:
+        vocab = Vocab.from_json(ckpt.meta["vocab"])
+    except (ValueError, KeyError, TypeError) as e:
+        raise CheckpointError(f"checkpoint {ckpt.path}: its vocabulary cannot be read ({e}); the file was "
+                              "altered after it was saved") from None
+    if cfg.train.init_from and is_converted(cfg.train.init_from):
+        return  # the converted model's own vocabulary, read from its folder
+    want = vocab.size + (1 if cfg.task == "mlm" else 0)
+    if cfg.model.vocab_size != want:
+        raise CheckpointError(f"checkpoint {ckpt.path}: its vocabulary has {vocab.size} symbols, but its model "
+                              f"was built for model.vocab_size={cfg.model.vocab_size}"
+                              f"{' (with the mask token)' if cfg.task == 'mlm' else ''}; the metadata was altered "
+                              "after it was saved")

@@ -162,6 +162,10 @@ def translate_texts(model, vocab, texts: list[str], *, beam: int = 1, length_pen
     longest source plus 10, at most model.max_len - 1)."""
     from memattn.decoding import beam_search, greedy
 
+    if max_len is not None and max_len < 1:
+        raise ConfigError(f"max_len: expected a longest output of at least 1 token (None: the default), got {max_len}")
+    if batch_size < 1:
+        raise ConfigError(f"batch_size: expected at least 1 sentence a batch, got {batch_size}")
     limit = model.cfg.max_len
     encoded = []
     for i, text in enumerate(texts):
@@ -178,7 +182,7 @@ def translate_texts(model, vocab, texts: list[str], *, beam: int = 1, length_pen
     for start in range(0, len(order), batch_size):
         rows = order[start:start + batch_size]
         src = pad_rows([encoded[i] for i in rows], vocab.pad_id).to(device)
-        longest = min(max_len or 2 * src.shape[1] + 10, limit - 1)
+        longest = min(max_len if max_len is not None else 2 * src.shape[1] + 10, limit - 1)
         how = dict(src_mask=src != vocab.pad_id, bos=vocab.bos_id, eos=vocab.eos_id, max_len=longest)
         hyps = (greedy(model, src, **how) if beam == 1 else
                 beam_search(model, src, beam=beam, length_penalty=length_penalty, **how))

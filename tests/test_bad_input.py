@@ -34,7 +34,8 @@ def one_line_error(capsys, argv, message):
 
 
 CASES = [  # (command after the fixture's run folder or overrides is put in, message)
-    (["eval", "{run}", "--seq-len", "-5"], "--seq-len: expected a number >= 0"),
+    (["eval", "{run}", "--seq-len", "-5"], "--seq-len: expected a number >= 1"),
+    (["eval", "{run}", "--seq-len", "0"], "--seq-len: expected a number >= 1"),
     (["eval", "{run}", "--batch-size", "0"], "--batch-size: expected a number >= 1"),
     (["eval", "{run}", "--context", "-1"], "--context"),
     (["generate", "{run}", "--tokens", "-5"], "--tokens: expected a number of tokens >= 0"),

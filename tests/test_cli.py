@@ -103,10 +103,10 @@ def test_info_lists_every_mechanism_with_its_options(capsys):
 
 
 def test_demo_compares_a_memory_mechanism_and_runs_twice_into_the_same_folder(text_file, tmp_path, capsys):
-    """The demo trains softmax, starts abc-mlp from it, and shows the decoding state: growing
-    with the context for softmax, fixed for abc-mlp, and the test bpc over the first tokens
-    of the longest context shown (evaluate_by_length: softmax as a window, abc-mlp streamed).
-    Run again, it trains anew."""
+    """The demo trains softmax, starts gsa from it, and shows the decoding state: growing
+    with the context for softmax, fixed for gsa, and the test bpc over the first tokens
+    of the longest context shown (evaluate_by_length: softmax as a window, gsa streamed).
+    Run again into the same folder, it is refused; with --overwrite it trains anew."""
     import torch
     import torch.nn.functional as F
 
@@ -116,13 +116,15 @@ def test_demo_compares_a_memory_mechanism_and_runs_twice_into_the_same_folder(te
     over = [o for o in tiny_overrides(text_file, tmp_path) if not o.startswith("train.out_dir")]
     argv = ["demo", "--config", "tiny", *over, "train.steps=3", "train.eval_every=3", "train.save_every=3",
             "--out-dir", str(tmp_path / "demo"), "--warm-steps", "2", "--contexts", "16", "64"]
-    assert main(argv) == 0 and main(argv) == 0
+    assert main(argv) == 0
+    assert main(argv) == 2 and "holds an earlier demo" in capsys.readouterr().err
+    assert main([*argv, "--overwrite"]) == 0
     soft, abc = json.loads((tmp_path / "demo" / "summary.json").read_text())
-    assert (soft["attention"], abc["attention"]) == ("softmax", "abc-mlp")
+    assert (soft["attention"], abc["attention"]) == ("softmax", "gsa")
     assert abc["trained"] == "from softmax, +2 steps"
     state = {r["attention"]: [r["decoding"][c]["state_bytes"] for c in ("16", "64")] for r in (soft, abc)}
     assert state["softmax"][1] == 4 * state["softmax"][0]  # one key and value per token
-    assert state["abc-mlp"][0] == state["abc-mlp"][1] > 0  # a fixed-size memory
+    assert state["gsa"][0] == state["gsa"][1] > 0  # a fixed-size memory
     assert (tmp_path / "demo" / "decoding.png").exists()
     head = [line for line in capsys.readouterr().out.splitlines() if line.startswith("attention ")][-1]
     assert "bpc @64" in head  # the table's column

@@ -59,13 +59,22 @@ def finished_row(run_dir: Path, job: Job) -> dict[str, Any] | None:
     with other settings."""
     path = run_dir / ROW_FILE
     settings = run_dir / "settings.json"
-    if settings.exists() and json.loads(settings.read_text()) != list(job.settings):
+    if settings.exists() and read_json(settings) != list(job.settings):
         raise ConfigError(f"{run_dir}: this run folder was made with other settings than the "
                           f"job {job.name!r} has now; move it away (or use another --out-dir) "
                           "to train it anew")
     if not path.exists():
         return None
-    return json.loads(path.read_text())
+    return read_json(path)
+
+
+def read_json(path: Path) -> Any:
+    """The JSON in `path`, or ConfigError naming it when it cannot be read as JSON."""
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ConfigError(f"{path}: not valid JSON ({e}); it was cut short or edited: move the run folder "
+                          "away (or use another --out-dir) to train it anew") from None
 
 
 def train_and_measure(run_dir: Path, job: Job, measure: Measure) -> dict[str, Any]:

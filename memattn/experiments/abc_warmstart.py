@@ -10,6 +10,12 @@ and feed-forward layers are the pretrained model's, only the mechanism's own par
 causal LM (test bits per character), and with a masked-LM encoder (task=mlm: test accuracy
 at the masked positions; the paper's setting, which fine-tunes a pretrained RoBERTa).
 
+The causal LM also has rows of the conversion recipe of LoLCATs and Liger (not in the paper):
+attention transfer first (`train.transfer_steps`: the mechanism's own parameters alone trained
+so that each layer reproduces the frozen softmax layer's output, memattn.transfer), then the
+same K steps end to end, plain or with distillation from the pretrained model
+(`train.distill_weight`).
+
 Each model is a run folder under out_dir/runs/ (out_dir/mlm/runs/ for the encoders): the
 pretrained model trains first (the others start from it), then the rest, `--jobs N` at a
 time; running the experiment again reuses finished models and resumes unfinished ones.
@@ -35,6 +41,10 @@ DESCRIPTION = ("warm start (Peng et al. 2022 §5.3): a pretrained softmax LM con
 
 PRETRAIN_STEPS = {False: 1500, True: 12}  # the pretrained softmax model: abc-lm's first budget
 ON_STEPS = {False: 500, True: 6}  # K: every other model
+# abc-lm's trunk with the budget it had when this experiment ran (abc-lm's own runs have since
+# moved to 6,000 steps): the committed run folders were made with these settings
+TRUNK = {quick: [f"train.steps={PRETRAIN_STEPS[quick]}" if s.startswith("train.steps=") else s
+                 for s in (ABC_LM_QUICK if quick else ABC_LM_FULL)] for quick in (False, True)}
 PRETRAINED = "softmax, pretrained"
 CONVERTED = {
     False: [("abc-mlp, M=32", "abc-mlp", {"num_slots": 32}), ("abc-mlp, M=64", "abc-mlp", {"num_slots": 64}),
@@ -44,20 +54,35 @@ CONVERTED = {
 }
 
 
-def models_of(quick: bool, source: Path) -> list[Model]:
-    """The pretrained model, softmax trained on, and each mechanism from softmax and from scratch."""
+# The recipe's rows: transfer steps (their own learning rate) before the K ordinary steps, and
+# the weight of the distillation term in the rows that add it.
+TRANSFER = {False: {"train.transfer_steps": 300, "train.transfer_lr": 0.03},
+            True: {"train.transfer_steps": 4, "train.transfer_lr": 0.03}}
+DISTILL = {"train.distill_weight": 1.0}
+RECIPE = {False: [("abc-mlp, M=32", "abc-mlp", {"num_slots": 32})],
+          True: [("abc-mlp, M=4", "abc-mlp", {"num_slots": 4})]}
+
+
+def models_of(quick: bool, source: Path, recipe: bool = True) -> list[Model]:
+    """The pretrained model, softmax trained on, each mechanism from softmax and from scratch,
+    then (recipe: causal LMs) the recipe's rows: from softmax after attention transfer, plain
+    and distilled."""
     start = {"train.init_from": str(source)}
     models: list[Model] = [(PRETRAINED, "softmax", {"train.steps": PRETRAIN_STEPS[quick]}, 1),
                            ("softmax, trained on", "softmax", start, 1)]
     for name, mechanism, options in CONVERTED[quick]:
         models += [(f"{name}, from softmax", mechanism, {**options, **start}, 1),
                    (f"{name}, from scratch", mechanism, options, 1)]
+    for name, mechanism, options in RECIPE[quick] if recipe else ():
+        transfer = {**options, **start, **TRANSFER[quick]}
+        models += [(f"{name}, from softmax, transfer", mechanism, transfer, 1),
+                   (f"{name}, from softmax, transfer, distilled", mechanism, {**transfer, **DISTILL}, 1)]
     return models
 
 
 def run(out_dir: Path, *, quick: bool, overrides: list[str], jobs: int = 1) -> dict:
     out_dir = Path(out_dir)
-    shared = [*(ABC_LM_QUICK if quick else ABC_LM_FULL), f"train.steps={ON_STEPS[quick]}", *overrides]
+    shared = [*TRUNK[quick], f"train.steps={ON_STEPS[quick]}", *overrides]
     measure_fn = functools.partial(measure, **MEASURE[quick])
     source = pretrained(out_dir, quick, shared, measure_fn, "abc-warmstart (pretraining softmax)")
     models = models_of(quick, source)
@@ -68,11 +93,11 @@ def run(out_dir: Path, *, quick: bool, overrides: list[str], jobs: int = 1) -> d
     return dict(result, masked=masked)
 
 
-def pretrained(out_dir: Path, quick: bool, shared: list[str], measure_fn, label: str) -> Path:
+def pretrained(out_dir: Path, quick: bool, shared: list[str], measure_fn, label: str, recipe: bool = True) -> Path:
     """The pretrained model's run folder, with its weights while a model that starts from it is
-    unfinished (`_runner.source_run`)."""
+    unfinished (`_runner.source_run`); recipe: whether the recipe's rows are among those."""
     (_, job), = jobs_of(models_of(quick, Path())[:1], shared)
-    rest = jobs_of(models_of(quick, run_dir_of(out_dir, job))[1:], shared)
+    rest = jobs_of(models_of(quick, run_dir_of(out_dir, job), recipe)[1:], shared)
     needed = any(finished_row(run_dir_of(out_dir, other), other) is None for _, other in rest)
     return source_run(out_dir, job, measure_fn, needed=needed, label=label)
 
@@ -80,11 +105,12 @@ def pretrained(out_dir: Path, quick: bool, shared: list[str], measure_fn, label:
 def run_masked(out_dir: Path, *, quick: bool, overrides: list[str], jobs: int, command: str) -> dict:
     """The same comparison with masked-LM encoders (task=mlm), measured by masked accuracy;
     `command`: the one that made the whole experiment."""
-    shared = ["task=mlm", *(ABC_LM_QUICK if quick else ABC_LM_FULL), f"train.steps={ON_STEPS[quick]}",
+    shared = ["task=mlm", *TRUNK[quick], f"train.steps={ON_STEPS[quick]}",
               *overrides]
     measure_fn = functools.partial(measure_masked, windows_count=MASKED_TEST_WINDOWS[quick])
-    source = pretrained(out_dir, quick, shared, measure_fn, "abc-warmstart (pretraining a softmax encoder)")
-    pairs = jobs_of(models_of(quick, source), shared)
+    source = pretrained(out_dir, quick, shared, measure_fn, "abc-warmstart (pretraining a softmax encoder)",
+                        recipe=False)
+    pairs = jobs_of(models_of(quick, source, recipe=False), shared)  # transfer is for causal LMs
     return run_experiment(out_dir, "abc-warmstart", pairs, shared, quick=quick, overrides=overrides, jobs=jobs,
                           measure=measure_fn, summarise=summarise_masked, markdown=markdown_masked,
                           curve=("val_accuracy", "masked-token accuracy"), extra={"command": command})
@@ -170,7 +196,11 @@ def markdown(result: dict) -> str:
         "Peng et al. 2022, *ABC: Attention with Bounded-memory Control*, §5.3 small, on a character "
         "LM: a pretrained softmax model converted (`train.init_from`: every shared tensor copied, "
         "the mechanism's own parameters new) and trained on, against the same mechanism trained "
-        "from scratch for as many steps.",
+        "from scratch for as many steps. Rows marked *transfer* follow the conversion recipe of "
+        "LoLCATs and Liger (not in the paper): first attention transfer (`train.transfer_steps`: "
+        "only the mechanism's own parameters train, so that each layer reproduces the frozen "
+        "softmax layer's output on that layer's input), then the same steps end to end; "
+        "*distilled* adds the KL divergence from the pretrained model (`train.distill_weight`).",
         "",
         f"Command: `{result['command']}`",
         "",
@@ -199,6 +229,12 @@ def converted_pairs(by: dict[str, dict]) -> list[tuple[dict, dict]]:
             if f"{n}, from softmax" in by and f"{n}, from scratch" in by]
 
 
+def recipe_pairs(by: dict[str, dict]) -> list[tuple[dict, dict]]:
+    """(a recipe row, the same mechanism from softmax by weight copy alone) of every recipe row."""
+    return [(by[k], by[k.split(", transfer", 1)[0]]) for k in by
+            if ", from softmax, transfer" in k and k.split(", transfer", 1)[0] in by]
+
+
 def findings(by: dict[str, dict]) -> list[str]:
     """The paper's findings next to what this table measured (test bits per character)."""
     pairs = converted_pairs(by)
@@ -214,4 +250,12 @@ def findings(by: dict[str, dict]) -> list[str]:
                      "the softmax model trained on alike. We measured: "
                      + "; ".join(f"{m['model']} {m['test_bpc'] - on['test_bpc']:+.3f}" for m in mlp)
                      + " against softmax trained on.")
+    recipe = recipe_pairs(by)
+    if recipe:
+        lines.append("- **Attention transfer first (LoLCATs, Liger; not in the paper).** Test bits per "
+                     "character against weight copy alone at the same end-to-end steps: "
+                     + "; ".join(f"{a['model']} {a['test_bpc'] - b['test_bpc']:+.3f}" for a, b in recipe)
+                     + (" (against softmax trained on: "
+                        + "; ".join(f"{a['model']} {a['test_bpc'] - on['test_bpc']:+.3f}" for a, _ in recipe)
+                        + ")" if on else "") + ".")
     return lines if len(lines) > 2 else []

@@ -301,7 +301,9 @@ def card_facts(model: MemattnPreTrainedModel) -> dict[str, Any]:
         "what": (f"A memattn {'causal language model' if causal else 'masked-LM encoder'}: {cfg.n_layers} "
                  f"layers, width {cfg.d_model}, {cfg.n_heads} heads, {cfg.positions} positions, a vocabulary "
                  f"of {cfg.vocab_size}, {sum(p.numel() for p in model.parameters()):,} parameters; its "
-                 f"attention is memattn's {cfg.attention.name!r} mechanism."),
+                 f"attention is memattn's {cfg.attention.name!r} mechanism"
+                 + (", with " + ", ".join(f"{a.name!r} in layer {i}" for i, a in cfg.attention_layers.items())
+                    if cfg.attention_layers else "") + "."),
         "mechanism": cfg.attention.name, "options": cfg.attention.options,
         "context_length": model.config.max_position_embeddings,
         "load": "AutoModel" if isinstance(model, MemattnModel) else _head_auto(model.config)}

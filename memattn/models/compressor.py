@@ -250,6 +250,8 @@ def compress_ids(model: Compressor, ids: np.ndarray, *, seq_len: int,
     [N, M, d] fp32, lengths [N])."""
     if seq_len < 1 or seq_len > model.cfg.max_len:
         raise ConfigError(f"seq_len: expected 1 <= seq_len <= model.max_len = {model.cfg.max_len}, got {seq_len}")
+    if batch_size < 1:
+        raise ConfigError(f"batch_size: expected at least 1 sequence a batch, got {batch_size}")
     ids = torch.as_tensor(np.asarray(ids, dtype=np.int64))
     n = len(ids)
     if n == 0:
@@ -276,6 +278,8 @@ def decompress_ids(model: Compressor, memory: torch.Tensor, lengths: torch.Tenso
 
     n_symbols: predict only ids below it (e.g. to leave out a mask token the model learned).
     """
+    if batch_size < 1:
+        raise ConfigError(f"batch_size: expected at least 1 sequence a batch, got {batch_size}")
     out = []
     for b in range(0, memory.shape[0], batch_size):
         mem = memory[b:b + batch_size].to(next(model.parameters()).dtype)

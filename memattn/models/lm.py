@@ -5,6 +5,10 @@ output head. Positions: rotary (inside each attention layer), learned (absolute,
 the embeddings), split (absolute p = 512·q + r as the sum of two learned tables, for long
 sequences), or none.
 
+Hybrid models: `model.attention_layers` gives chosen layers a mechanism of their own (e.g.
+softmax, or a window, in a few layers of a bounded-memory model); every other layer uses
+`model.attention`.
+
 Memory tokens: when the mechanism asks for them (`memattn.layers.base.MemoryLayout`), the
 trunk inserts M learned embeddings (no position) into the sequence before the blocks,
 as one prefix or a fresh block every C tokens, and drops them from the output.
@@ -62,14 +66,15 @@ class Block(nn.Module):
 
     def __init__(self, cfg: ModelConfig, spec: LayerSpec, cross: bool = False) -> None:
         super().__init__()
+        own = cfg.layer_attention(spec.layer_idx)  # this layer's mechanism (hybrid models)
         self.norm_attn = make_norm(cfg.norm, cfg.d_model)
-        self.attn = build_attention(cfg.attention.name, cfg.attention.typed, spec)
+        self.attn = build_attention(own.name, own.typed, spec)
         self.norm_cross = make_norm(cfg.norm, cfg.d_model) if cross else None
         mech = cfg.cross_attention or cfg.attention
         self.cross = build_cross_attention(mech.name, mech.typed, spec) if cross else None
         hidden = int(cfg.ff_mult * cfg.d_model)
-        ff = build_feedforward(cfg.attention.name, cfg.attention.typed, spec)  # the mechanism's own, if any
-        if ff is None and hidden > 0 and not get_mechanism(cfg.attention.name).replaces_feedforward:
+        ff = build_feedforward(own.name, own.typed, spec)  # the mechanism's own, if any
+        if ff is None and hidden > 0 and not get_mechanism(own.name).replaces_feedforward:
             ff = FeedForward(cfg.d_model, hidden, cfg.dropout)
         self.norm_ff = make_norm(cfg.norm, cfg.d_model) if ff is not None else None
         self.ff = ff
@@ -155,11 +160,27 @@ class ModelCache:
     What decoding builds on: `reorder` (beam search: rows picked, repeated or dropped),
     `batch_select`, `to` (device, dtype), `crop` (forget the last tokens, where every layer
     keeps its tokens apart), `nbytes` and `fixed_size` (whether it stays the same size).
+
+    `batch`: the rows its states hold (set by `init_cache`, followed by `reorder` and
+    `repeat_interleave`; None: taken from the first input). Every step checks its input has
+    that many rows, for every mechanism at once: a state of B rows fed fewer would broadcast
+    silently in some of them.
     """
 
     states: list[AttentionState]
     position: int = 0
     real: torch.Tensor | None = None  # [B] real tokens read per row, once a mask was given
+    batch: int | None = None
+
+    def check_batch(self, B: int, name: str = "idx") -> None:
+        """ShapeError unless an input `name` of B rows fits the cache's rows (taken from it when
+        the cache does not know them yet)."""
+        if self.batch is None:
+            self.batch = B
+        elif B != self.batch:
+            raise ShapeError(f"{name}: the cache holds the state of {self.batch} row(s) (init_cache({self.batch}), "
+                             f"or reorder / batch_select since), got a batch of {B} row(s); give it {self.batch} "
+                             "rows, or select the rows of the cache first (batch_select)")
 
     def nbytes(self) -> int:
         return sum(s.nbytes() for s in self.states)
@@ -170,23 +191,38 @@ class ModelCache:
 
     def reorder(self, indices: torch.Tensor) -> ModelCache:
         """Row b of every state becomes row indices[b] of before (indices [B'] int64, values may
-        repeat, B' may differ from B): beams follow their parents. In place; returns self."""
-        indices = torch.as_tensor(indices, dtype=torch.long)
+        repeat, B' may differ from B): beams follow their parents. In place; returns self.
+        Row numbers must be integers in [0, B) (checked on the host for indices on the CPU; a
+        GPU's are not read back, which would stall it)."""
+        indices = torch.as_tensor(indices)
+        if indices.is_floating_point() or indices.is_complex() or indices.dtype == torch.bool:
+            raise ShapeError(f"indices: expected integer row numbers, got dtype {indices.dtype}")
+        indices = indices.long()
         if indices.dim() != 1:
             raise ShapeError(f"indices: expected row numbers [B'], got shape {tuple(indices.shape)}")
+        if self.batch is not None and indices.device.type == "cpu" and indices.numel():
+            low, high = int(indices.min()), int(indices.max())
+            if low < 0 or high >= self.batch:
+                raise ShapeError(f"indices: row numbers must lie in [0, {self.batch}) (the rows the cache holds), "
+                                 f"got {low} to {high}")
         if self.real is not None:
             self.real = self.real.index_select(0, indices.to(self.real.device))
         for state in self.states:
             state.map_tensors(lambda t, batched: t.index_select(0, indices.to(t.device)) if batched else t)
+        self.batch = len(indices)
         return self
 
     def repeat_interleave(self, repeats: int) -> ModelCache:
         """Each row repeated `repeats` times in place (row b becomes rows b·r .. b·r + r - 1):
         the beams of one prompt start from its state. Returns self."""
+        if isinstance(repeats, bool) or not isinstance(repeats, int) or repeats < 1:
+            raise ConfigError(f"repeats: expected a whole number of copies >= 1, got {repeats!r}")
         if self.real is not None:
             self.real = self.real.repeat_interleave(repeats, 0)
         for state in self.states:
             state.map_tensors(lambda t, batched: t.repeat_interleave(repeats, 0) if batched else t)
+        if self.batch is not None:
+            self.batch *= repeats
         return self
 
     def batch_select(self, rows: torch.Tensor) -> ModelCache:
@@ -308,6 +344,8 @@ class Transformer(nn.Module):
             if low < 0 or high >= self.cfg.vocab_size:
                 raise ShapeError(f"idx: token ids must lie in [0, {self.cfg.vocab_size}) (model.vocab_size), "
                                  f"got ids from {low} to {high}")
+        if cache is not None:
+            cache.check_batch(B)
         offset = cache.position if cache is not None else 0
         positions = self.positions(B, T, offset, cache, attention_mask)
         x = self.embed(idx)
@@ -352,7 +390,8 @@ class CausalLM(Transformer):
 
     def init_cache(self, batch_size: int, device=None, dtype=None) -> ModelCache:
         """An empty decoding cache: each layer's own state object."""
-        return ModelCache([b.attn.init_state(batch_size, device=device, dtype=dtype) for b in self.blocks])
+        return ModelCache([b.attn.init_state(batch_size, device=device, dtype=dtype) for b in self.blocks],
+                          batch=batch_size)
 
     def forward(self, idx: torch.Tensor, *, cache: ModelCache | None = None,
                 attention_mask: torch.Tensor | None = None) -> torch.Tensor:

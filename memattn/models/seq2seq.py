@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from memattn.config import ModelConfig
-from memattn.errors import ShapeError
+from memattn.errors import ConfigError, ShapeError
 from memattn.models.lm import ModelCache, Transformer
 
 
@@ -66,12 +66,17 @@ class EncoderDecoder(nn.Module):
     def init_cache(self, batch_size: int, device=None, dtype=None) -> ModelCache:
         """An empty decoding cache of the decoder's self attention."""
         return ModelCache([b.attn.init_state(batch_size, device=device, dtype=dtype)
-                           for b in self.decoder.blocks])
+                           for b in self.decoder.blocks], batch=batch_size)
 
     @torch.no_grad()
     def generate(self, src: torch.Tensor, bos: int, max_new_tokens: int, *,
                  src_mask: torch.Tensor | None = None) -> torch.Tensor:
-        """Greedy decoding: src [B, S] -> [B, max_new_tokens] target ids after `bos`."""
+        """Greedy decoding: src [B, S] -> [B, max_new_tokens] target ids after `bos` (max_new_tokens
+        >= 0; 0 gives [B, 0])."""
+        if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 0:
+            raise ConfigError(f"max_new_tokens: expected a number of tokens >= 0, got {max_new_tokens!r}")
+        if max_new_tokens == 0:
+            return torch.zeros(src.shape[0], 0, dtype=torch.long, device=src.device)
         memories = self.encode(src, src_mask)
         cache = self.init_cache(src.shape[0], device=src.device)
         token = torch.full((src.shape[0], 1), bos, dtype=torch.long, device=src.device)

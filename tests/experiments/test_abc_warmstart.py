@@ -1,11 +1,16 @@
 """`memattn experiment abc-warmstart --quick`: pretrain, convert, train on, compare."""
 
 import json
+from pathlib import Path
 
 import pytest
 from conftest import run_quick_lm_experiment
 
-from memattn.experiments.abc_warmstart import findings
+from memattn.experiments._lm_common import jobs_of
+from memattn.experiments._runner import run_dir_of
+from memattn.experiments.abc_warmstart import ON_STEPS, TRUNK, findings, models_of
+
+REPO = Path(__file__).resolve().parents[2]
 
 
 @pytest.mark.slow
@@ -13,7 +18,8 @@ def test_quick_run_pretrains_then_starts_every_conversion_from_it(text_file, tmp
     out, result = run_quick_lm_experiment("abc-warmstart", text_file, tmp_path)
     names = [m["model"] for m in result["models"]]
     assert names == ["softmax, pretrained", "softmax, trained on", "abc-mlp, M=4, from softmax",
-                     "abc-mlp, M=4, from scratch", "abc-random, M=8, from softmax", "abc-random, M=8, from scratch"]
+                     "abc-mlp, M=4, from scratch", "abc-random, M=8, from softmax", "abc-random, M=8, from scratch",
+                     "abc-mlp, M=4, from softmax, transfer", "abc-mlp, M=4, from softmax, transfer, distilled"]
     by = {m["model"]: m for m in result["models"]}
     assert by["softmax, pretrained"]["steps"] == 12 and by["abc-mlp, M=4, from softmax"]["steps"] == 6
     pretrained = out / "runs" / "softmax-pretrained"
@@ -23,13 +29,22 @@ def test_quick_run_pretrains_then_starts_every_conversion_from_it(text_file, tmp
         assert f"train.init_from={pretrained}" in settings
     scratch = json.loads((out / "runs" / "abc-mlp-m4-from-scratch" / "settings.json").read_text())
     assert not any(s.startswith("train.init_from") for s in scratch)
+    # the recipe's rows: attention transfer (logged as such), then the same steps end to end
+    recipe = json.loads((out / "runs" / "abc-mlp-m4-from-softmax-transfer-distilled" / "settings.json").read_text())
+    assert recipe == [*settings_m4[:-1], "train.transfer_steps=4", "train.transfer_lr=0.03",
+                      "train.distill_weight=1.0", settings_m4[-1]]
+    log = [json.loads(line) for line in
+           (out / "runs" / "abc-mlp-m4-from-softmax-transfer" / "log.jsonl").read_text().splitlines()]
+    assert [r["transfer_step"] for r in log if r.get("phase") == "transfer"] == [3, 4]
+    assert by["abc-mlp, M=4, from softmax, transfer"]["steps"] == 6
     table = (out / "results.md").read_text()
     assert "| abc-random, M=8, from scratch |" in table and "The paper found / we measured" in table
+    assert "| abc-mlp, M=4, from softmax, transfer, distilled |" in table and "Attention transfer first" in table
     assert result["side_by_side"] and "measured once every model was trained, one model after another" in table
 
     # the masked-LM half: encoders, started from a pretrained softmax encoder or from scratch
     masked = json.loads((out / "mlm" / "results.json").read_text())
-    assert [m["model"] for m in masked["models"]] == names and masked["command"] == result["command"]
+    assert [m["model"] for m in masked["models"]] == names[:6] and masked["command"] == result["command"]
     for m in masked["models"]:
         assert 0.0 <= m["test_accuracy"] <= 1.0 and m["test_tokens"] > 0
     encoder = json.loads((out / "mlm" / "runs" / "abc-mlp-m4-from-softmax" / "settings.json").read_text())
@@ -55,6 +70,21 @@ def test_quick_run_pretrains_then_starts_every_conversion_from_it(text_file, tmp
     assert json.loads((out / "runs" / "abc-mlp-m4-from-softmax" / "settings.json").read_text()) == settings_m4
 
 
+@pytest.mark.parametrize("half", ["", "mlm"])
+def test_the_committed_run_folders_are_the_jobs_the_experiment_makes(half):
+    """Rows added to the experiment leave the committed ones as they were: each committed run
+    folder's settings are those of the job of its name, so running it again reuses them."""
+    out = Path("results/abc-warmstart") / half  # the settings name folders relative to the repository
+    shared = [*(["task=mlm"] if half else []), *TRUNK[False], f"train.steps={ON_STEPS[False]}"]
+    (_, first), = jobs_of(models_of(False, Path())[:1], shared)
+    jobs = {job.slug: job for _, job in jobs_of(models_of(False, run_dir_of(out, first), recipe=not half), shared)}
+    committed = sorted((REPO / out / "runs").glob("*/settings.json"))
+    assert len(committed) == 12
+    for path in committed:
+        assert json.loads(path.read_text()) == list(jobs[path.parent.name].settings), path
+    assert not half or not any("transfer" in slug for slug in jobs)
+
+
 def test_findings_compare_each_start():
     def m(name, bpc):
         return {"model": name, "test_bpc": bpc, "test_bpc_spread": 0.0, "seeds": 1}
@@ -63,3 +93,7 @@ def test_findings_compare_each_start():
     text = "\n".join(findings(by))
     assert "abc-mlp, M=32, from softmax is ahead of abc-mlp, M=32, from scratch by 0.400" in text
     assert "abc-mlp, M=32, from softmax +0.100 against softmax trained on" in text
+    by["abc-mlp, M=32, from softmax, transfer"] = m("abc-mlp, M=32, from softmax, transfer", 2.05)
+    text = "\n".join(findings(by))
+    assert "Attention transfer first" in text and "abc-mlp, M=32, from softmax, transfer -0.050" in text
+    assert "against softmax trained on: abc-mlp, M=32, from softmax, transfer +0.050" in text

@@ -22,9 +22,9 @@ a forward pass without autograd needs that much whatever the length; under autog
 group's W is kept for the backward pass (autograd's, through these torch ops): O(T · C · M)
 numbers per head.
 
-That is the exact form, for any gates. A group whose chunks' gates sum to no less than
--FACTORED_RANGE in every slot (the common case: at init α ≈ 0.92, a sum of about -2.7 over
-32 tokens) takes `_chunk_group_factored` instead: W factors into exp(G_t) and exp(-G_i), and
+That is the exact form, for any gates. On the CPU, a group whose chunks' gates sum to no less
+than -FACTORED_RANGE in every slot (the common case: at init α ≈ 0.92, a sum of about -2.7
+over 32 tokens) takes `_chunk_group_factored` instead: W factors into exp(G_t) and exp(-G_i), and
 both passes become plain matmuls, about 2.5 times faster on a CPU.
 """
 
@@ -91,8 +91,9 @@ def gsa_chunked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tens
     outs = []
     for n in range(0, N, per):
         group = [x[:, :, n:n + per] for x in (qc, kc, vc, gc)]
-        # a chunk whose gates sum to at most FACTORED_RANGE in every slot takes two matmuls
-        factored = -group[3].sum(dim=-2).min() <= FACTORED_RANGE
+        # a group whose chunks' gates sum to at least -FACTORED_RANGE in every slot takes two
+        # matmuls; deciding reads the gates, which only the CPU does without making the host wait
+        factored = g.device.type == "cpu" and bool(-group[3].sum(dim=-2).min() <= FACTORED_RANGE)
         o, mem_k, mem_v = (_chunk_group_factored if factored else _chunk_group)(*group, mem_k, mem_v)
         outs.append(o)
     o = torch.cat(outs, dim=2).reshape(B, H, N * C, V)[:, :, :T].transpose(1, 2)
