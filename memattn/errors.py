@@ -56,6 +56,14 @@ def check_float(name: str, t: torch.Tensor) -> None:
         raise ShapeError(f"{name}: expected a floating point tensor, got dtype {t.dtype}")
 
 
+def check_devices(q: torch.Tensor, **others: torch.Tensor | None) -> None:
+    """Raise ShapeError naming the first of `others` (name=tensor, None skipped) that is not on
+    q's device: an op computes where its query is, and a tensor elsewhere is a caller's slip."""
+    for name, t in others.items():
+        if isinstance(t, torch.Tensor) and t.device != q.device:
+            raise ShapeError(f"{name}: expected a tensor on q's device ({q.device}), got one on {t.device}")
+
+
 def check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[int, int, int, int, int, int]:
     """Check q [B, Tq, H, K], k [B, T, H, K], v [B, T, H, V]: ranks, matching sizes, one
     floating-point dtype. Returns (B, Tq, T, H, K, V); raises ShapeError naming the argument."""
@@ -69,4 +77,5 @@ def check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[int, i
     for name, t in (("k", k), ("v", v)):
         if t.dtype != q.dtype:
             raise ShapeError(f"{name}: expected the dtype of q ({q.dtype}), got {t.dtype}")
+    check_devices(q, k=k, v=v)
     return B, Tq, T, H, K, v.shape[-1]

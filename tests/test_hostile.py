@@ -35,6 +35,9 @@ from typing import Callable
 import pytest
 import torch
 
+from memattn import ops
+from memattn.layers import attention_layer
+
 from memattn.cli import main
 from memattn.errors import ConfigError, ShapeError
 
@@ -725,6 +728,21 @@ CASES = [
     Case("cache.reorder out of range", call=lambda w, t, p: small_cache().reorder(torch.tensor([0, 7])),
          status=ShapeError, phrase="row numbers must lie in [0, 2)"),
     Case("EncoderDecoder.generate(max_new_tokens=0)", call=generate_no_tokens, status=None),
+    *[Case(f"{op.__name__} with an int64 query", call=lambda w, t, p, op=op, extra=extra: op(
+        torch.ones(1, 3, 2, 4, dtype=torch.long), *[torch.randn(1, 3, 2, 4)] * 2, *extra),
+        status=ShapeError, phrase="q: expected a floating")
+      for op, extra in ((ops.softmax_attention, ()), (ops.linear_attention, ()),
+                        (ops.abc_attention, (torch.randn(1, 3, 2, 5),)),
+                        (ops.gated_slot_attention, (-torch.rand(1, 3, 2, 5),)))],
+    *[Case(f"{op.__name__} with k on another device (meta)", call=lambda w, t, p, op=op, extra=extra: op(
+        torch.randn(1, 3, 2, 4), torch.randn(1, 3, 2, 4, device="meta"), torch.randn(1, 3, 2, 4), *extra),
+        status=ShapeError, phrase="k: expected a tensor on q's device (cpu), got one on meta")
+      for op, extra in ((ops.softmax_attention, ()), (ops.linear_attention, ()),
+                        (ops.abc_attention, (torch.randn(1, 3, 2, 5),)),
+                        (ops.gated_slot_attention, (-torch.rand(1, 3, 2, 5),)))],
+    *[Case(f"a layer given {dtype} input", call=lambda w, t, p, dtype=dtype: attention_layer("gsa", 8, 2)(
+        torch.ones(1, 3, 8, dtype=dtype)), status=ShapeError, phrase="x: expected the layer's dtype (torch.float32)")
+      for dtype in (torch.long, torch.float64)],
     Case("representations.save to a folder", call=save_representations_to_a_folder, status=IsADirectoryError,
          phrase="is a folder"),
     Case("an experiment's run folder with a broken settings.json", argv=["experiment", "abc-lm", "--quick",

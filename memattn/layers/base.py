@@ -108,6 +108,12 @@ class AttentionLayer(nn.Module):
         `positions` [B, T] when given, else at offset, offset + 1, ... (see `rotate`).
         """
         check_tensor("x", x, "[B, T, d]", None, None, self.spec.d_model)
+        w = self.qkv.weight
+        if x.device != w.device:
+            raise ShapeError(f"x: expected a tensor on the layer's device ({w.device}), got one on {x.device}")
+        if not x.is_floating_point() or (x.dtype != w.dtype and not torch.is_autocast_enabled(x.device.type)):
+            raise ShapeError(f"x: expected the layer's dtype ({w.dtype}), got {x.dtype}; convert the "
+                             "input or the layer (layer.to(dtype))")
         B, T, _ = x.shape
         check_mask(attention_mask, B, T)
         offset = memory_state.seen if memory_state is not None else 0

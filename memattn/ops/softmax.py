@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from memattn.errors import ShapeError, check_tensor
+from memattn.errors import ShapeError, check_devices, check_float, check_tensor
 
 
 def softmax_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = True,
@@ -48,6 +48,11 @@ def _softmax(q, k, v, causal, scale, attention_mask) -> torch.Tensor:
     check_tensor("k", k, "[B, Tk, H, K]", B, None, H, K)
     Tk = k.shape[1]
     check_tensor("v", v, "[B, Tk, H, V]", B, Tk, H, None)
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        check_float(name, t)
+        if t.dtype != q.dtype:
+            raise ShapeError(f"{name}: expected the dtype of q ({q.dtype}), got {t.dtype}")
+    check_devices(q, k=k, v=v, attention_mask=attention_mask)
     if causal and Tq > Tk:
         raise ShapeError(f"q: causal attention needs Tq <= Tk, got Tq={Tq}, Tk={Tk}")
     mask = None

@@ -7,7 +7,7 @@ from typing import NamedTuple
 
 import torch
 
-from memattn.errors import ShapeError, check_tensor
+from memattn.errors import ShapeError, check_devices, check_tensor
 
 
 class ABCState(NamedTuple):
@@ -96,6 +96,8 @@ def check_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, w: torch.Ten
     for name, t in (("q", q), ("k", k), ("v", v), (w_name, w)):
         if not t.is_floating_point():
             raise ShapeError(f"{name}: expected a floating-point tensor, got dtype {t.dtype}")
+    check_devices(q, k=k, v=v, **{w_name: w},
+                  **{f"initial_state.{i}": t for i, t in enumerate(initial_state or ())})
     if M == 0:
         raise ShapeError(f"{w_name}: expected at least one memory slot (M >= 1) in [B, T, H, M], "
                          f"got shape {tuple(w.shape)}")
