@@ -743,6 +743,9 @@ CASES = [
     *[Case(f"a layer given {dtype} input", call=lambda w, t, p, dtype=dtype: attention_layer("gsa", 8, 2)(
         torch.ones(1, 3, 8, dtype=dtype)), status=ShapeError, phrase="x: expected the layer's dtype (torch.float32)")
       for dtype in (torch.long, torch.float64)],
+    Case("a softmax layer given gsa's state", call=lambda w, t, p: attention_layer("softmax", 8, 2)(
+        torch.randn(1, 1, 8), memory_state=attention_layer("gsa", 8, 2).init_state(1)),
+        status=ShapeError, phrase="memory_state: expected a KVCache"),
     Case("representations.save to a folder", call=save_representations_to_a_folder, status=IsADirectoryError,
          phrase="is a folder"),
     Case("an experiment's run folder with a broken settings.json", argv=["experiment", "abc-lm", "--quick",

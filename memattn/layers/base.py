@@ -116,6 +116,8 @@ class AttentionLayer(nn.Module):
                              "input or the layer (layer.to(dtype))")
         B, T, _ = x.shape
         check_mask(attention_mask, B, T)
+        if memory_state is not None:
+            self.check_state(memory_state)
         offset = memory_state.seen if memory_state is not None else 0
         H, Hk, D = self.spec.n_heads, self.kv_heads, self.spec.head_dim
         q, k, v = self.qkv(x).split([H * D, Hk * D, Hk * D], dim=-1)
@@ -125,6 +127,20 @@ class AttentionLayer(nn.Module):
         if rotate:
             q, k = self.rotate(q, k, positions if positions is not None else offset)
         return offset, q, k, v
+
+    def check_state(self, memory_state: AttentionState) -> None:
+        """ShapeError naming memory_state unless it is of the class this layer's `init_state`
+        makes (found once, on the meta device): another mechanism's state is a caller's slip."""
+        want = getattr(self, "_state_class", None)
+        if want is None:
+            try:
+                want = type(self.init_state(1, device="meta"))
+            except Exception:  # a state that cannot be made without data: checked by its op
+                want = AttentionState
+            self._state_class = want
+        if not isinstance(memory_state, want):
+            raise ShapeError(f"memory_state: expected a {want.__name__} (what this layer's init_state "
+                             f"makes), got {type(memory_state).__name__}")
 
     def rotate(self, q: torch.Tensor, k: torch.Tensor, at: torch.Tensor | int
                ) -> tuple[torch.Tensor, torch.Tensor]:
