@@ -452,6 +452,12 @@ def overwrite_killed(world, tmp, paths):
     return main(resume)
 
 
+# each op with what it takes beyond q, k, v: slot logits, log forget gates
+OPS_WITH_EXTRA = ((ops.softmax_attention, ()), (ops.linear_attention, ()),
+                  (ops.abc_attention, (torch.randn(1, 3, 2, 5),)),
+                  (ops.gated_slot_attention, (-torch.rand(1, 3, 2, 5),)))
+
+
 def make_cache_fed_one_row(name):
     def call(world, tmp, paths):
         from memattn.config import AttentionConfig, ModelConfig
@@ -731,15 +737,11 @@ CASES = [
     *[Case(f"{op.__name__} with an int64 query", call=lambda w, t, p, op=op, extra=extra: op(
         torch.ones(1, 3, 2, 4, dtype=torch.long), *[torch.randn(1, 3, 2, 4)] * 2, *extra),
         status=ShapeError, phrase="q: expected a floating")
-      for op, extra in ((ops.softmax_attention, ()), (ops.linear_attention, ()),
-                        (ops.abc_attention, (torch.randn(1, 3, 2, 5),)),
-                        (ops.gated_slot_attention, (-torch.rand(1, 3, 2, 5),)))],
+      for op, extra in OPS_WITH_EXTRA],
     *[Case(f"{op.__name__} with k on another device (meta)", call=lambda w, t, p, op=op, extra=extra: op(
         torch.randn(1, 3, 2, 4), torch.randn(1, 3, 2, 4, device="meta"), torch.randn(1, 3, 2, 4), *extra),
         status=ShapeError, phrase="k: expected a tensor on q's device (cpu), got one on meta")
-      for op, extra in ((ops.softmax_attention, ()), (ops.linear_attention, ()),
-                        (ops.abc_attention, (torch.randn(1, 3, 2, 5),)),
-                        (ops.gated_slot_attention, (-torch.rand(1, 3, 2, 5),)))],
+      for op, extra in OPS_WITH_EXTRA],
     *[Case(f"a layer given {dtype} input", call=lambda w, t, p, dtype=dtype: attention_layer("gsa", 8, 2)(
         torch.ones(1, 3, 8, dtype=dtype)), status=ShapeError, phrase="x: expected the layer's dtype (torch.float32)")
       for dtype in (torch.long, torch.float64)],
