@@ -24,6 +24,8 @@ bf16 on CUDA, forward + backward, inputs [B, T, H, D] as in gpu_kernels.py.
   `--variants NAME ...` times those alone (default: every one).
 `--device cpu` runs the same report on the torch form in float32 (no fla, no chunk sizes): a
 check of the script itself on a machine without a GPU.
+On CUDA, each memattn kernel's time is set against its bound from benchmarks/kernel_model.py
+(bytes and FLOPs of the kernel as designed) and the op's against its inputs and outputs alone.
 Writes gpu_profile.json and .md in --out (default benchmarks/results/<device-name>) after
 every measurement.
 """
@@ -44,6 +46,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from benchmarks.gpu_kernels import cuda_ms  # noqa: E402  (the same timing as there)
+from benchmarks.kernel_model import GPUS, bound_us, chunked, gpu_of, op_bytes  # noqa: E402
 from memattn.bench.peers import fla_chunk_abc  # noqa: E402
 from memattn.bench.settings import device_slug  # noqa: E402
 from memattn.ops.abc import abc_attention  # noqa: E402
@@ -170,9 +173,20 @@ def markdown(res: dict) -> str:
                 continue
             total = sum(r["ms"] for r in rows)
             lines += [f"**{op}**: {total:.3f} ms of kernels a call", "",
-                      "| kernel | ms a call | launches a call | share |", "|---|---:|---:|---:|"]
-            lines += [f"| `{r['kernel'][:70]}` | {r['ms']:.3f} | {r['launches']:g} | "
-                      f"{100 * r['ms'] / total:.0f} % |" for r in rows[:12]]
+                      "| kernel | ms a call | launches a call | share | model bound ms "
+                      "| fraction of the bound |", "|---|---:|---:|---:|---:|---:|"]
+            for r in rows[:12]:
+                bound = r.get("bound_ms")
+                cells = ("", "") if bound is None else (f"{bound:.3f}",
+                                                        f"{100 * bound / r['ms']:.0f} %")
+                lines.append(f"| `{r['kernel'][:70]}` | {r['ms']:.3f} | {r['launches']:g} | "
+                             f"{100 * r['ms'] / total:.0f} % | {cells[0]} | {cells[1]} |")
+            if op == "memattn" and "op_bound_ms" in case:
+                modelled = sum(r.get("bound_ms", 0.0) for r in rows)
+                lines += ["", f"Bounds (benchmarks/kernel_model.py, {case['gpu']}): the kernels' "
+                          f"{modelled:.3f} ms together, {100 * modelled / total:.0f} % of their "
+                          f"time; the op's inputs and outputs alone {case['op_bound_ms']:.3f} ms, "
+                          f"{100 * case['op_bound_ms'] / total:.1f} % of it."]
             lines.append("")
         for key, head in (("variants", "variant (chunk 64)"), ("chunks", "chunk size")):
             if not case.get(key):
@@ -207,6 +221,19 @@ def fastest_per_kernel(rows: list[dict], kernels: list[str]) -> list[str]:
         gain = f", {base / best:.2f}x the default's {base:.3f}" if base else ""
         out.append(f"- `{k}`: fastest with {name} ({best:.3f} ms{gain})")
     return [*out, ""]
+
+
+def attach_bounds(case: dict, B: int, H: int, T: int, D: int, M: int, device: str) -> None:
+    """Each memattn kernel's bound from the model (`bound_ms`) beside its measured time, and
+    the op's own bound (its inputs and outputs once) on the case."""
+    case["gpu"] = gpu_of(device)
+    gpu = GPUS[case["gpu"]]
+    model = {k["kernel"]: k for k in chunked(B, H, T, D, M, 64)}
+    for r in case["profile"]["memattn"]:
+        name = next((n for n in model if n in r["kernel"]), None)
+        if name is not None:
+            r["bound_ms"] = bound_us(model[name], gpu) / 1e3
+    case["op_bound_ms"] = op_bytes(B, H, T, D, M)["fwd+bwd"] / (gpu["tb_s"] * 1e9)
 
 
 def main(argv=None) -> None:
@@ -244,6 +271,9 @@ def main(argv=None) -> None:
             for name, op in ops.items():
                 case["profile"][name] = attempt(
                     lambda op=op: kernel_times(fwd_bwd(op, xs, do), args.calls, device))
+                save()
+            if device.type == "cuda" and isinstance(case["profile"]["memattn"], list):
+                attach_bounds(case, B, H, T, D, M, res["device"])
                 save()
             if device.type == "cuda":
                 from memattn.kernels.abc_chunk import abc_chunk_triton

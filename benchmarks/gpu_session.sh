@@ -14,11 +14,14 @@
 #                                            --dtype bf16
 #   bash benchmarks/gpu_session.sh profile   benchmarks/gpu_profile.py: the ABC kernels' time
 #                                            per kernel against fla's, and against chunk size
-#   bash benchmarks/gpu_session.sh all       the three above in one call of at most 9 minutes:
-#                                            the kernel tests beside the rest of the suite
-#                                            (CPU workers), then the two benchmarks alone on
-#                                            the GPU, each cut at its share of the time (the
-#                                            kernels benchmark keeps the rows it measured)
+#   bash benchmarks/gpu_session.sh all       the timing of the kernels in one call of at most
+#                                            8 minutes: the kernel tests (GPU shapes) beside
+#                                            the rest of the suite (CPU workers), then alone on
+#                                            the GPU gpu_kernels.py (T 2k-32k, decoding at
+#                                            batch 1 and 64) and gpu_profile.py (every kernel's
+#                                            time against its bound from kernel_model.py, D 64
+#                                            and 128, M 32 and 64), each cut at its share of
+#                                            the time (both keep the rows they measured)
 #   bash benchmarks/gpu_session.sh verify    after changes to the kernels or the contracts,
 #                                            in one call of at most 9 minutes: the kernel
 #                                            tests beside the rest of the suite, then
@@ -65,11 +68,13 @@ case "$phase" in
   bench) shift; python3 -m memattn bench "${@:-all}" --device cuda --dtype bf16 --out "$OUT/bench" 2>&1 | tee "$OUT/bench.log" ;;
   profile) python3 benchmarks/gpu_profile.py --out "$OUT/profile" 2>&1 | tee "$OUT/profile.log" ;;
   all)
-    tests_beside 150
-    timeout 240 python3 benchmarks/gpu_kernels.py --skip-tests --out "$OUT/kernels" > "$OUT/kernels.log" 2>&1 || true
+    tests_beside 110
+    timeout 250 python3 benchmarks/gpu_kernels.py --skip-tests --lengths 2048 4096 8192 16384 32768 \
+      --out "$OUT/kernels" > "$OUT/kernels.log" 2>&1 || true
     tail -n 2 "$OUT/kernels.log"
-    timeout 120 python3 -m memattn bench all --device cuda --dtype bf16 --out "$OUT/bench" > "$OUT/bench.log" 2>&1 || true
-    tail -n 5 "$OUT/bench.log" ;;
+    timeout 100 python3 benchmarks/gpu_profile.py --dims 64 128 --slots 32 64 --chunk-sizes 64 \
+      --variants default --out "$OUT/profile" > "$OUT/profile.log" 2>&1 || true
+    grep -E "^Bounds|^\*\*" "$OUT/profile/gpu_profile.md" || tail -n 5 "$OUT/profile.log" ;;
   verify)
     tests_beside 130
     timeout 300 python3 benchmarks/gpu_profile.py --dims 64 128 --slots "${SLOTS:-64}" --chunk-sizes 64 \

@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -163,3 +164,62 @@ def test_kernel_registers_compiles_offline(tmp_path):
         assert cell["programs_per_sm"] == registers.programs_per_sm(
             cell["registers"], cell["shared_bytes"], 2) >= 1
     assert "| `fwd_output` | diagonal: loop |" in (tmp_path / "kernel_registers.md").read_text()
+
+
+def test_kernel_model_writes_what_the_kernels_store():
+    """The model's bytes written by the forward kernels and by the backward ones are the
+    tensors `_forward` and `_backward` allocate for them (run in the interpreter), and its
+    bytes read include every input of the op."""
+    from memattn.kernels import abc_chunk as ac
+
+    model = load("kernel_model")
+    B, H, T, D, M = 2, 2, 128, 16, 16
+    g = torch.Generator().manual_seed(0)
+    device = "cuda" if torch.cuda.is_available() else "cpu"  # else in the interpreter
+    q, k, v, s = (torch.randn(B * T, H, n, generator=g).bfloat16().to(device)
+                  for n in (D, D, D, M))
+    plan = ac._plan(list(range(0, B * T + 1, T)), 64, D ** -0.5, "bf16", q.device)
+    o, final, saved = ac._forward(q, k, v, s, None, None, None, plan)
+    forward_out = [o, *final, *saved]
+    grads = ac._backward(q, k, v, s, torch.randn_like(o), saved, final, None, plan)
+    dq, dk, dv, ds, init_grads = grads
+    kernels = {r["kernel"]: r for r in model.chunked(B, H, T, D, M, 64)}
+    fwd = kernels["_fwd_states"]["written"] + kernels["_fwd_output"]["written"]
+    assert fwd == sum(t.numel() * t.element_size() for t in forward_out)
+    # the backward's handed-on tensors (dS, c, the memory gradients), rebuilt from their shapes
+    n, nc = B * T * H, B * H * T // 64
+    handed = 2 * n * M * 4 + nc * M * (2 * D + 1) * 4
+    bwd = sum(kernels[n_]["written"] for n_ in ("_bwd_dq", "_bwd_states", "_bwd_dkv"))
+    assert bwd == handed + sum(t.numel() * t.element_size() for t in (dq, dk, dv, ds, *init_grads))
+    inputs = sum(t.numel() * t.element_size() for t in (q, k, v, s))
+    assert kernels["_fwd_output"]["read"] > inputs > kernels["_fwd_states"]["read"] / 2
+    assert model.op_bytes(B, H, T, D, M)["fwd"] == inputs + o.numel() * 2
+
+
+def test_kernel_model_bounds_and_report(tmp_path):
+    model = load("kernel_model")
+    k = model.decode(64, 8, 64, 32)
+    state = 64 * 8 * 32 * (2 * 64 + 1) * 4
+    assert k["read"] > state and k["written"] > state
+    gpu = model.GPUS["H100"]
+    assert model.bound_us(k, gpu) == pytest.approx((k["read"] + k["written"]) / 3.35e6)
+    assert model.gpu_of("NVIDIA H200") == "H200" and model.gpu_of("A100") == "H100"
+    model.main(["--lengths", "2048", "--dims", "64", "--slots", "32", "--out", str(tmp_path)])
+    text = (tmp_path / "kernel_model.md").read_text()
+    assert "| `_bwd_dkv` | 1 |" in text and "## Decoding, one step" in text
+
+
+def test_profile_sets_each_kernel_against_its_bound():
+    profile = load("gpu_profile")
+    case = {"D": 64, "M": 32, "chunks": [], "variants": [], "profile": {
+        "memattn": [{"kernel": "_bwd_dkv", "ms": 2.0, "launches": 1},
+                    {"kernel": "aten::copy_", "ms": 0.5, "launches": 2}]}}
+    profile.attach_bounds(case, 8, 8, 8192, 64, 32, "NVIDIA H200")
+    bound = case["profile"]["memattn"][0]["bound_ms"]
+    assert case["gpu"] == "H200" and 0 < bound < 2.0
+    assert "bound_ms" not in case["profile"]["memattn"][1]
+    res = {"command": "c", "device": "NVIDIA H200", "torch": "2", "batch": 8, "heads": 8,
+           "length": 8192, "dtype": "bfloat16", "calls": 1, "cases": [case]}
+    text = profile.markdown(res)
+    assert f"| `_bwd_dkv` | 2.000 | 1 | 80 % | {bound:.3f} | {100 * bound / 2:.0f} % |" in text
+    assert "the op's inputs and outputs alone" in text

@@ -66,12 +66,12 @@ def test_a_converted_folder_loads_in_transformers_as_memattn_loads_it(family, tm
     torch.testing.assert_close(want[real], model(ids, attention_mask=mask).logits[real], atol=0, rtol=0)
     tok = word_tokenizer(family)
     if family in ENCODERS:  # fill-mask: the top word is the loaded model's argmax
-        pipe = transformers.pipeline("fill-mask", model=str(tmp_path))
+        pipe = transformers.pipeline("fill-mask", model=str(tmp_path), device="cpu")
         top = pipe("w7 w8 w4 w9", top_k=1)[0]["token"]
         logits = ours(**tok("w7 w8 w4 w9", return_tensors="pt")).logits
         assert top == int(logits[0, 2].argmax())
         return
-    pipe = transformers.pipeline("text-generation", model=str(tmp_path))
+    pipe = transformers.pipeline("text-generation", model=str(tmp_path), device="cpu")
     torch.testing.assert_close(pipe.model(ids, attention_mask=mask).logits, want, atol=0, rtol=0)
     got = pipe("w7 w8 w9", max_new_tokens=5, min_new_tokens=5, do_sample=False, return_tensors=True)
     prompt = tok("w7 w8 w9", return_tensors="pt").input_ids

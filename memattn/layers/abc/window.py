@@ -229,7 +229,7 @@ class ABCWindowAttention(ABCLayer):
                 queue.k[:, slot] = k[:, 0]
                 queue.v[:, slot] = v[:, 0]
                 queue.real[:, slot] = real[:, 0]
-                queue.pos[slot] = position
+                queue.pos[slot].fill_(position)  # a kernel argument, no copy to wait on
 
         def joined(parts: list[torch.Tensor]) -> torch.Tensor:  # the queues' slots, one after another
             return parts[0] if len(parts) == 1 else torch.cat(parts, 1)

@@ -1,0 +1,195 @@
+"""A bandwidth and work model of memattn's ABC kernels: what each one must move and compute,
+how many programs it runs and how far each walks in sequence, so that a measured time can be
+set against the time the hardware allows.
+
+    python3 benchmarks/kernel_model.py [--dims 64 128] [--slots 32 64]
+        [--lengths 2048 8192 32768] [--batch 8] [--heads 8] [--chunk 64] [--gpu H100|H200]
+        [--out DIR]
+
+Writes kernel_model.md and .json to --out (default benchmarks/results/model). No GPU needed:
+the figures are counts from the kernels' source (memattn/kernels/abc_chunk.py and
+abc_decode.py), for bf16 inputs, fp32 saved tensors and fp32 states, as the kernels store
+them. `gpu_profile.py` puts each kernel's measured time beside its bound from here.
+
+Per kernel (one call, all launches of it):
+    read, written  bytes from and to HBM, every tensor element the kernel touches counted
+                   once. Re-reads of a tile by several programs (a chunk's memory by each of
+                   its sub-blocks; the earlier sub-blocks of a chunk) are left out: they are
+                   served from L2 when the programs of a chunk run together, and the model is
+                   the least the kernel as designed must move.
+    flops          2 × the multiply-adds of its tl.dot products as written (the work of the
+                   chunked form, more than the math's 4·T·M·(K + V) a head).
+    programs       its grid; per SM on the 132 SMs of an H100 / H200.
+    depth          the chunks one program walks in order (the scans), or the sub-blocks one
+                   program reads (the sub-block kernels).
+    bound µs       max(bytes / bandwidth, flops / bf16 peak): the time no kernel of this
+                   design can beat; the fraction of it a measured time reaches is bound / time.
+The op's own bound counts only its inputs and outputs (what a single fused kernel would move):
+the gap between it and the sum of the kernels' bounds is the round trips through HBM of the
+tensors the kernels hand each other (the chunk-start memories, a, S, dS, c and the memory
+gradients).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+GPUS = {"H100": {"sms": 132, "tb_s": 3.35, "tflop_s": 989.0},
+        "H200": {"sms": 132, "tb_s": 4.8, "tflop_s": 989.0}}
+HALF, F32 = 2, 4  # bytes of a bf16 input element, of an fp32 saved one
+SUB = 16  # rows of a sub-block (abc_chunk.BC)
+
+
+def _pad(n: int) -> int:
+    return max(16, 1 << (n - 1).bit_length())
+
+
+def _kernel(name, launches, read, written, flops, programs, depth) -> dict:
+    return {"kernel": name, "launches": launches, "read": float(read), "written": float(written),
+            "flops": float(flops), "programs": programs, "depth": depth}
+
+
+def chunked(B: int, H: int, T: int, D: int, M: int, chunk: int = 64) -> list[dict]:
+    """The five kernels of `abc_chunk_triton` forward + backward, K = V = D, for B sequences
+    of T tokens and H heads."""
+    K = V = D
+    n = B * T * H  # (token, head) pairs
+    nc = B * H * (T // chunk)  # (chunk, head) pairs
+    subs = T // SUB  # sub-blocks a sequence
+    per_chunk = chunk // SUB
+    earlier = (per_chunk - 1) / 2  # earlier sub-blocks of its chunk a sub-block reads, on average
+    BM = min(64, _pad(M))
+
+    def scan(D):  # programs of one scan launch over D features
+        return max(1, D // min(64, _pad(D))) * max(1, M // BM) * B * H
+
+    # a pass "x -> slots" or "slots -> x" over a sub-block: the memory term, the earlier
+    # sub-blocks of the chunk (two dots each), the diagonal block (one dot plus elementwise)
+    def sub_pass(width):
+        return 2 * SUB * M * width + earlier * (2 * SUB * SUB * width + 2 * SUB * SUB * M) \
+            + 2 * SUB * SUB * width
+    memories = nc * M * (K + V) * F32  # the chunk-start memories hk, hv
+    out = [
+        # twice: x = k (also a, zprev, zend, lzT) and x = v
+        _kernel("_fwd_states", 2, n * (K + V) * HALF + 2 * n * M * HALF,
+                memories + n * M * F32 + 2 * nc * M * F32 + B * H * M * (K + V + 1) * F32,
+                2 * n * M * (K + V), scan(K) + scan(V), T // chunk),
+        # q, k, v, s, a, zprev, the memories -> o, S, lse
+        _kernel("_fwd_output", 1, n * (2 * K + V + M) * HALF + n * M * F32 + nc * M * F32
+                + memories, n * V * HALF + n * (M + 1) * F32,
+                B * H * subs * (sub_pass(K) + sub_pass(V)), B * subs * H, 1 + earlier),
+        # do, v, k, s, a, S, lse, zprev, the memories -> dq, dS, c
+        _kernel("_bwd_dq", 1, n * (K + 2 * V + M) * HALF + n * (2 * M + 1) * F32
+                + nc * M * F32 + memories, n * K * HALF + 2 * n * M * F32,
+                B * H * subs * (sub_pass(V) + sub_pass(K)), B * subs * H, 1 + earlier),
+        # K̃ side: q, dS, c, a; Ṽ side: do, S, lse, a; both zprev, zend -> dh, dc per chunk
+        _kernel("_bwd_states", 2, n * (K + V) * HALF + n * (5 * M + 1) * F32 + 4 * nc * M * F32,
+                memories + nc * M * F32 + B * H * M * (K + V + 1) * F32,
+                2 * n * M * (K + V), scan(K) + scan(V), T // chunk),
+        # q, k, v, s, do, a, S, dS, c, lse, zend, dh, dhc -> dk, dv, ds
+        _kernel("_bwd_dkv", 1, n * (2 * K + 2 * V + M) * HALF + n * (4 * M + 1) * F32
+                + 2 * nc * M * F32 + memories, n * (K + V + M) * HALF,
+                B * H * subs * (2 * sub_pass(K) + 2 * sub_pass(V)), B * subs * H,
+                1 + earlier),
+    ]
+    return out
+
+
+def op_bytes(B: int, H: int, T: int, D: int, M: int) -> dict:
+    """The op's inputs and outputs: forward q, k, v, s -> o; backward also do -> dq, dk, dv, ds."""
+    n = B * T * H
+    fwd = n * (3 * D + M + D) * HALF
+    return {"fwd": float(fwd), "fwd+bwd": float(fwd + n * (3 * D + M + D + 3 * D + M) * HALF)}
+
+
+def decode(B: int, H: int, D: int, M: int) -> dict:
+    """One step of `abc_step_triton`: the fp32 state (log_z, K̃, Ṽ) read and written in place,
+    the token's q, k, v, s read and o written; one program per (sequence, head)."""
+    state = B * H * M * (2 * D + 1) * F32
+    return _kernel("abc_decode", 1, state + B * H * (3 * D + M) * HALF, state + B * H * D * HALF,
+                   B * H * 2 * M * 2 * D * 2, B * H, 1)
+
+
+def bound_us(k: dict, gpu: dict) -> float:
+    return max((k["read"] + k["written"]) / (gpu["tb_s"] * 1e12),
+               k["flops"] / (gpu["tflop_s"] * 1e12)) * 1e6
+
+
+def gpu_of(device: str) -> str:
+    """The key of GPUS for a device called `device` (the H100's if unknown)."""
+    return next((k for k in GPUS if k in device), "H100")
+
+
+def markdown(res: dict) -> str:
+    gpu = GPUS[res["gpu"]]
+    lines = ["# A bandwidth and work model of the ABC kernels", "", "```", res["command"], "```",
+             "", f"B = {res['batch']}, H = {res['heads']}, chunk {res['chunk']}, bf16 inputs; "
+             f"{res['gpu']}: {gpu['tb_s']} TB/s, {gpu['tflop_s']:.0f} TFLOP/s bf16, "
+             f"{gpu['sms']} SMs. See benchmarks/kernel_model.py for what is counted.", ""]
+    for case in res["cases"]:
+        B, T, D, M = res["batch"], case["T"], case["D"], case["M"]
+        lines += [f"## T = {T}, D = {D}, M = {M}", "",
+                  "| kernel | launches | MB read | MB written | GFLOP | FLOP/byte | programs "
+                  "| per SM | depth | bound µs |", "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+        total = 0.0
+        for k in case["kernels"]:
+            moved = k["read"] + k["written"]
+            total += bound_us(k, gpu)
+            lines.append(f"| `{k['kernel']}` | {k['launches']} | {k['read'] / 1e6:.1f} | "
+                         f"{k['written'] / 1e6:.1f} | {k['flops'] / 1e9:.2f} | "
+                         f"{k['flops'] / moved:.1f} | {k['programs']:,} | "
+                         f"{k['programs'] / gpu['sms']:.1f} | {k['depth']:g} | "
+                         f"{bound_us(k, gpu):.0f} |")
+        op = case["op_bytes"]["fwd+bwd"]
+        lines += ["", f"Sum of the kernels' bounds {total:.0f} µs; the op's own bound (inputs and "
+                  f"outputs only) {op / 1e6:.0f} MB, {op / (gpu['tb_s'] * 1e6):.0f} µs: "
+                  f"{total / (op / (gpu['tb_s'] * 1e6)):.1f}x of it is the tensors the kernels "
+                  "hand each other through HBM.", ""]
+    lines += ["## Decoding, one step", "", "| batch | D | M | state MB | MB moved | bound µs |",
+              "|---:|---:|---:|---:|---:|---:|"]
+    for d in res["decode"]:
+        k = d["kernel"]
+        lines.append(f"| {d['B']} | {d['D']} | {d['M']} | {d['state'] / 1e6:.2f} | "
+                     f"{(k['read'] + k['written']) / 1e6:.2f} | {bound_us(k, gpu):.2f} |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--dims", type=int, nargs="+", default=[64, 128])
+    p.add_argument("--slots", type=int, nargs="+", default=[32, 64])
+    p.add_argument("--lengths", type=int, nargs="+", default=[2048, 8192, 32768])
+    p.add_argument("--batch", type=int, default=8)
+    p.add_argument("--heads", type=int, default=8)
+    p.add_argument("--chunk", type=int, default=64)
+    p.add_argument("--gpu", choices=list(GPUS), default="H100")
+    p.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "model"))
+    args = p.parse_args(argv)
+    B, H = args.batch, args.heads
+    res = {"command": "python3 benchmarks/kernel_model.py " + " ".join(argv or []),
+           "gpu": args.gpu, "batch": B, "heads": H, "chunk": args.chunk, "cases": [],
+           "decode": []}
+    for T in args.lengths:
+        for D in args.dims:
+            for M in args.slots:
+                res["cases"].append({"T": T, "D": D, "M": M,
+                                     "kernels": chunked(B, H, T, D, M, args.chunk),
+                                     "op_bytes": op_bytes(B, H, T, D, M)})
+    for Bd in (1, 64):
+        for D in args.dims:
+            for M in args.slots:
+                res["decode"].append({"B": Bd, "D": D, "M": M,
+                                      "state": Bd * H * M * (2 * D + 1) * F32,
+                                      "kernel": decode(Bd, H, D, M)})
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "kernel_model.json").write_text(json.dumps(res, indent=2) + "\n")
+    (out / "kernel_model.md").write_text(markdown(res))
+    print(markdown(res))
+
+
+if __name__ == "__main__":
+    main()
