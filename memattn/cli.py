@@ -15,7 +15,7 @@ import time
 from pathlib import Path
 
 from memattn.errors import ConfigError, MemattnError, UsageError
-from memattn.fileio import atomic_write, atomic_write_text
+from memattn.fileio import atomic_write_text
 
 OVERRIDES_HELP = ("key=value overrides of the config, checked against its fields: "
                   "model.* data.* train.*, and attention=NAME / attention.OPTION=VALUE "
@@ -214,7 +214,6 @@ def parse_lengths(text: str) -> list[int]:
 def eval_by_length(args, model, cfg, ids, lengths, chars_per_token) -> int:
     """`memattn eval --lengths`: bits per character by position bucket and over the first n tokens
     (`memattn.evaluate.evaluate_by_length`), as a table or JSON, and optionally a plot."""
-    from memattn.errors import ConfigError
     from memattn.evaluate import MAX_WINDOW, evaluate_by_length, plot_by_length
 
     streams, chunk, max_window = args.streams or 1, args.chunk or 0, args.max_window or MAX_WINDOW
@@ -611,6 +610,7 @@ def cmd_demo(args) -> int:
 
 def cmd_experiment(args) -> int:
     from memattn.experiments import get_experiment
+    from memattn.experiments._common import running
     from memattn.fileio import output_lock
 
     module = get_experiment(args.name)
@@ -621,23 +621,13 @@ def cmd_experiment(args) -> int:
         raise ConfigError(f"--quick: {out_dir} holds the full results of experiment {args.name} (results.json); "
                           f"a quick run would write over them; give it a folder of its own with --out-dir "
                           f"(e.g. --out-dir runs/{args.name}-quick)")
-    with output_lock(out_dir, "--out-dir", ConfigError):
-        command = out_dir / "command.txt"
-        before = command.read_bytes() if command.exists() else None
-        results = out_dir / "results.json"
-        made_before = results.stat().st_mtime_ns if results.exists() else None
-        created = not out_dir.exists()
-        atomic_write_text(command, args.command_line + "\n")
+    created = not out_dir.exists()
+    with output_lock(out_dir, "--out-dir", ConfigError), running(args.command_line):
         try:
             module.run(out_dir, quick=args.quick, overrides=args.overrides, jobs=args.jobs)
-        except MemattnError:  # refused (settings, a run folder made otherwise): leave the folder as it was
-            if (results.stat().st_mtime_ns if results.exists() else None) == made_before:
-                if before is None:
-                    command.unlink(missing_ok=True)
-                else:
-                    atomic_write(command, lambda tmp: tmp.write_bytes(before))
-                if created and not any(out_dir.iterdir()):
-                    out_dir.rmdir()
+        except MemattnError:  # refused before any result: no folder of its own left behind
+            if created and out_dir.is_dir() and not any(out_dir.iterdir()):
+                out_dir.rmdir()
             raise
     return 0
 

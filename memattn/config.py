@@ -300,32 +300,17 @@ class TrainConfig:
 
 @dataclass
 class RunConfig:
-    # lm: a causal language model on a corpus; mlm: a bidirectional encoder restoring masked
-    # tokens (memattn.masked); translation: an encoder-decoder on parallel data
-    task: Literal["lm", "mlm", "translation"] = "lm"
+    # a registered task (memattn.tasks): lm, a causal language model on a corpus; mlm, a
+    # bidirectional encoder restoring masked tokens; translation, an encoder-decoder on parallel data
+    task: str = "lm"
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
 
     def __post_init__(self) -> None:
-        _one_of("task", self.task, ("lm", "mlm", "translation"))
-        if self.task == "mlm" and (self.train.segments or self.train.distill_weight):
-            raise ConfigError("task=mlm: train.segments and train.distill_weight are for causal language models")
-        if (self.task == "translation") != (self.data.corpus == "parallel"):
-            raise ConfigError(f"task={self.task}: translation reads parallel data (data.corpus=parallel) "
-                              f"and only it does; got data.corpus={self.data.corpus!r}")
-        if self.task == "translation" and (self.train.segments or self.train.init_from):
-            raise ConfigError("task=translation: train.segments and train.init_from are for language models")
-        if self.task != "translation" and self.train.label_smoothing:
-            raise ConfigError(f"train.label_smoothing: smooths the targets of translation runs (task=translation); "
-                              f"a task={self.task} run trains on the plain cross-entropy, so leave it at 0 (got "
-                              f"{self.train.label_smoothing})")
-        if self.task != "lm" and (self.train.transfer_steps or self.train.lora_rank):
-            raise ConfigError(f"task={self.task}: train.transfer_steps and train.lora_rank are for causal "
-                              "language models (task=lm)")
-        if self.task == "translation" and self.model.attention_layers:
-            raise ConfigError("model.attention_layers: the layers of an encoder-decoder take model.attention "
-                              "and model.encoder_attention")
+        from memattn.tasks import task_class
+
+        task_class(self.task).check_config(self)
 
 
 def to_dict(cfg) -> dict[str, Any]:

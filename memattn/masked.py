@@ -20,6 +20,7 @@ import torch.nn.functional as F
 
 from memattn.config import RunConfig
 from memattn.errors import ConfigError
+from memattn.tasks import StepLoss, Task
 
 MASK_RATE = 0.15
 
@@ -60,10 +61,47 @@ def masked_loss(model, batch: MaskedBatch) -> tuple[torch.Tensor, torch.Tensor, 
     return F.cross_entropy(logits.float(), batch.targets[batch.chosen], reduction="sum"), logits, len(logits)
 
 
-class MaskedLMTask:
+class MaskedLMTask(Task):
     """A corpus for the training loop's masked-LM task: batch of step s, loss, validation."""
 
     logged = ("loss", "accuracy")  # the validation figures the training log keeps
+    extra_symbols = 1  # the mask token
+
+    @classmethod
+    def check_config(cls, cfg: RunConfig) -> None:
+        tc = cfg.train
+        if tc.segments or tc.distill_weight:
+            raise ConfigError("task=mlm: train.segments and train.distill_weight are for causal language models")
+        if cfg.data.corpus == "parallel":
+            raise ConfigError("task=mlm: translation reads parallel data (data.corpus=parallel) and only it "
+                              "does; a masked LM reads a corpus")
+        if tc.label_smoothing:
+            raise ConfigError(f"train.label_smoothing: smooths the targets of translation runs "
+                              f"(task=translation); a task=mlm run trains on the plain cross-entropy, so "
+                              f"leave it at 0 (got {tc.label_smoothing})")
+        if tc.transfer_steps or tc.lora_rank:
+            raise ConfigError("task=mlm: train.transfer_steps and train.lora_rank are for causal "
+                              "language models (task=lm)")
+
+    @classmethod
+    def build_model(cls, cfg: RunConfig) -> torch.nn.Module:
+        from memattn.models import Encoder
+
+        return Encoder(cfg.model)
+
+    @classmethod
+    def prepare(cls, cfg: RunConfig, ddp, resume: bool, source) -> "MaskedLMTask":
+        from memattn.data import Vocab
+        from memattn.train import load_run_corpus, read_with_vocab, with_vocab_size
+
+        if source is not None and source.converted:
+            raise ConfigError("train.init_from: a converted transformers model trains as a causal LM "
+                              "(task=lm); a masked-LM run starts from a memattn masked-LM run")
+        corpus = load_run_corpus(cfg, ddp)
+        if source is not None and source.vocab is not None:
+            corpus = read_with_vocab(corpus, Vocab.from_json(source.vocab), f"the vocabulary of "
+                                     f"train.init_from {cfg.train.init_from}", say=ddp.main)
+        return cls(with_vocab_size(cfg, corpus.vocab.size + cls.extra_symbols), corpus, source)
 
     def __init__(self, cfg: RunConfig, corpus, source=None) -> None:
         from memattn.evaluate import as_tensor
@@ -90,9 +128,9 @@ class MaskedLMTask:
         """Tokens a batch trains on (for tokens/s): every token it reads."""
         return batch.inputs.numel()
 
-    def loss(self, model, batch: MaskedBatch) -> tuple[torch.Tensor, int]:
+    def loss(self, model, batch: MaskedBatch) -> StepLoss:
         total, _, count = masked_loss(model, batch)
-        return total, count
+        return StepLoss(total, count)
 
     def evaluate(self, model, device, ids: torch.Tensor | None = None,
                  max_batches: int | None = None) -> dict[str, float]:

@@ -1,4 +1,4 @@
-"""Training loop for the causal LM: AdamW, warm-up + cosine, clipping, evaluation,
+"""The training loop of every task (memattn.tasks): AdamW, warm-up + cosine, clipping, evaluation,
 atomic checkpoints, exact resume, and data-parallel training under torchrun.
 
 Determinism: the batch of step s and the dropout seed of step s are functions of
@@ -29,20 +29,18 @@ import socket
 import sys
 import time
 from pathlib import Path
-from typing import Any, Callable, NamedTuple
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 import yaml
 
 from memattn.checkpoint import load_checkpoint, restore, save_checkpoint
 from memattn.fileio import atomic_write, atomic_write_text, remove_stale_temporaries
 from memattn.config import RunConfig, TrainConfig, from_dict, to_dict
 from memattn.errors import CheckpointError, ConfigError, TrainingError
-from memattn.evaluate import as_tensor, evaluate, segment_window
-from memattn.models import CausalLM, EncoderDecoder, ModelCache
-from memattn.warmstart import distill_loss
+from memattn.models import CausalLM, ModelCache
+from memattn.tasks import task_class
 
 # Train fields a resumed run may change without changing what it computes up to the
 # checkpoint (steps may grow; the cosine then stretches from that point on).
@@ -389,6 +387,7 @@ def train(cfg: RunConfig, *, resume: bool = False, overwrite: bool = False, prog
             if ddp.main:
                 remove_stale_temporaries(out)  # what a killed write left; the lock says none is under way
                 settle_replaced_run(out)
+            ddp.barrier()  # every rank decides on the folder as the main rank left it
             if not (resume or overwrite) and holds_run(out):
                 raise ConfigError(f"train.out_dir: {out} holds a run already; continue it with "
                                   "--resume, replace it with --overwrite, or choose another train.out_dir")
@@ -421,39 +420,13 @@ def _train(cfg: RunConfig, ddp: Distributed, resume: bool, progress: bool, on_st
         torch.set_num_threads(threads)
     if tc.batch_size % ddp.world:
         raise ConfigError(f"train.batch_size: {tc.batch_size} does not split over {ddp.world} processes")
-    if cfg.task == "translation":
-        return _train_loop(cfg, ddp, resume, progress, on_step, device,
-                           translation_task(cfg, ddp, resume))
     source = None
     if tc.init_from:  # read on resume too: the run reads the corpus with the source's vocabulary
         from memattn.warmstart import read_source
 
         source = read_source(tc.init_from)
-        if source.converted:
-            cfg = converted_run(cfg, source)
-    corpus = load_run_corpus(cfg, ddp)
-    if source is not None and source.vocab is not None:
-        from memattn.data import Vocab
-
-        corpus = read_with_vocab(corpus, Vocab.from_json(source.vocab), f"the vocabulary of train.init_from "
-                                 f"{tc.init_from}", say=ddp.main)
-    if cfg.task == "mlm":
-        from memattn.masked import MaskedLMTask
-
-        if source is not None and source.converted:
-            raise ConfigError("train.init_from: a converted transformers model trains as a causal LM "
-                              "(task=lm); a masked-LM run starts from a memattn masked-LM run")
-        cfg = with_vocab_size(cfg, corpus.vocab.size + 1)  # and the mask token
-        return _train_loop(cfg, ddp, resume, progress, on_step, device, MaskedLMTask(cfg, corpus, source))
-    cfg = with_vocab_size(cfg, corpus.vocab.size)
-    train_ids, val_ids = as_tensor(corpus.train), as_tensor(corpus.val)
-    for split, ids in (("training", train_ids), ("validation", val_ids)):
-        if len(ids) < tc.seq_len + 2:
-            raise ConfigError(f"train.seq_len: the {split} split of {cfg.data.corpus!r} holds {len(ids):,} "
-                              f"tokens, fewer than one window of seq_len + 1 = {tc.seq_len + 1} (and one "
-                              "to start from); use a larger corpus or a smaller train.seq_len")
-    return _train_loop(cfg, ddp, resume, progress, on_step, device,
-                       LanguageModelData(corpus, source, train_ids, val_ids))
+    task = task_class(cfg.task).prepare(cfg, ddp, resume, source)
+    return _train_loop(task, ddp, resume, progress, on_step, device)
 
 
 def converted_run(cfg: RunConfig, source) -> RunConfig:
@@ -472,26 +445,6 @@ def with_vocab_size(cfg: RunConfig, size: int) -> RunConfig:
         raise ConfigError(f"model.vocab_size: {cfg.model.vocab_size} does not match the corpus "
                           f"vocabulary of {size}")
     return dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, vocab_size=size))
-
-
-def translation_task(cfg: RunConfig, ddp: Distributed, resume: bool):
-    """The TranslationTask of cfg; resumed, the corpus is read with the checkpoint's vocabulary."""
-    from memattn.data import Vocab
-    from memattn.translation import TranslationTask, load_parallel_corpus
-
-    vocab = None
-    if resume:
-        vocab = Vocab.from_json(load_checkpoint(Path(cfg.train.out_dir) / "checkpoint.safetensors").meta["vocab"])
-
-    corpus = main_rank_first(lambda: load_parallel_corpus(cfg, vocab), ddp)
-    return TranslationTask(with_vocab_size(cfg, corpus.vocab.size), corpus)
-
-
-class LanguageModelData(NamedTuple):
-    corpus: Any
-    source: Any  # the train.init_from model (memattn.warmstart), or None
-    train_ids: torch.Tensor
-    val_ids: torch.Tensor
 
 
 def drop_transfer_records_after(log: JsonlLog, step: int) -> None:
@@ -587,22 +540,18 @@ def transfer_attention(cfg: RunConfig, ddp: Distributed, transfer, optimizer: to
     return time.perf_counter() - started
 
 
-def _train_loop(cfg: RunConfig, ddp: Distributed, resume: bool, progress: bool, on_step, device,
-                data) -> dict[str, Any]:
-    """The loop shared by the tasks: `data` is a LanguageModelData, or the task's object
-    (TranslationTask, MaskedLMTask: batch, loss, evaluate)."""
+def _train_loop(task, ddp: Distributed, resume: bool, progress: bool, on_step, device) -> dict[str, Any]:
+    """The loop of every task (memattn.tasks): its batches, its loss plus the model's
+    auxiliary losses, its evaluations; checkpoints, resume, data parallelism, and the
+    language model's attention transfer and LoRA (train.transfer_steps, train.lora_rank)."""
+    cfg, source = task.cfg, task.source
     tc = cfg.train
-    task = data if cfg.task != "lm" else None
-    if task is not None:
-        cfg = task.cfg
-        corpus, source = task.corpus, task.source
-    else:
-        corpus, source, train_ids, val_ids = data
     out = Path(tc.out_dir)
     ckpt_path = out / "checkpoint.safetensors"
     log = JsonlLog(out / "log.jsonl", ddp.main)
     torch.manual_seed(tc.seed)
     model = build_model(cfg)
+    task.check_model(model)
     own = None  # train.transfer_steps / lora_rank: the names of the mechanism's own parameters
     if tc.transfer_steps or tc.lora_rank:
         from memattn.transfer import check_transfer, own_parameters
@@ -614,12 +563,12 @@ def _train_loop(cfg: RunConfig, ddp: Distributed, resume: bool, progress: bool, 
         own = own_parameters(model, source)
         if tc.transfer_steps:
             check_transfer(model, source, own)
-    teacher = source_net = None  # source_net: the init_from model, frozen (distillation, transfer)
+    source_net = None  # the init_from model, frozen (distillation, transfer)
     if tc.distill_weight > 0 or tc.transfer_steps:
         from memattn.warmstart import teacher_model
 
         source_net = teacher_model(source).to(device)
-        teacher = source_net if tc.distill_weight > 0 else None
+        task.teacher = source_net if tc.distill_weight > 0 else None
     if source is not None and not source.converted and not resume:
         from memattn.warmstart import warm_start
 
@@ -649,13 +598,6 @@ def _train_loop(cfg: RunConfig, ddp: Distributed, resume: bool, progress: bool, 
             trainable = [named[n] for n in own] + list(lora.parameters())
     optimizer = torch.optim.AdamW(decay_groups(trainable, tc.weight_decay), lr=tc.lr, betas=tc.betas)
     transferred = tc.transfer_steps if resume else 0  # transfer steps done (a checkpoint may say fewer)
-    carry: ModelCache | None = None  # train.segments: the memory carried from step to step
-    if tc.segments:
-        check_segments(model, cfg)
-        n_segments = (len(train_ids) - 1) // tc.batch_size // tc.seq_len
-        if n_segments == 0:
-            raise ConfigError(f"train.segments: {tc.batch_size} streams of the training split "
-                              f"({len(train_ids):,} tokens) are shorter than train.seq_len={tc.seq_len}")
     start, seconds_before = 0, 0.0
     if resume:
         ckpt = load_checkpoint(ckpt_path)
@@ -665,13 +607,6 @@ def _train_loop(cfg: RunConfig, ddp: Distributed, resume: bool, progress: bool, 
         done_summary = read_summary(out) if start >= tc.steps else None
         if done_summary is not None:  # complete: nothing to add
             return dict(done_summary, complete=True, checkpoint_step=start)
-        if task is None and ddp.main:
-            changed = changed_splits(ckpt.meta.get("data", {}), corpus)
-            if changed:
-                which = " and ".join([", ".join(changed[:-1]), changed[-1]] if len(changed) > 1 else changed)
-                print(f"memattn train: note: --resume: the {which} split{'s' if len(changed) > 1 else ''} of "
-                      f"{cfg.data.corpus!r} {'are' if len(changed) > 1 else 'is'} not the text the checkpoint was "
-                      "trained with (it changed since); the run goes on with the text as it is now", file=sys.stderr)
         in_transfer = start == 0 and "transfer" in ckpt.meta  # saved by the transfer steps
         if in_transfer:
             transferred = int(ckpt.meta["transfer"]["step"])
@@ -688,21 +623,18 @@ def _train_loop(cfg: RunConfig, ddp: Distributed, resume: bool, progress: bool, 
         log.truncate_after(start)
         if in_transfer:
             drop_transfer_records_after(log, transferred)
-        if tc.segments:
-            carry = restore_carried_memory(ckpt, model, tc.batch_size // ddp.world, ddp, device)
+        task.resumed(ckpt, model, ddp, device)
     elif ddp.main:
         out.mkdir(parents=True, exist_ok=True)
         log.path.unlink(missing_ok=True)
     if ddp.main:
         atomic_write_text(out / "config.yaml", yaml.safe_dump(to_dict(cfg), sort_keys=False))
-    meta = {"config": to_dict(cfg), "vocab": corpus.vocab.to_json(), "corpus": corpus.name,
-            "data": {split: fingerprint(corpus.split(split)) for split in ("train", "val", "test")}
-            if task is None else {}}
+    meta = {"config": to_dict(cfg), **task.meta()}
     if transferred < tc.transfer_steps:
         from memattn.transfer import AttentionTransfer
 
         seconds_before += transfer_attention(
-            cfg, ddp, AttentionTransfer(model, source_net, own), transfer_optimizer, train_ids, device, log,
+            cfg, ddp, AttentionTransfer(model, source_net, own), transfer_optimizer, task.train_ids, device, log,
             ckpt_path, meta, transferred, seconds_before, progress, on_step)
     if lora is not None:  # the ordinary steps train the adapters and the mechanism's own parameters
         model.requires_grad_(False)
@@ -731,34 +663,16 @@ def _train_loop(cfg: RunConfig, ddp: Distributed, resume: bool, progress: bool, 
         lr = lr_at(step, tc)
         for group in optimizer.param_groups:
             group["lr"] = lr
-        aux = None
-        if task is not None:
-            batch = task.batch(step, ddp.rank, ddp.world).to(device)
-            torch.manual_seed(step_seed(tc.seed, step, ddp.rank))  # dropout of this step
-            loss_sum, scored = task.loss(wrapped, batch)
-            # the mean over the global batch's scored tokens, whatever rank holds them: DDP
-            # averages the ranks' gradients of loss_sum / (scored tokens per rank on average)
-            loss, step_tokens = loss_sum / ddp.mean(float(scored)), ddp.mean(float(task.tokens(batch)))
-        else:
-            if tc.segments:
-                segment = step % n_segments
-                window = segment_window(train_ids, tc.batch_size, tc.seq_len, segment).chunk(ddp.world)[ddp.rank]
-                x, y = window[:, :-1], window[:, 1:]
-                if segment == 0:  # the streams (re)start: an empty memory
-                    carry = model.init_cache(x.shape[0], device=device)
-            else:
-                x, y = sample_batch(train_ids, step, tc, ddp.rank, ddp.world)
-            x, y = x.to(device), y.to(device)
-            torch.manual_seed(step_seed(tc.seed, step, ddp.rank))  # dropout of this step
-            logits = wrapped(x) if carry is None else wrapped(x, cache=carry)
-            loss = F.cross_entropy(logits.float().flatten(0, 1), y.flatten())
-            step_tokens = x.numel()  # per rank
-            aux = model.aux_loss()  # e.g. adaptive-span penalties; None for most mechanisms
-            if teacher is not None:
-                with torch.no_grad():
-                    teacher_logits = teacher(x)
-                distill = distill_loss(logits, teacher_logits)
-                aux = tc.distill_weight * distill if aux is None else aux + tc.distill_weight * distill
+        batch = task.batch(step, ddp.rank, ddp.world).to(device)
+        torch.manual_seed(step_seed(tc.seed, step, ddp.rank))  # dropout of this step
+        step_loss = task.loss(wrapped, batch)
+        # the mean over the global batch's scored positions, whatever rank holds them: DDP
+        # averages the ranks' gradients of total / (scored positions per rank on average)
+        loss = step_loss.total / ddp.mean(float(step_loss.scored))
+        step_tokens = ddp.mean(float(task.tokens(batch)))
+        aux = model.aux_loss()  # e.g. adaptive-span penalties; None for most mechanisms
+        for weight, value in step_loss.terms.values():
+            aux = weight * value if aux is None else aux + weight * value
         (loss if aux is None else loss + aux).backward()
         if lora is not None:
             ddp.average_grads(lora.parameters())
@@ -784,17 +698,10 @@ def _train_loop(cfg: RunConfig, ddp: Distributed, resume: bool, progress: bool, 
             record.update(step=done, loss=train_loss, lr=lr, tokens_per_s=round(tok_per_s, 1))
             if aux is not None:
                 record.update(aux_loss=aux.item())
-            if teacher is not None:
-                record.update(distill=ddp.mean(distill.item()))
+            record.update({name: ddp.mean(value.item()) for name, (_, value) in step_loss.terms.items()})
         if done % tc.eval_every == 0 or done == tc.steps:
-            if task is not None:
-                last_val = task.evaluate(model, device)
-                record.update(step=done, **{f"val_{k}": last_val[k] for k in task.logged})
-            else:
-                last_val = evaluate(model, val_ids, seq_len=tc.seq_len, batch_size=tc.batch_size,
-                                    max_batches=tc.eval_batches, device=device, segments=tc.segments,
-                                    chars_per_token=corpus.chars_per_token("val"))
-                record.update(step=done, val_loss=last_val["loss"], val_bpc=last_val["bpc"])
+            last_val = task.evaluate(model, device)
+            record.update(step=done, **{f"val_{k}": last_val[k] for k in task.logged})
             clock = time.perf_counter()  # evaluation time is not training throughput
         if record:
             log.write(record)
@@ -803,7 +710,7 @@ def _train_loop(cfg: RunConfig, ddp: Distributed, resume: bool, progress: bool, 
                 bar.set_postfix(loss=f"{train_loss:.3f}", tok_s=f"{tok_per_s:,.0f}", **{f"val_{k}": v for k, v in shown.items()})
             if on_step is not None:
                 on_step(done, record)
-        extra, segments_meta = carried_memory(carry, ddp) if saving and carry is not None else ({}, None)
+        extra, segments_meta = task.carried(ddp) if saving else ({}, None)
         if saving:
             shards = weights = None
             if sharded:  # every rank writes its shards and joins in gathering the weights
@@ -898,21 +805,8 @@ def fingerprint(ids) -> str:
 
 
 def build_model(cfg: RunConfig) -> torch.nn.Module:
-    """The run's model as initialised: an EncoderDecoder (translation), the converted
-    transformers model that train.init_from names, or a CausalLM."""
-    if cfg.task == "translation":
-        return EncoderDecoder(cfg.model)
-    if cfg.task == "mlm":
-        from memattn.models import Encoder
-
-        return Encoder(cfg.model)
-    from memattn.warmstart import is_converted
-
-    if cfg.train.init_from and is_converted(cfg.train.init_from):  # not read_source: no weights to load
-        from memattn.integrations.convert import ConvertedLM, load_converted
-
-        return ConvertedLM(load_converted(cfg.train.init_from)).train()
-    return CausalLM(cfg.model)
+    """The run's model as initialised, built by its task (memattn.tasks)."""
+    return task_class(cfg.task).build_model(cfg)
 
 
 def model_from_checkpoint(path: str | os.PathLike, device: str = "cpu"):
@@ -943,9 +837,9 @@ def check_vocab_fits(ckpt, cfg: RunConfig) -> None:
                               "altered after it was saved") from None
     if cfg.train.init_from and is_converted(cfg.train.init_from):
         return  # the converted model's own vocabulary, read from its folder
-    want = vocab.size + (1 if cfg.task == "mlm" else 0)
-    if cfg.model.vocab_size != want:
+    extra = task_class(cfg.task).extra_symbols
+    if cfg.model.vocab_size != vocab.size + extra:
         raise CheckpointError(f"checkpoint {ckpt.path}: its vocabulary has {vocab.size} symbols, but its model "
                               f"was built for model.vocab_size={cfg.model.vocab_size}"
-                              f"{' (with the mask token)' if cfg.task == 'mlm' else ''}; the metadata was altered "
-                              "after it was saved")
+                              f"{f' (with {extra} more of its task)' if extra else ''}; the metadata was "
+                              "altered after it was saved")

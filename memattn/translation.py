@@ -22,6 +22,7 @@ import torch.nn.functional as F
 
 from memattn.config import RunConfig
 from memattn.errors import ConfigError
+from memattn.tasks import StepLoss, Task
 
 
 class PairBatch(NamedTuple):
@@ -90,11 +91,47 @@ def check_lengths(corpus, max_len: int) -> None:
                                   "leave the long pairs out of the data")
 
 
-class TranslationTask:
+class TranslationTask(Task):
     """Parallel data for the training loop: batch of step s, loss and validation."""
 
     logged = ("loss", "ppl")  # the validation figures the training log keeps
-    source = None  # no train.init_from
+
+    @classmethod
+    def check_config(cls, cfg: RunConfig) -> None:
+        tc = cfg.train
+        if cfg.data.corpus != "parallel":
+            raise ConfigError(f"task=translation: translation reads parallel data (data.corpus=parallel) "
+                              f"and only it does; got data.corpus={cfg.data.corpus!r}")
+        if tc.segments or tc.init_from:
+            raise ConfigError("task=translation: train.segments and train.init_from are for language models")
+        if tc.transfer_steps or tc.lora_rank:
+            raise ConfigError("task=translation: train.transfer_steps and train.lora_rank are for causal "
+                              "language models (task=lm)")
+        if cfg.model.attention_layers:
+            raise ConfigError("model.attention_layers: the layers of an encoder-decoder take model.attention "
+                              "and model.encoder_attention")
+
+    @classmethod
+    def build_model(cls, cfg: RunConfig) -> torch.nn.Module:
+        from memattn.models import EncoderDecoder
+
+        return EncoderDecoder(cfg.model)
+
+    @classmethod
+    def prepare(cls, cfg: RunConfig, ddp, resume: bool, source) -> "TranslationTask":
+        """Resumed, the corpus is read with the checkpoint's vocabulary."""
+        from pathlib import Path
+
+        from memattn.checkpoint import load_checkpoint
+        from memattn.data import Vocab
+        from memattn.train import main_rank_first, with_vocab_size
+
+        vocab = None
+        if resume:
+            ckpt = load_checkpoint(Path(cfg.train.out_dir) / "checkpoint.safetensors")
+            vocab = Vocab.from_json(ckpt.meta["vocab"])
+        corpus = main_rank_first(lambda: load_parallel_corpus(cfg, vocab), ddp)
+        return cls(with_vocab_size(cfg, corpus.vocab.size), corpus)
 
     def __init__(self, cfg: RunConfig, corpus) -> None:
         self.cfg = cfg
@@ -119,10 +156,10 @@ class TranslationTask:
         """Tokens a batch trains on (for tokens/s): its real target tokens."""
         return int((batch.tgt_out != self.vocab.pad_id).sum())
 
-    def loss(self, model, batch: PairBatch) -> tuple[torch.Tensor, int]:
-        """(summed label-smoothed loss, real target tokens) of a batch."""
+    def loss(self, model, batch: PairBatch) -> StepLoss:
+        """The summed label-smoothed loss over a batch's real target tokens."""
         logits = model(batch.src, batch.tgt_in, src_mask=batch.src_mask)
-        return smoothed_loss(logits, batch.tgt_out, self.vocab.pad_id, self.cfg.train.label_smoothing)
+        return StepLoss(*smoothed_loss(logits, batch.tgt_out, self.vocab.pad_id, self.cfg.train.label_smoothing))
 
     def evaluate(self, model, device, split=None, max_batches: int | None = None) -> dict[str, float]:
         """Cross-entropy (nats per target token, no smoothing) and perplexity on the validation

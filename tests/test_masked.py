@@ -87,3 +87,16 @@ def test_two_process_data_parallel_matches_one_process(text_file, tmp_path):
     assert summary["ranks_in_sync"] is True
     for r1, r2 in zip(read_log(tmp_path / "one" / "run"), read_log(tmp_path / "two" / "run")):
         assert r2["loss"] == pytest.approx(r1["loss"], rel=1e-4)
+
+
+@pytest.mark.parametrize("task", ["lm", "mlm"])
+def test_every_task_trains_with_the_adaptive_span_penalty(text_file, tmp_path, task):
+    """The shared loop adds the model's auxiliary loss whatever the task: at the first step
+    each of the 2 layers' spans are at span_init, so the penalty is
+    2 · span_loss · span_max · span_init = 2 · 0.01 · 24 · 0.5."""
+    extra = (f"task={task}", "attention=persistent", "attention.n_persistent=4", "attention.adaptive_span=true",
+             "attention.span_max=24", "attention.span_init=0.5", "attention.span_loss=0.01",
+             "train.steps=2", "train.log_every=1", "train.eval_every=2", "train.batch_size=4")
+    train(load_config("tiny", tiny_overrides(text_file, tmp_path, *extra)), progress=False)
+    first = read_log(tmp_path / "run")[0]
+    assert first["step"] == 1 and first["aux_loss"] == pytest.approx(2 * 0.01 * 24 * 0.5, rel=1e-6)

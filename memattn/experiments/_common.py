@@ -3,15 +3,17 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import time
+from contextvars import ContextVar
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import torch
 
 from memattn.config import TrainConfig
-from memattn.fileio import atomic_write
+from memattn.fileio import atomic_write, atomic_write_text
 from memattn.train import lr_at, param_groups, project_parameters
 
 
@@ -67,8 +69,28 @@ def training_tokens_per_s(model: torch.nn.Module, loss_of: Callable[[], tuple[to
     return steps * tokens / (time.perf_counter() - start)
 
 
+# The `memattn experiment` command line running now (set by the CLI), recorded with the results.
+_RUNNING: ContextVar[str | None] = ContextVar("memattn_experiment_command", default=None)
+
+
+@contextlib.contextmanager
+def running(command_line: str) -> Iterator[None]:
+    """Within: the results written (`write_results`) name `command_line` as the command that
+    made them, in the results and in command.txt beside them. A run refused before it writes
+    results leaves command.txt as it was."""
+    token = _RUNNING.set(command_line)
+    try:
+        yield
+    finally:
+        _RUNNING.reset(token)
+
+
 def command_of(out_dir: Path, name: str, quick: bool, overrides) -> str:
-    """The command that made out_dir (command.txt, written by the CLI), else its equivalent."""
+    """The command that makes out_dir's results: the command line running now (`running`),
+    else the one recorded beside them (command.txt), else its equivalent."""
+    line = _RUNNING.get()
+    if line is not None:
+        return line
     written = out_dir / "command.txt"
     if written.exists():
         return written.read_text().strip()
@@ -90,11 +112,14 @@ def setup_line(settings: list[str]) -> str:
 
 
 def write_results(out_dir: Path, results: dict[str, Any], markdown: str) -> None:
-    """results.json and results.md under out_dir, each written atomically."""
+    """results.json and results.md under out_dir, and command.txt when a command line is
+    running (`running`), each written atomically."""
     out_dir.mkdir(parents=True, exist_ok=True)
     text = json.dumps(results, indent=2) + "\n"
     atomic_write(out_dir / "results.json", lambda tmp: tmp.write_text(text))
     atomic_write(out_dir / "results.md", lambda tmp: tmp.write_text(markdown))
+    if _RUNNING.get() is not None:
+        atomic_write_text(out_dir / "command.txt", _RUNNING.get() + "\n")
 
 
 def plot_curves(path: Path, title: str, curves: dict[str, list[list[float]]], ylabel: str) -> None:

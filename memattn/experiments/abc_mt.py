@@ -173,7 +173,7 @@ def side_by_side(out_dir: Path, jobs: list[Job], *, profiled: tuple[str, ...], l
         batch = task.batch(0, 0, 1)
 
         def loss_of() -> tuple[torch.Tensor, int]:
-            total, scored = task.loss(model, batch)
+            total, scored, _ = task.loss(model, batch)
             return total / scored, task.tokens(batch)
 
         speed = training_tokens_per_s(model, loss_of)

@@ -32,7 +32,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from memattn.config import to_dict
+from memattn.config import TrainConfig, to_dict
 from memattn.data.reading import ReadingBatch, ReadingConfig, ReadingTask
 from memattn.errors import ConfigError
 from memattn.experiments._common import command_of, compare, save_figure, write_results
@@ -41,6 +41,7 @@ from memattn.fileio import atomic_write
 from memattn.models.qa import ATTENTIONS, QAConfig, ReadingQA
 from memattn.ops.softmax import softmax_attention
 from memattn.representations import encode, lookup
+from memattn.train import lr_at
 from memattn.typed import parse_settings as parse_typed
 
 DESCRIPTION = ("cheap linear attention: QA accuracy of none / softmax / linear / gated-linear "
@@ -178,13 +179,8 @@ def train_job(run_dir: Path, job: Job, measure=None) -> dict:
     model = ReadingQA(QAConfig(task.vocab_size, task.n_answers, attention=attention,
                                embed=s.embed, hidden=s.hidden))
     opt = torch.optim.Adam(model.parameters(), lr=s.lr)
-    warmup = max(1, s.steps // 20)
-
-    def lr_at(step: int) -> float:
-        if step < warmup:
-            return s.lr * (step + 1) / warmup
-        progress = (step - warmup) / max(1, s.steps - warmup)
-        return s.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress)))
+    # warm-up over the first 5 % of the steps, then cosine to a tenth
+    schedule = TrainConfig(steps=s.steps, lr=s.lr, warmup=max(1, s.steps // 20), min_lr_ratio=0.1)
 
     ckpt, best_file, log = run_dir / "checkpoint.safetensors", run_dir / "best.safetensors", run_dir / "log.jsonl"
     state = {"step": 0, "seconds": 0.0, "evals": [], "best": -1.0, "best_step": 0, "stale": 0}
@@ -201,7 +197,7 @@ def train_job(run_dir: Path, job: Job, measure=None) -> dict:
         step = state["step"]
         batch = task.batch(s.batch, seed=f"{s.seed}/train/{step}")  # the same data for every variant
         for group in opt.param_groups:
-            group["lr"] = lr_at(step)
+            group["lr"] = lr_at(step, schedule)
         start = time.perf_counter()
         logits = model(batch.docs, batch.doc_lengths, batch.queries, batch.query_lengths)
         loss = F.cross_entropy(logits.flatten(0, 1), batch.answers.flatten())

@@ -46,6 +46,11 @@ class EncoderDecoder(nn.Module):
     def num_parameters(self) -> int:
         return sum(p.numel() for p in self.parameters())
 
+    def aux_loss(self) -> torch.Tensor | None:
+        """The encoder's and the decoder's auxiliary losses together (Transformer.aux_loss)."""
+        losses = [loss for loss in (self.encoder.aux_loss(), self.decoder.aux_loss()) if loss is not None]
+        return torch.stack(losses).sum() if losses else None
+
     def encode(self, src: torch.Tensor, src_mask: torch.Tensor | None = None) -> list:
         """src [B, S], src_mask [B, S] bool (True = real) -> the memory of each decoder block."""
         h = self.encoder.hidden(src, attention_mask=src_mask)

@@ -1,0 +1,101 @@
+"""Tasks: what a run trains its model to do, registered by name as mechanisms are.
+
+`cfg.task` names one. A task is a class with
+
+    check_config(cfg)            classmethod: ConfigError for settings the task cannot take
+    build_model(cfg)             classmethod: the model as initialised
+    extra_symbols                ids beyond the data's vocabulary (the masked LM's mask token)
+    prepare(cfg, ddp, resume, source)
+                                 classmethod: the task on its data, its cfg with
+                                 model.vocab_size set (`source`: the train.init_from model)
+and, on an instance,
+    cfg, corpus, source          its settings, data and train.init_from model (or None)
+    logged                       the validation figures the training log keeps
+    batch(step, rank, world)     this rank's share of step `step`'s global batch, a function
+                                 of (train.seed, step) alone; has .to(device)
+    tokens(batch)                tokens the batch trains on (for tokens/s)
+    loss(model, batch)           StepLoss: the summed loss, the positions it scores, and any
+                                 further weighted terms of the objective
+    evaluate(model, device)      the validation figures
+    check_model(model)           ConfigError if the built model cannot serve the task's settings
+    meta()                       what a checkpoint records of the data (its vocabulary, by
+                                 default, which `memattn eval` and `generate` read with)
+    resumed(ckpt, model, ddp, device), carried(ddp)
+                                 what a checkpoint keeps of the task's own state between
+                                 steps (the language model's carried memory) and its return
+
+The training loop (memattn.train) is the same for every task: it adds the model's auxiliary
+losses (`aux_loss()`, e.g. adaptive-span penalties) to every task's objective.
+"""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass
+from typing import Any, NamedTuple
+
+import torch
+
+from memattn.errors import ConfigError
+
+
+class StepLoss(NamedTuple):
+    """A batch's loss: `total` summed over the `scored` positions (the loop divides by their
+    mean over the ranks), and `terms`, name -> (weight, value) added to the mean as
+    weight · value and logged by name."""
+
+    total: torch.Tensor
+    scored: int
+    terms: dict[str, tuple[float, torch.Tensor]] = {}
+
+
+class Task:
+    """Defaults of the optional parts of a task (see the module docstring)."""
+
+    extra_symbols = 0
+    source = None
+
+    @classmethod
+    def check_config(cls, cfg) -> None:
+        return None
+
+    def check_model(self, model) -> None:
+        return None
+
+    def meta(self) -> dict[str, Any]:
+        return {"vocab": self.corpus.vocab.to_json(), "corpus": self.corpus.name}
+
+    def resumed(self, ckpt, model, ddp, device) -> None:
+        return None
+
+    def carried(self, ddp) -> tuple[dict[str, torch.Tensor], dict[str, Any] | None]:
+        return {}, None
+
+
+@dataclass(frozen=True)
+class TaskEntry:
+    name: str
+    summary: str
+    where: str  # "module:Class", imported when the task is used
+
+
+TASKS: dict[str, TaskEntry] = {}
+
+
+def register_task(name: str, summary: str, where: str) -> None:
+    if name in TASKS:
+        raise ValueError(f"task {name!r} is already registered")
+    TASKS[name] = TaskEntry(name, summary, where)
+
+
+def task_class(name: str) -> type[Task]:
+    """The class of task `name` (ConfigError naming `task` if none is registered)."""
+    if name not in TASKS:
+        raise ConfigError(f"task: expected one of {', '.join(TASKS)}, got {name!r}")
+    module, _, cls = TASKS[name].where.partition(":")
+    return getattr(importlib.import_module(module), cls)
+
+
+register_task("lm", "a causal language model on a corpus", "memattn.tasks.lm:LanguageModelTask")
+register_task("mlm", "a bidirectional encoder restoring masked tokens", "memattn.masked:MaskedLMTask")
+register_task("translation", "an encoder-decoder on parallel data", "memattn.translation:TranslationTask")
