@@ -59,7 +59,7 @@ except ImportError as e:  # pragma: no cover - exercised only without transforme
 
 from memattn.integrations.folders import (FORMAT, check_format, config_file, read_config,  # noqa: E402
                                           write_card, write_remote_code)
-from memattn.integrations.hf import STATIC_CACHE, StatefulLayer, refuse_static_cache, tell_peft  # noqa: E402
+from memattn.integrations.hf_cache import STATIC_CACHE, StatefulLayer, refuse_static_cache, tell_peft  # noqa: E402
 from memattn.warmstart import CONVERSION_KEY as CONFIG_KEY  # noqa: E402
 
 LLAMA_LIKE = ("LlamaAttention", "MistralAttention", "Qwen2Attention", "Qwen3Attention")

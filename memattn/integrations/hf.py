@@ -47,7 +47,6 @@ tokens), which are accepted as they are.
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -57,7 +56,7 @@ from torch import nn
 try:
     from transformers import (AutoConfig, AutoModel, AutoModelForCausalLM, AutoModelForMaskedLM,
                               GenerationMixin, PreTrainedConfig, PreTrainedModel)
-    from transformers.cache_utils import Cache, CacheLayerMixin
+    from transformers.cache_utils import Cache
     from transformers.modeling_outputs import (BaseModelOutputWithPast, CausalLMOutputWithPast,
                                                MaskedLMOutput)
 except ImportError as e:  # pragma: no cover - exercised only without transformers
@@ -66,6 +65,7 @@ except ImportError as e:  # pragma: no cover - exercised only without transforme
 from memattn.config import ModelConfig, from_dict, to_dict
 from memattn.errors import ConfigError
 from memattn.integrations.folders import FORMAT, check_format, config_file, write_card, write_remote_code
+from memattn.integrations.hf_cache import STATIC_CACHE, MemattnCache, refuse_static_cache, tell_peft
 from memattn.models import CausalLM, Encoder
 from memattn.models.lm import ModelCache
 
@@ -77,11 +77,6 @@ PAD_TOKEN = "<pad>"  # the pad token of an exported character vocabulary without
 DOC_TOKEN = "<|endoftext|>"
 SEPARATORS = ("\n", " ")  # what joined documents in training: "\n", or " " where no newline was seen
 LORA_TARGETS = ["qkv"]  # PEFT LoRA's default target modules: every attention layer's q/k/v projection
-STATIC_CACHE = ("a static (preallocated key/value) cache cannot hold a memattn layer's state: each layer "
-                "keeps its own, of a fixed size for the bounded mechanisms already; generate without "
-                "cache_implementation (the default cache is memattn's own)")
-
-
 class MemattnConfig(PreTrainedConfig):
     """A memattn model config for transformers: `memattn` holds memattn's `ModelConfig` as a
     mapping and `architecture` says which model it builds ("causal-lm" or "encoder"); the
@@ -136,95 +131,6 @@ class MemattnConfig(PreTrainedConfig):
         return cfg
 
 
-class StatefulLayer(CacheLayerMixin):
-    """A layer of a transformers cache that holds no keys and values: a memattn layer writes
-    its own state. Subclasses say how many tokens were seen (`get_seq_length`)."""
-
-    is_compileable = False
-    is_croppable = False
-
-    def lazy_initialization(self, key_states, value_states) -> None:
-        pass
-
-    def update(self, key_states, value_states, *args, **kwargs):
-        raise NotImplementedError("a memattn layer writes its own state, not keys and values")
-
-    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
-        return self.get_seq_length() + query_length, 0
-
-    def get_max_length(self) -> int:
-        return -1
-
-    def offload(self) -> None:
-        pass
-
-    def prefetch(self) -> None:
-        pass
-
-
-class _Position(StatefulLayer):
-    """One layer's entry in a MemattnCache: transformers asks layers how many tokens were seen;
-    the states themselves live in the cache's ModelCache."""
-
-    def __init__(self, cache: MemattnCache) -> None:
-        super().__init__()
-        self.cache = cache
-
-    def get_seq_length(self) -> int:
-        return self.cache.model_cache.position if self.cache.model_cache is not None else 0
-
-    # The cache reorders, selects and resets its ModelCache once for all layers.
-    def reorder_cache(self, beam_idx) -> None:
-        pass
-
-    def batch_repeat_interleave(self, repeats: int) -> None:
-        pass
-
-    def batch_select_indices(self, indices) -> None:
-        pass
-
-    def reset(self) -> None:
-        pass
-
-
-class MemattnCache(Cache):
-    """A transformers Cache over memattn's ModelCache (one state per layer, each mechanism's own)."""
-
-    def __init__(self, model_cache: ModelCache | None = None, n_layers: int | None = None) -> None:
-        n = len(model_cache.states) if model_cache is not None else n_layers
-        if n is None:
-            raise ConfigError("MemattnCache: give the model cache or the number of layers")
-        self.model_cache = model_cache
-        super().__init__(layers=[_Position(self) for _ in range(n)])
-
-    def get_seq_length(self, layer_idx: int = 0) -> int:
-        return self.model_cache.position if self.model_cache is not None else 0
-
-    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
-        if self.model_cache is not None:
-            self.model_cache.reorder(beam_idx)
-
-    def batch_select_indices(self, indices: torch.Tensor) -> None:
-        if self.model_cache is not None:
-            self.model_cache.batch_select(torch.as_tensor(indices).flatten())
-
-    def batch_repeat_interleave(self, repeats: int) -> None:
-        if self.model_cache is not None:
-            self.model_cache.repeat_interleave(repeats)
-
-    def crop(self, max_length: int) -> None:
-        if self.model_cache is not None:
-            position = self.model_cache.position
-            self.model_cache.crop(max_length if max_length >= 0 else position + max_length)
-
-    def reset(self) -> None:
-        self.model_cache = None
-
-    def nbytes(self) -> int:
-        """Bytes held by every layer's state now."""
-        return self.model_cache.nbytes() if self.model_cache is not None else 0
-
-
 def _new_tokens_mask(attention_mask: torch.Tensor | None, T: int) -> torch.Tensor | None:
     """transformers' mask over every token so far [B, past + T] -> memattn's over the new
     tokens [B, T] bool (None when every new token is real and no row was padded)."""
@@ -235,24 +141,6 @@ def _new_tokens_mask(attention_mask: torch.Tensor | None, T: int) -> torch.Tenso
                           f"{tuple(attention_mask.shape)}")
     mask = attention_mask[:, -T:].bool()
     return None if bool(mask.all()) else mask
-
-
-def tell_peft(model_type: str, targets: list[str]) -> None:
-    """Give PEFT's LoRA the default target modules of `model_type`, when peft is imported (it
-    looks them up by model type; memattn does not import peft for it)."""
-    constants = sys.modules.get("peft.utils.constants")
-    if constants is not None:
-        constants.TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING.setdefault(model_type, list(targets))
-
-
-def refuse_static_cache(model: nn.Module, kwargs: dict) -> None:
-    """ConfigError when generate is asked for a preallocated key/value cache (STATIC_CACHE)."""
-    config = kwargs.get("generation_config") or getattr(model, "generation_config", None)
-    wanted = kwargs.get("cache_implementation") or getattr(config, "cache_implementation", None)
-    if wanted not in (None, "dynamic"):
-        raise ConfigError(f"cache_implementation={wanted!r}: {STATIC_CACHE}")
-    if getattr(kwargs.get("past_key_values"), "is_compileable", False):
-        raise ConfigError(f"past_key_values: {STATIC_CACHE}")
 
 
 class MemattnPreTrainedModel(PreTrainedModel):
