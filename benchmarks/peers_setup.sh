@@ -1,11 +1,12 @@
 #!/usr/bin/env bash
-# A virtual environment with memattn and the peer libraries `memattn bench` measures beside it
-# (memattn/bench/peers.py), kept apart from .venv so that the tests run without them.
+# A virtual environment with memattn and every peer library `memattn bench` measures beside it
+# (memattn/bench/peers.py). `make setup` puts the pure-Python ones in .venv too; this one adds
+# pytorch-fast-transformers, which only builds from source.
 #
 #     benchmarks/peers_setup.sh [VENV]        # default .venv-peers; or `make bench-peers`
 #
-# Pinned: torch 2.13.0 (as `make setup`), x-transformers 2.31.10, local-attention 1.11.2,
-# fla-core 0.6.0 (flash-linear-attention's ops; without Triton only its pure-PyTorch
+# Pinned: torch 2.13.0 (as `make setup`), the Makefile's PEER_PINS (`make peer-pins`:
+# x-transformers, local-attention, fla-core with einops; without Triton only fla's pure-PyTorch
 # references load, which is what a CPU run measures), pytorch-fast-transformers 0.4.0.
 #
 # pytorch-fast-transformers ships as source only. Its setup.py adds CUDA extensions as soon
@@ -23,7 +24,7 @@ cd "$(dirname "$0")/.."
 VENV=${1:-.venv-peers}
 PY=$VENV/bin/python
 TORCH_PIN=${TORCH_PIN:-torch==2.13.0}
-PEER_PINS=(x-transformers==2.31.10 local-attention==1.11.2 fla-core==0.6.0)
+read -ra PEER_PINS <<< "$(make -s --no-print-directory peer-pins)"
 PFT_PIN=pytorch-fast-transformers==0.4.0
 
 ${PYTHON:-python3} -m venv "$VENV"

@@ -7,6 +7,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -82,30 +83,66 @@ def test_profile_on_the_cpu_reports_the_torch_form(tmp_path):
     assert "**memattn**" in (tmp_path / "gpu_profile.md").read_text()
 
 
-def test_profile_variants_patch_the_module_only_meanwhile():
+# The kernels memattn.kernels.abc_chunk launches, and those of them that work in sub-blocks.
+KERNELS = ("_fwd_states", "_fwd_output", "_bwd_dq", "_bwd_states", "_bwd_dkv")
+SUB_BLOCK = ("_fwd_output", "_bwd_dq", "_bwd_dkv")
+
+
+def launch_choices(ac) -> dict:
+    """What abc_chunk's kernels launch with, for tiles of 64 and 128 rows and M = 32 slots."""
+    return {"warps": tuple(ac._warps(k, b) for k in KERNELS for b in (64, 128)),
+            "diagonal in one step": tuple(ac._diag3(k, 32) for k in SUB_BLOCK),
+            "scan blocks": ac._state_blocks(64, 64), "scan stages": ac.STATE_STAGES,
+            "sub-block rows": ac.BC, "bf16 dots": ac._precision(torch.zeros(1, dtype=torch.bfloat16)),
+            "dk, dv apart": ac.SPLIT_DKV}
+
+
+def test_the_per_kernel_settings_name_kernels_of_the_module():
+    pytest.importorskip("triton", reason="the kernels' module imports triton")
+    from memattn.kernels import abc_chunk as ac
+
+    jit = type(ac._fwd_output)
+    assert all(isinstance(getattr(ac, name, None), jit) for name in KERNELS)
+    assert set(ac.SUB_WARPS) <= set(SUB_BLOCK) and set(ac.DIAG_3D) <= set(SUB_BLOCK)
+    assert all(w in (1, 2, 4, 8, 16) for pair in ac.SUB_WARPS.values() for w in pair)  # Triton: a power of two
+
+
+def test_profile_variants_do_what_they_are_named_only_meanwhile():
+    """Each variant replaces attributes abc_chunk has, with values of the same kind; its kernels
+    launch as its name says ("2 warps", "diagonal blocks as loops", "scan blocks D <= 16"...);
+    no two variants launch alike; and abc_chunk is as before afterwards."""
     pytest.importorskip("triton", reason="the kernels' module imports triton")
     profile = load("gpu_profile")
-    from memattn.kernels import abc_chunk
+    from memattn.kernels import abc_chunk as ac
 
-    def choices():  # a scan's blocks and warps, the backward's warps and diagonal form
-        return (abc_chunk._state_blocks(32, 64), abc_chunk._warps("_bwd_states", 64, 64),
-                abc_chunk._warps("_bwd_dq", 64, 64, 32), abc_chunk._diag3("_bwd_dkv", 32),
-                abc_chunk.STATE_STAGES)
-
-    before = choices()
-    found = {name: profile.patched(changes, choices)
-             for name, changes in profile.variants().items()}
-    assert found["default"] == before == ((32, 64), 8, 4, True, 3)
-    assert found["earlier defaults (8 warps, diagonal loops, while scans)"] == (
-        (32, 64), 8, 8, False, 0)
-    assert found["scan blocks D <= 16"] == ((32, 16), 8, 4, True, 3)
-    assert found["scan blocks M <= 16, D <= 32"] == ((16, 32), 8, 4, True, 3)
-    assert found["2 warps"] == ((32, 64), 2, 2, True, 3)
-    assert found["diagonal blocks as loops"] == ((32, 64), 8, 4, False, 3)
-    assert found["scans as while loops"][-1] == 0
-    assert choices() == before
-    assert profile.patched(profile.variants()["sub-blocks of 32 rows"], lambda: abc_chunk.BC) == 32
-    assert abc_chunk.BC == 16
+    before = launch_choices(ac)
+    seen = {}
+    for name, changes in profile.variants().items():
+        for attr, value in changes.items():
+            old = getattr(ac, attr)
+            assert callable(value) if callable(old) else type(value) is type(old), (name, attr)
+        c = seen[name] = profile.patched(changes, lambda: launch_choices(ac))
+        assert launch_choices(ac) == before, name
+        assert (c == before) is (name == "default"), name
+        if m := re.search(r"(\d+) warps", name):
+            assert set(c["warps"]) == {int(m[1])}, name
+        if "diagonal blocks in one step" in name:
+            assert all(c["diagonal in one step"]), name
+        if "diagonal loops" in name or "diagonal blocks as loops" in name:
+            assert not any(c["diagonal in one step"]), name
+        if "while" in name:
+            assert c["scan stages"] == 0, name
+        if m := re.search(r"(\d+) stages", name):
+            assert c["scan stages"] == int(m[1]), name
+        if m := re.search(r"scan blocks (?:M <= (\d+), )?D <= (\d+)", name):
+            assert c["scan blocks"] == (int(m[1] or 64), int(m[2])), name  # M = 64 unless capped
+        if m := re.search(r"sub-blocks of (\d+) rows", name):
+            assert c["sub-block rows"] == int(m[1]), name
+        if "two launches" in name:
+            assert c["dk, dv apart"], name
+        if "TF32" in name:
+            assert c["bf16 dots"] == "tf32", name
+    assert len({tuple(c.items()) for c in seen.values()}) == len(seen)
 
 
 def test_profile_times_the_variants_named_and_refuses_unknown_ones(capsys):

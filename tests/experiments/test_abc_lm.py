@@ -5,14 +5,15 @@ import json
 import math
 
 import pytest
+import torch
 from conftest import run_quick_lm_experiment
 
-from memattn.evaluate import as_tensor, evaluate
 from memattn.experiments import get_experiment
 from memattn.experiments._lm_common import (by_position_buckets, by_position_lines, jobs_of,
                                              summarise)
 from memattn.experiments._runner import SPEED_FILE, Job
-from memattn.experiments.abc_lm import FULL, MEASURE, MODELS, QUICK, QUICK_MODELS, findings
+from memattn.experiments.abc_lm import (FULL, MEASURE, MODELS, QUICK, QUICK_MODELS, findings,
+                                        markdown)
 from memattn.train import load_run_corpus, model_from_checkpoint
 
 
@@ -27,17 +28,21 @@ def test_quick_run_writes_the_table_sweep_and_slot_usage(text_file, tmp_path):
     uniform = math.log2(cfg.model.vocab_size)
     for m in models.values():
         assert m["test_bpc"] < uniform and m["test_bpc_context"] < uniform  # learned something
-    # the table's test figure is the checkpoint's evaluation over the same windows
-    test = as_tensor(load_run_corpus(cfg).test)
-    again = evaluate(model, test, seq_len=cfg.train.seq_len, batch_size=cfg.train.batch_size,
-                     max_batches=2)
-    assert models["abc-mlp, M=8"]["test_bpc"] == pytest.approx(again["bpc"], rel=1e-6)
-    # and by position: the buckets' means, weighted by their sizes, give the test figure back
-    buckets = models["abc-mlp, M=8"]["test_bpc_by_position"]
-    sizes = [int(b.split("-")[1]) - int(b.split("-")[0]) + 1 for b in buckets]
-    assert sum(sizes) == cfg.train.seq_len
-    assert sum(n * x for n, x in zip(sizes, buckets.values())) / sum(sizes) == pytest.approx(
-        again["bpc"], rel=1e-6)
+    # the table's test figure: the checkpoint's mean -log2 p of each next character over the
+    # first windows of the test split (seq_len + 1 characters, seq_len apart), counted here
+    row, L = models["abc-mlp, M=8"], cfg.train.seq_len
+    assert row["test_tokens"] >= MEASURE[True]["test_tokens"] and row["test_tokens"] % L == 0
+    test = torch.as_tensor(load_run_corpus(cfg).test, dtype=torch.long)
+    windows = test[torch.arange(row["test_tokens"] // L)[:, None] * L + torch.arange(L + 1)]
+    with torch.no_grad():
+        logp = model(windows[:, :-1]).double().log_softmax(-1)
+    bits = -logp.gather(-1, windows[:, 1:, None])[..., 0].mean(0) / math.log(2)  # [L] by position
+    assert row["test_bpc"] == pytest.approx(bits.mean().item(), rel=1e-5)
+    # and by position: each bucket of positions a-b holds their mean, the buckets cover the window
+    buckets = [(int(b.split("-")[0]), int(b.split("-")[1])) for b in row["test_bpc_by_position"]]
+    assert [a for a, _ in buckets] == [0] + [b + 1 for _, b in buckets[:-1]] and buckets[-1][1] == L - 1
+    for (a, b), value in zip(buckets, row["test_bpc_by_position"].values()):
+        assert value == pytest.approx(bits[a:b + 1].mean().item(), rel=1e-5)
     # slot statistics for ABC_MLP only; the larger W_φ init parts the slots' writes
     assert "slots_trained" not in models["softmax"] and "slots_trained" not in models["abc-random, M=8"]
     plain, parted = models["abc-mlp, M=4"]["slots_init"], models["abc-mlp, M=4, W_phi init"]["slots_init"]
@@ -56,6 +61,30 @@ def test_quick_run_writes_the_table_sweep_and_slot_usage(text_file, tmp_path):
     for run in result["runs"]:
         assert run["train_tokens_per_s"] == speeds[run["model"]]["train_tokens_per_s"] > 0
         assert run["decode_tokens_per_s"] == speeds[run["model"]]["decode_tokens_per_s"] > 0
+
+
+def test_the_table_holds_each_models_figures_against_softmax():
+    """results.md of a hand-made result of two models: the rows written out by hand."""
+    shared = {"context": 16, "test_tokens": 1024, "context_tokens": 512, "train_s": 126.0}
+    result = {"command": "memattn experiment abc-lm", "finished": 3, "runs_planned": 3, "runs": [],
+              "side_by_side": True, "config": ["train.steps=2000", "train.batch_size=8", "train.seq_len=64"],
+              "models": [
+                  dict(shared, model="softmax", attention="softmax", options={}, seeds=2, params=12345,
+                       test_bpc=2.0, test_bpc_spread=0.1, test_bpc_context=1.8, test_bpc_context_spread=0.04,
+                       val_bpc=2.05, train_tokens_per_s=1500.4, decode_tokens_per_s=250.4),
+                  dict(shared, model="abc-mlp, M=4", attention="abc-mlp", options={"num_slots": 4}, seeds=1,
+                       params=12000, test_bpc=2.25, test_bpc_context=2.1, val_bpc=2.3,
+                       train_tokens_per_s=1250.0, decode_tokens_per_s=900.0)]}
+    text = markdown(result)
+    lines = text.splitlines()
+    assert ("| model | seeds | parameters | test bpc, context 0 | vs softmax | test bpc, context 16 | vs softmax "
+            "| val bpc | train tokens/s | decode tokens/s |") in lines
+    assert "| softmax | 2 | 12,345 | 2.000 ± 0.050 | +0.000 | 1.800 ± 0.020 | +0.000 | 2.050 | 1,500 | 250 |" in lines
+    assert "| abc-mlp, M=4 | 1 | 12,000 | 2.250 | +0.250 | 2.100 | +0.300 | 2.300 | 1,250 | 900 |" in lines
+    assert ("Budget: 2,000 steps of 8 x 64 characters (1.0 M training characters) per model; softmax has "
+            "12,345 parameters and trained in 2 min on one CPU thread.") in text
+    assert "over the first 1,024 characters" in text and "512 characters at context 16" in text
+    assert "Command: `memattn experiment abc-lm`" in lines and "In progress" not in text
 
 
 def test_speeds_are_measured_again_only_when_the_runs_change(text_file, tmp_path, monkeypatch):

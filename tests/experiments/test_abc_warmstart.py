@@ -4,13 +4,34 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 from conftest import run_quick_lm_experiment
 
 from memattn.experiments._lm_common import jobs_of
 from memattn.experiments._runner import run_dir_of
 from memattn.experiments.abc_warmstart import ON_STEPS, TRUNK, findings, models_of
+from memattn.masked import mask_tokens
+from memattn.train import load_run_corpus, model_from_checkpoint
 
 REPO = Path(__file__).resolve().parents[2]
+
+
+@torch.no_grad()
+def recount_masked(run_dir, windows):
+    """(right guesses, masked positions) of the encoder saved in run_dir over the first `windows`
+    windows of seq_len test characters, masked as BERT does with the run's seed, batch by batch."""
+    model, cfg, _ = model_from_checkpoint(run_dir)
+    model.eval()
+    L, mask_id = cfg.train.seq_len, cfg.model.vocab_size - 1  # the last id is the mask token
+    test = torch.as_tensor(load_run_corpus(cfg).test[:windows * L], dtype=torch.long).view(windows, L)
+    g = torch.Generator().manual_seed(cfg.train.seed)
+    right = count = 0
+    for x in test.split(cfg.train.batch_size):
+        inputs, chosen = mask_tokens(x, mask_id, mask_id, g)
+        guesses = model(inputs, mlm=True).argmax(-1)
+        right += int((guesses[chosen] == x[chosen]).sum())
+        count += int(chosen.sum())
+    return right, count
 
 
 @pytest.mark.slow
@@ -45,8 +66,12 @@ def test_quick_run_pretrains_then_starts_every_conversion_from_it(text_file, tmp
     # the masked-LM half: encoders, started from a pretrained softmax encoder or from scratch
     masked = json.loads((out / "mlm" / "results.json").read_text())
     assert [m["model"] for m in masked["models"]] == names[:6] and masked["command"] == result["command"]
-    for m in masked["models"]:
-        assert 0.0 <= m["test_accuracy"] <= 1.0 and m["test_tokens"] > 0
+    by_masked = {m["model"]: m for m in masked["models"]}
+    for name, slug in (("softmax, pretrained", "softmax-pretrained"),
+                       ("abc-mlp, M=4, from softmax", "abc-mlp-m4-from-softmax")):
+        right, count = recount_masked(out / "mlm" / "runs" / slug, windows=8)
+        assert by_masked[name]["test_tokens"] == count > 0
+        assert by_masked[name]["test_accuracy"] == pytest.approx(right / count)
     encoder = json.loads((out / "mlm" / "runs" / "abc-mlp-m4-from-softmax" / "settings.json").read_text())
     assert "task=mlm" in encoder and f"train.init_from={out / 'mlm' / 'runs' / 'softmax-pretrained'}" in encoder
     masked_table = (out / "mlm" / "results.md").read_text()

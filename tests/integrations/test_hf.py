@@ -99,14 +99,36 @@ def test_bounded_state_stays_fixed_under_generate():
     assert sizes[0] == sizes[1] > 0
 
 
-def test_sampling_runs_and_is_seeded():
-    model = MemattnForCausalLM.from_memattn(memattn_lm("abc-window"))
-    prompt = torch.randint(0, VOCAB, (2, 4))
+def top_k_probs(logits, k):
+    """softmax over the k largest of logits [V], zero elsewhere: what top-k sampling draws from."""
+    top = logits.double().topk(k)
+    return torch.zeros(logits.shape[-1], dtype=torch.float64).scatter(0, top.indices, top.values.softmax(-1))
+
+
+def test_sampling_draws_from_the_top_k_of_the_logits_and_is_seeded():
+    """4,000 rows of one prompt sample two tokens each: the first tokens' frequencies are the
+    top-5 probabilities of memattn's logits after the prompt, and, among the rows that drew the
+    commonest first token, the second tokens' are those after the prompt and that token (the
+    second step reads the cache). Greedy decoding would put every row on one token."""
+    net = memattn_lm("abc-window")
+    model = MemattnForCausalLM.from_memattn(net)
+    prompt = torch.randint(0, VOCAB, (4,))
+    torch.manual_seed(3)
+    out = model.generate(prompt.expand(4000, -1), max_new_tokens=2, do_sample=True, top_k=5, pad_token_id=0)
+    with torch.no_grad():
+        first = top_k_probs(net(prompt[None])[0, -1], 5)
+        seen = torch.bincount(out[:, 4], minlength=VOCAB) / 4000
+        assert first.max() < 0.5 and (seen - first).abs().sum() / 2 < 0.03  # total variation
+        common = seen.argmax()
+        rows = out[out[:, 4] == common, 5]
+        second = top_k_probs(net(torch.cat([prompt, common.view(1)])[None])[0, -1], 5)
+        seen = torch.bincount(rows, minlength=VOCAB) / len(rows)
+        assert second.max() < 0.5 and (seen - second).abs().sum() / 2 < 0.05
     runs = []
     for _ in range(2):
         torch.manual_seed(3)
-        runs.append(model.generate(prompt, max_new_tokens=8, do_sample=True, top_k=5, pad_token_id=0))
-    assert torch.equal(runs[0], runs[1]) and runs[0].shape == (2, 12)
+        runs.append(model.generate(prompt[None], max_new_tokens=8, do_sample=True, top_k=5, pad_token_id=0))
+    assert torch.equal(runs[0], runs[1]) and runs[0].shape == (1, 12)
 
 
 def test_labels_give_the_shifted_cross_entropy():
