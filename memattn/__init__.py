@@ -7,7 +7,8 @@ Notation used in every shape comment and docstring of the package:
     D  a head dim where K = V  d  model width              M  memory slots
     C  chunk length          N  persistent vectors         L  main sequence (GMAT)
 
-Activations are laid out [B, T, H, D]; recurrent states [B, H, K, V] (or [B, H, M, D]).
+Activations are laid out [B, T, H, D]; the ops' states [B, H, ...] (e.g. [B, H, K, V],
+[B, H, M, D], or [B, H, T, D] for keys and values).
 """
 
 import importlib

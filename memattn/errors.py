@@ -63,19 +63,3 @@ def check_devices(q: torch.Tensor, **others: torch.Tensor | None) -> None:
         if isinstance(t, torch.Tensor) and t.device != q.device:
             raise ShapeError(f"{name}: expected a tensor on q's device ({q.device}), got one on {t.device}")
 
-
-def check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[int, int, int, int, int, int]:
-    """Check q [B, Tq, H, K], k [B, T, H, K], v [B, T, H, V]: ranks, matching sizes, one
-    floating-point dtype. Returns (B, Tq, T, H, K, V); raises ShapeError naming the argument."""
-    check_tensor("q", q, "[B, Tq, H, K]", None, None, None, None)
-    B, Tq, H, K = q.shape
-    check_tensor("k", k, "[B, T, H, K]", B, None, H, K)
-    T = k.shape[1]
-    check_tensor("v", v, "[B, T, H, V]", B, T, H, None)
-    for name, t in (("q", q), ("k", k), ("v", v)):
-        check_float(name, t)
-    for name, t in (("k", k), ("v", v)):
-        if t.dtype != q.dtype:
-            raise ShapeError(f"{name}: expected the dtype of q ({q.dtype}), got {t.dtype}")
-    check_devices(q, k=k, v=v)
-    return B, Tq, T, H, K, v.shape[-1]

@@ -33,8 +33,8 @@ from safetensors.torch import save_file
 
 from memattn.errors import MemattnError, ShapeError, check_tensor
 from memattn.fileio import atomic_write, read_tagged
-from memattn.ops.linear import linear_attention_read
-from memattn.ops.linear.common import accumulation_dtype
+from memattn.ops.contract import accumulation_dtype
+from memattn.ops.linear import LinearAttentionState, linear_attention_read
 
 FORMAT = "memattn-linear-representations"
 VERSION = 1
@@ -191,7 +191,7 @@ def lookup(reps: Representations, queries: torch.Tensor, *,
     if not q.is_floating_point() or q.dtype != reps.dtype:
         raise ShapeError(f"queries: expected dtype {reps.dtype} (that of the representations), "
                          f"got {q.dtype}")
-    r = linear_attention_read(q, reps.memory.to(q.device), scale=scale)  # [N, Q, H, V]
+    r = linear_attention_read(q, LinearAttentionState(reps.memory.to(q.device)), scale=scale)  # [N, Q, H, V]
     return r[:, :, 0] if single else r
 
 

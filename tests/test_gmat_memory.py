@@ -57,7 +57,8 @@ def test_peak_memory_of_one_layer_grows_linearly_in_length(pattern):
 def test_the_instrument_sees_the_quadratic_dense_reference():
     def reference(L, M=8):
         q, k, v = (torch.randn(1, M + L, 2, 16, requires_grad=True) for _ in range(3))
-        return lambda: gmat_attention_reference(q, k, v, num_memory=M, chunk_size=64).sum().backward()
+        return lambda: gmat_attention_reference(q, k, v, num_memory=M, causal=False,
+                                                chunk_size=64).sum().backward()
 
     short_peak, _ = memory_profile(reference(512))
     long_peak, _ = memory_profile(reference(1024))

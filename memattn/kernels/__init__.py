@@ -39,6 +39,8 @@ import os
 
 import torch
 
+from memattn.errors import ConfigError
+
 
 def triton_available() -> bool:
     """True when the triton package is importable."""
@@ -74,12 +76,12 @@ def scan_stages(stages: int | None = None) -> int:
     return 0 if interpreting() else SCAN_STAGES if stages is None else stages
 
 
-BACKENDS = ("auto", "torch", "triton")
 KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
 def use_kernels(backend: str, tensors, *, differentiable: bool = True) -> bool:
-    """Whether an op takes its Triton kernel, for the op's `backend` argument.
+    """Whether an op takes its Triton kernel, for the op's `backend` argument (one of
+    memattn.ops.contract.BACKENDS; ConfigError otherwise).
 
     "torch": never. "triton": always (triton must be installed; on CPU tensors the kernels
     run only under the interpreter). "auto": when every given tensor (None skipped) is a
@@ -87,11 +89,13 @@ def use_kernels(backend: str, tensors, *, differentiable: bool = True) -> bool:
     changes where there is no GPU; with differentiable=False (a kernel without a backward)
     also only when no tensor needs a gradient.
     """
+    from memattn.ops.contract import BACKENDS  # memattn.ops imports this module
+
     if backend not in BACKENDS:
-        raise ValueError(f"backend: expected one of {', '.join(BACKENDS)}, got {backend!r}")
+        raise ConfigError(f"backend: expected one of {', '.join(BACKENDS)}, got {backend!r}")
     if backend == "triton":
         if not triton_available():
-            raise ValueError("backend: 'triton' needs the triton package; use backend='torch'")
+            raise ConfigError("backend: 'triton' needs the triton package; use backend='torch'")
         return True
     given = [t for t in tensors if t is not None]
     if backend == "torch" or not all(isinstance(t, torch.Tensor) and t.is_cuda
@@ -102,5 +106,5 @@ def use_kernels(backend: str, tensors, *, differentiable: bool = True) -> bool:
     return kernels_supported(*given)
 
 
-__all__ = ["BACKENDS", "KERNEL_DTYPES", "SCAN_STAGES", "interpreting", "kernels_supported",
+__all__ = ["KERNEL_DTYPES", "SCAN_STAGES", "interpreting", "kernels_supported",
            "scan_stages", "triton_available", "use_kernels"]

@@ -68,9 +68,10 @@ import torch
 import triton
 import triton.language as tl
 
-from memattn.errors import ShapeError
+from memattn.errors import ConfigError, ShapeError
 from memattn.kernels import KERNEL_DTYPES, interpreting, kernels_supported, scan_stages
-from memattn.ops.abc.common import ABCState, check_inputs, default_scale
+from memattn.ops.abc.common import ABCState, check_inputs
+from memattn.ops.contract import default_scale
 from memattn.ops.abc.varlen import check_varlen
 
 # The largest K, V and M the sub-block kernels hold whole: at 256 their tiles outgrow the
@@ -812,14 +813,13 @@ def abc_chunk_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, s: torch
         B, T, H, K = q.shape
         V, M = v.shape[-1], s.shape[-1]
     if not isinstance(chunk_size, int) or chunk_size < BC or chunk_size & (chunk_size - 1):
-        raise ValueError(f"chunk_size: expected a power of two ≥ {BC}, got {chunk_size!r}")
+        raise ConfigError(f"chunk_size: expected a power of two ≥ {BC}, got {chunk_size!r}")
     named = {"q": q, "k": k, "v": v, "s": s,
              **{f"initial_state.{f}": t for f, t in zip(ABCState._fields, initial_state or ())}}
-    if not kernels_supported(*named.values()):
-        devices = sorted({str(t.device) for t in named.values()})
-        raise ValueError(f"q: the Triton kernels need CUDA tensors (or CPU tensors with "
-                         f"TRITON_INTERPRET=1), got tensors on {', '.join(devices)}")
     for name, t in named.items():
+        if not kernels_supported(t):
+            raise ShapeError(f"{name}: the Triton kernels need CUDA tensors (or CPU tensors with "
+                             f"TRITON_INTERPRET=1), got one on {t.device}")
         if t.dtype not in KERNEL_DTYPES:
             raise ShapeError(f"{name}: the Triton kernels take float32, float16 or bfloat16, "
                              f"got {t.dtype}")

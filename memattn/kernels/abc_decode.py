@@ -19,14 +19,15 @@ from __future__ import annotations
 
 import torch
 
+from memattn.errors import ConfigError, ShapeError
 from memattn.kernels import KERNEL_DTYPES, kernels_supported
 from memattn.ops.abc.common import (
     ABCState,
     BoundedMemoryState,
     check_inplace_state,
     check_step_inputs,
-    default_scale,
 )
+from memattn.ops.contract import default_scale
 
 try:
     import triton
@@ -37,23 +38,23 @@ except ImportError:  # the torch forms work without triton
 
 def check_kernel_inputs(name: str, tensors: dict[str, torch.Tensor | None], *,
                         autograd: bool = False) -> None:
-    """Raise a ValueError naming the argument unless the Triton kernels can take the tensors
-    (autograd=False: a kernel without backward also refuses tensors that require grad)."""
+    """Raise ConfigError (backend) or ShapeError (a tensor), naming the argument, unless the
+    Triton kernels of `name` can take the tensors (autograd=False: a kernel without backward
+    also refuses tensors that require grad)."""
     if triton is None:
-        raise ValueError(f"{name}: backend='triton' needs the triton package "
-                         f"(pip install 'memattn[gpu]'); use backend='torch'")
+        raise ConfigError(f"backend: 'triton' needs the triton package "
+                          f"(pip install 'memattn[gpu]'); use backend='torch'")
     given = [t for t in tensors.values() if t is not None]
-    if not kernels_supported(*given):
-        devices = sorted({str(t.device) for t in given})
-        raise ValueError(f"{name}: backend='triton' needs CUDA tensors (or CPU tensors with "
-                         f"TRITON_INTERPRET=1), got tensors on {', '.join(devices)}")
     for arg, t in tensors.items():
+        if t is not None and not kernels_supported(t):
+            raise ShapeError(f"{arg}: backend='triton' needs CUDA tensors (or CPU tensors with "
+                             f"TRITON_INTERPRET=1), got one on {t.device}")
         if t is not None and t.dtype not in KERNEL_DTYPES:
-            raise ValueError(f"{arg}: backend='triton' takes float32, float16 or bfloat16, "
+            raise ShapeError(f"{arg}: backend='triton' takes float32, float16 or bfloat16, "
                              f"got {t.dtype}; use backend='torch'")
     if not autograd and torch.is_grad_enabled() and any(t.requires_grad for t in given):
-        raise ValueError(f"{name}: the fused decoding step has no backward; call it under "
-                         f"torch.no_grad() or use backend='torch'")
+        raise ConfigError(f"backend: the fused decoding step ({name}) has no backward; call it "
+                          f"under torch.no_grad() or use backend='torch'")
 
 
 if triton is not None:

@@ -37,8 +37,10 @@ from __future__ import annotations
 
 import torch
 
+from memattn.errors import ConfigError
 from memattn.kernels import scan_stages
-from memattn.ops.linear.common import check_alpha_values, check_inputs, resolve_scale
+from memattn.ops.linear.common import (LinearAttentionState, check_alpha_values, check_inputs,
+                                       resolve_scale)
 
 try:
     import triton
@@ -429,39 +431,40 @@ class LinearAttentionTriton(torch.autograd.Function):
 def check_chunk_size(chunk_size: int) -> None:
     if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 16 \
             or chunk_size & (chunk_size - 1):
-        raise ValueError(f"chunk_size: expected a power of two >= 16 (tl.dot tiles), "
-                         f"got {chunk_size!r}")
+        raise ConfigError(f"chunk_size: expected a power of two >= 16 (tl.dot tiles), "
+                          f"got {chunk_size!r}")
 
 
 def linear_attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
                             alpha: torch.Tensor | None = None, beta: torch.Tensor | None = None,
-                            scale: float | None = None, initial_state: torch.Tensor | None = None,
+                            scale: float | None = None,
+                            initial_state: LinearAttentionState | None = None,
                             output_final_state: bool = False,
                             chunk_size: int = DEFAULT_CHUNK_SIZE
-                            ) -> tuple[torch.Tensor, torch.Tensor | None]:
+                            ) -> tuple[torch.Tensor, LinearAttentionState | None]:
     """Causal `linear_attention` in Triton: C_t = α_t C_{t-1} + β_t v_t k_tᵀ, o_t = scale·C_t q_t.
 
     q [B, T, H, K], k [B, T, H, K], v [B, T, H, V] (one of float32, float16, bfloat16);
-    alpha, beta [B, T, H] (alpha >= 0, default 1); scale: None for 1; initial_state
-    [B, H, K, V]. Returns o [B, T, H, V] in q's dtype and, if output_final_state, C_Tᵀ as
-    [B, H, K, V] in float32, else None. Differentiable in every input and through the final
-    state; the backward keeps only the inputs (see the module docstring).
+    alpha, beta [B, T, H] (alpha >= 0, default 1); scale: None for 1; initial_state a
+    LinearAttentionState (kv [B, H, K, V]). Returns o [B, T, H, V] in q's dtype and, if
+    output_final_state, the LinearAttentionState after the last token (kv in float32), else
+    None. Differentiable in every input and through the final state; the backward keeps
+    only the inputs (see the module docstring).
     chunk_size: a power of two >= 16.
     """
     from memattn.kernels.abc_decode import check_kernel_inputs
 
     check_inputs(q, k, v, causal=True, alpha=alpha, beta=beta, initial_state=initial_state)
+    kv0 = None if initial_state is None else initial_state.kv
     check_kernel_inputs("linear_attention_triton", {"q": q, "k": k, "v": v, "alpha": alpha,
-                                                    "beta": beta,
-                                                    "initial_state": initial_state},
+                                                    "beta": beta, "initial_state.kv": kv0},
                         autograd=True)
     check_alpha_values(alpha)
     check_chunk_size(chunk_size)
-    q, k, v, alpha, beta, initial_state = (None if t is None else t.contiguous()
-                                           for t in (q, k, v, alpha, beta, initial_state))
-    o, state = LinearAttentionTriton.apply(q, k, v, alpha, beta, initial_state,
-                                           resolve_scale(scale), chunk_size)
-    return o, (state if output_final_state else None)
+    q, k, v, alpha, beta, kv0 = (None if t is None else t.contiguous()
+                                 for t in (q, k, v, alpha, beta, kv0))
+    o, kv = LinearAttentionTriton.apply(q, k, v, alpha, beta, kv0, resolve_scale(scale), chunk_size)
+    return o, (LinearAttentionState(kv) if output_final_state else None)
 
 
 __all__ = ["DEFAULT_CHUNK_SIZE", "LinearAttentionTriton", "linear_attention_triton"]

@@ -56,7 +56,7 @@ from memattn.layers.linear import NORMALIZER_EPS, feature
 from memattn.ops.abc import ABCState, BoundedMemoryState
 from memattn.ops.abc.chunked import abc_memory, read_memory
 from memattn.ops.abc.cluster import sequence_kmeans
-from memattn.ops.abc.common import compute_dtype
+from memattn.ops.contract import compute_dtype
 from memattn.ops.gsa import GSAState, gsa_memory
 from memattn.ops.softmax import softmax_attention
 

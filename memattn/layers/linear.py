@@ -30,8 +30,8 @@ from torch import nn
 
 from memattn.errors import ConfigError
 from memattn.layers.base import AttentionLayer, AttentionState, LayerSpec, register
-from memattn.ops.linear import linear_attention
-from memattn.ops.linear.common import accumulation_dtype
+from memattn.ops.contract import accumulation_dtype
+from memattn.ops.linear import LinearAttentionState, linear_attention
 
 # Smallest normaliser z·q divided by: guards tokens that have seen only padding (z = 0).
 NORMALIZER_EPS = 1e-6
@@ -110,6 +110,11 @@ def feature(x: torch.Tensor, kind: str) -> torch.Tensor:
     return F.elu(x) + 1.0 if kind == "elu+1" else x
 
 
+def _state(kv: torch.Tensor | None) -> LinearAttentionState | None:
+    """A memory [B, H, K, V] as the op's state (None before the first token)."""
+    return None if kv is None else LinearAttentionState(kv)
+
+
 @register("linear", options=LinearOptions)
 class LinearAttention(AttentionLayer):
     """Linear attention: one K×V memory per head, C = Σ v φ(k)ᵀ, read as C φ(q); fixed-size state.
@@ -171,20 +176,22 @@ class LinearAttention(AttentionLayer):
         if self.rotary is None and self.options.normalize:
             # One pass: the normaliser is an extra value column of ones.
             ones = v.new_ones(B, T, H, 1)
-            initial = None if memory is None else torch.cat([memory, normalizer], dim=-1)
+            initial = None if memory is None else _state(torch.cat([memory, normalizer], dim=-1))
             o, state = linear_attention(q, k, torch.cat([v, ones], dim=-1), causal=causal,
                                         alpha=alpha, initial_state=initial,
                                         output_final_state=True)
             o, den = o[..., :D], o[..., D:]
-            memory, normalizer = state[..., :D], state[..., D:]
+            memory, normalizer = state.kv[..., :D], state.kv[..., D:]
         else:
             qr, kr = self.rotate(q, k, at)
-            o, memory = linear_attention(qr, kr, v, causal=causal, alpha=alpha,
-                                         initial_state=memory, output_final_state=True)
+            o, state = linear_attention(qr, kr, v, causal=causal, alpha=alpha,
+                                        initial_state=_state(memory), output_final_state=True)
+            memory = state.kv
             if self.options.normalize:
-                den, normalizer = linear_attention(q, k, v.new_ones(B, T, H, 1), causal=causal,
-                                                   alpha=alpha, initial_state=normalizer,
-                                                   output_final_state=True)
+                den, state = linear_attention(q, k, v.new_ones(B, T, H, 1), causal=causal,
+                                              alpha=alpha, initial_state=_state(normalizer),
+                                              output_final_state=True)
+                normalizer = state.kv
         if self.options.normalize:
             o = o / den.clamp_min(NORMALIZER_EPS)
         if memory_state is not None:

@@ -49,7 +49,7 @@ from torch import nn
 
 from memattn.errors import ConfigError
 from memattn.layers.base import AttentionLayer, KVCache, LayerSpec, register
-from memattn.ops.persistent import DistanceTerms, persistent_attention
+from memattn.ops.persistent import DistanceTerms, KVState, persistent_attention
 
 VARIANTS = ("all-attn", "attn-split", "head-split", "single-head", "ff-attn")
 CONTEXTS = ("softmax", "window")
@@ -156,13 +156,13 @@ class PersistentAttention(AttentionLayer):
         self.n_context_heads = H // 2 if options.variant == "head-split" else H
         super().__init__(spec, bias=options.bias, kv_heads=self.n_context_heads)
         self.options = options
-        self.mode = {"attn-split": "split", "head-split": "heads"}.get(options.variant, "joint")
+        self.op_variant = {"attn-split": "split", "head-split": "heads"}.get(options.variant, "joint")
         n = 0 if options.variant == "ff-attn" else options.n_persistent  # ff-attn: in its FF sublayer
         self.persistent = None
         if n > 0 and options.variant == "single-head":
             self.persistent = PersistentMemory(1, n, d, d)
         elif n > 0:
-            self.persistent = PersistentMemory(H - self.n_context_heads if self.mode == "heads" else H, n, D, D)
+            self.persistent = PersistentMemory(H - self.n_context_heads if self.op_variant == "heads" else H, n, D, D)
         limits = ([options.window] if options.context == "window" else []) + \
                  ([options.span_max] if options.adaptive_span else [])
         self.limit = min(limits) if limits else None  # a query sees keys at distance < limit
@@ -249,9 +249,10 @@ class PersistentAttention(AttentionLayer):
             (k, v), past = memory_state.past(), None
         span = self.span.clamp(0, 1) * self.options.span_max if self.span is not None else None
         distance = DistanceTerms(self.rel, span, float(self.options.span_ramp), self.limit)
-        o, _ = persistent_attention(q, k, v, pk, pv, causal=self.spec.causal, mode=self.mode, pq=pq,
-                                    pscale=pscale, distance=distance, attention_mask=attention_mask,
-                                    initial_state=past)
+        initial = None if past is None else KVState(*(t.transpose(1, 2) for t in past))  # [B, Hc, T0, D]
+        o, _ = persistent_attention(q, k, v, pk, pv, causal=self.spec.causal, variant=self.op_variant,
+                                    pq=pq, pscale=pscale, distance=distance,
+                                    attention_mask=attention_mask, initial_state=initial)
         if memory_state is not None and not written:
             memory_state.append(k, v, keep=keep, real=new_mask)
         return self.finish(o), memory_state
@@ -260,7 +261,7 @@ class PersistentAttention(AttentionLayer):
         """Persistent keys [Hp, N, Kp] and values [Hp, N, D] as the op reads them."""
         H, D = self.spec.n_heads, self.spec.head_dim
         if self.persistent is None:
-            heads = H - self.n_context_heads if self.mode == "heads" else H
+            heads = H - self.n_context_heads if self.op_variant == "heads" else H
             empty = self.qkv.weight.new_zeros(heads, 0, D)
             return empty, empty
         k, v = self.persistent()

@@ -3,63 +3,70 @@
 from __future__ import annotations
 
 from contextlib import nullcontext
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from memattn.errors import ShapeError, check_devices, check_float, check_tensor
+from memattn.errors import ShapeError, check_devices, check_tensor
+from memattn.ops.contract import check_backend, check_mask, check_qkv, check_state_type
+
+
+class KVState(NamedTuple):
+    """The unbounded memory of softmax attention: the keys and values of every token seen.
+
+    k [B, H, T, K]  their keys
+    v [B, H, T, V]  their values
+
+    Held in the dtype of the keys and values it gathers; it grows by one row a token.
+    """
+
+    k: torch.Tensor
+    v: torch.Tensor
 
 
 def softmax_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = True,
                       scale: float | None = None, attention_mask: torch.Tensor | None = None,
-                      initial_state: tuple[torch.Tensor, torch.Tensor] | None = None,
-                      output_final_state: bool = False
-                      ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor] | None]:
+                      initial_state: KVState | None = None, output_final_state: bool = False,
+                      backend: str = "auto") -> tuple[torch.Tensor, KVState | None]:
     """o = softmax(scale · q kᵀ) v through `scaled_dot_product_attention`: (o, state).
 
     q [B, Tq, H, K], k [B, Tk, H, K], v [B, Tk, H, V] -> o [B, Tq, H, V].
     causal: query i sits at position Tk - Tq + i and sees keys up to it (so a query
     block that continues a cache lines up with the end of the keys).
     scale defaults to K^-0.5.
-    initial_state: (k, v) of earlier tokens, [B, Tp, H, K] and [B, Tp, H, V], read before k
-        and v (the unbounded memory: every key so far). The state returned with
-        output_final_state is the (k, v) of all Tp + Tk tokens, else None.
+    initial_state: a KVState of earlier tokens (k [B, H, Tp, K], v [B, H, Tp, V]), read
+        before k and v (the unbounded memory: every key so far). The state returned with
+        output_final_state is the KVState of all Tp + Tk tokens, else None.
     attention_mask: optional bool [B, Tk] (Tp + Tk with an initial state), True for keys that
         may be attended. A query whose keys are all masked (padding itself, at the start of a
         left-padded row) reads its own key (Tq <= Tk), so its output is defined and never NaN.
+    backend: "auto" or "torch", both SDPA, which picks its own kernels ("triton" is a
+        ConfigError).
     """
+    check_backend("softmax_attention", backend)
+    check_state_type(initial_state, KVState)
     if initial_state is not None:
-        if not isinstance(initial_state, tuple) or len(initial_state) != 2:
-            raise ShapeError(f"initial_state: expected the (k, v) of earlier tokens, got {type(initial_state).__name__}")
-        check_tensor("k", k, "[B, Tk, H, K]", None, None, None, None)
-        check_tensor("v", v, "[B, Tk, H, V]", k.shape[0], k.shape[1], k.shape[2], None)
-        check_tensor("initial_state.k", initial_state[0], "[B, Tp, H, K]", *k.shape[:1], None, *k.shape[2:])
-        check_tensor("initial_state.v", initial_state[1], "[B, Tp, H, V]", *v.shape[:1],
-                     initial_state[0].shape[1], *v.shape[2:])
-        k, v = torch.cat([initial_state[0], k], 1), torch.cat([initial_state[1], v], 1)
+        B, _, _, H, K, V = check_qkv(q, k, v, length="Tk")
+        check_devices(q, **{f"initial_state.{f}": t for f, t in zip(KVState._fields, initial_state)})
+        check_tensor("initial_state.k", initial_state.k, "[B, H, Tp, K]", B, H, None, K)
+        check_tensor("initial_state.v", initial_state.v, "[B, H, Tp, V]", B, H,
+                     initial_state.k.shape[2], V)
+        k, v = (torch.cat([held.transpose(1, 2), x], 1) for held, x in ((initial_state.k, k),
+                                                                          (initial_state.v, v)))
     o = _softmax(q, k, v, causal, scale, attention_mask)
-    return o, ((k, v) if output_final_state else None)
+    return o, (KVState(k.transpose(1, 2), v.transpose(1, 2)) if output_final_state else None)
 
 
 def _softmax(q, k, v, causal, scale, attention_mask) -> torch.Tensor:
-    B, Tq, H, K = q.shape if q.dim() == 4 else (None,) * 4
-    check_tensor("q", q, "[B, Tq, H, K]", None, None, None, None)
-    check_tensor("k", k, "[B, Tk, H, K]", B, None, H, K)
-    Tk = k.shape[1]
-    check_tensor("v", v, "[B, Tk, H, V]", B, Tk, H, None)
-    for name, t in (("q", q), ("k", k), ("v", v)):
-        check_float(name, t)
-        if t.dtype != q.dtype:
-            raise ShapeError(f"{name}: expected the dtype of q ({q.dtype}), got {t.dtype}")
-    check_devices(q, k=k, v=v, attention_mask=attention_mask)
+    B, Tq, Tk, H, K, V = check_qkv(q, k, v, length="Tk")
+    check_devices(q, attention_mask=attention_mask)
     if causal and Tq > Tk:
         raise ShapeError(f"q: causal attention needs Tq <= Tk, got Tq={Tq}, Tk={Tk}")
     mask = None
     if attention_mask is not None:
-        check_tensor("attention_mask", attention_mask, "[B, Tk]", B, Tk)
-        if attention_mask.dtype != torch.bool:
-            raise ShapeError(f"attention_mask: expected dtype torch.bool, got {attention_mask.dtype}")
+        check_mask(attention_mask, B, Tk, "[B, Tk]")
         mask = attention_mask[:, None, None, :]  # [B, 1, 1, Tk]
     is_causal = causal and Tq == Tk and mask is None
     if causal and not is_causal and Tq > 1:

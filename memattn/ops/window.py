@@ -15,16 +15,37 @@ and values, so reading it is softmax attention restricted to a window:
                              read of a continued queue, whose held keys sit in slots
     in_window, in_strided_queue   the two membership rules, as boolean masks
 
-These ops keep no state and return o alone: a layer that decodes keeps its own ring buffer
-of the last n keys and values, and reads it with `counted_softmax`.
+`local_window_attention` keeps the queue of a causal window as its state (`WindowState`, the
+last n keys and values); a layer that decodes one token at a time keeps its own ring buffer
+of them, and reads it with `counted_softmax`.
 """
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import torch.nn.functional as F
 
-from memattn.errors import ShapeError, check_qkv, check_tensor
+from memattn.errors import ConfigError, ShapeError, check_devices, check_tensor
+from memattn.ops.contract import (accumulation_dtype, check_backend, check_mask, check_no_state,
+                                  check_qkv, check_state_type, default_scale)
+
+
+class WindowState(NamedTuple):
+    """The queue of a causal window of n after the tokens seen so far: their last n, oldest first.
+
+    k    [B, H, n, K]  the keys of the last n tokens (zeros in a slot no token reached)
+    v    [B, H, n, V]  their values
+    real [B, H, n]     bool, False for a slot no token reached or one that holds padding (the
+                       same for every head)
+
+    Held in the dtype of the keys and values it copies.
+    """
+
+    k: torch.Tensor
+    v: torch.Tensor
+    real: torch.Tensor
 
 
 def in_window(qpos: torch.Tensor, kpos: torch.Tensor, window: int, causal: bool) -> torch.Tensor:
@@ -49,8 +70,7 @@ def counted_softmax(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, count: to
     q [B, Tq, H, D], k [B, Tk, H, D], v [B, Tk, H, V], count [B, Tq, Tk] -> o [B, Tq, H, V];
     a query with an empty memory reads zeros. A key held in two slots weighs twice.
     """
-    scale = q.shape[-1] ** -0.5 if scale is None else scale
-    scores = scale * torch.einsum("bqhd,bkhd->bhqk", q, k)
+    scores = default_scale(scale, q.shape[-1]) * torch.einsum("bqhd,bkhd->bhqk", q, k)
     held = (count > 0)[:, None]  # [B, 1, Tq, Tk]
     scores = torch.where(held, scores + torch.log(count.clamp_min(1).to(scores.dtype))[:, None],
                          -torch.inf)
@@ -68,28 +88,50 @@ def _check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int, causa
     if Tq != T:
         raise ShapeError(f"q: expected one query per key (Tq = T) in a sliding window, "
                          f"got Tq={Tq} for T={T}")
-    if attention_mask is not None:
-        check_tensor("attention_mask", attention_mask, "[B, T]", B, T)
-        if attention_mask.dtype != torch.bool:
-            raise ShapeError(f"attention_mask: expected dtype torch.bool, got {attention_mask.dtype}")
+    check_mask(attention_mask, B, T)
     if isinstance(window, bool) or not isinstance(window, int) or window < 1:
-        raise ValueError(f"window: expected a positive integer, got {window!r}")
+        raise ConfigError(f"window: expected a positive integer, got {window!r}")
     if isinstance(dilation, bool) or not isinstance(dilation, int) or dilation < 0:
-        raise ValueError(f"dilation: expected an integer >= 0 (0: no dilated queue), got {dilation!r}")
+        raise ConfigError(f"dilation: expected an integer >= 0 (0: no dilated queue), got {dilation!r}")
     if dilation and not causal:
-        raise ValueError("dilation: the dilated queue is a causal write rule; pass causal=True "
-                         "or dilation=0")
+        raise ConfigError("dilation: the dilated queue is a causal write rule; pass causal=True "
+                          "or dilation=0")
     return B, T
+
+
+def _check_state(state: WindowState, q: torch.Tensor, n: int, K: int, V: int) -> None:
+    B, _, H, _ = q.shape
+    check_state_type(state, WindowState)
+    check_devices(q, **{f"initial_state.{f}": t for f, t in zip(WindowState._fields, state)})
+    check_tensor("initial_state.k", state.k, "[B, H, n, K]", B, H, n, K)
+    check_tensor("initial_state.v", state.v, "[B, H, n, V]", B, H, n, V)
+    check_tensor("initial_state.real", state.real, "[B, H, n]", B, H, n)
+    if state.real.dtype != torch.bool:
+        raise ShapeError(f"initial_state.real: expected dtype torch.bool, got {state.real.dtype}")
+
+
+def _last(k: torch.Tensor, v: torch.Tensor, real: torch.Tensor, n: int) -> WindowState:
+    """The queue after k, v [B, T, H, *], real [B, T]: their last n positions, zero / False
+    filled in front when T < n, copied (a state the size of the window, not of the input)."""
+    short = max(0, n - k.shape[1])
+
+    def last(x):  # [B, T, *] -> [B, n, *]
+        return torch.cat([x.new_zeros(x.shape[0], short, *x.shape[2:]), x[:, -n:]], 1)
+
+    k, v = (last(x).transpose(1, 2).contiguous() for x in (k, v))  # [B, H, n, *]
+    return WindowState(k, v, last(real)[:, None].expand(-1, k.shape[1], -1))
 
 
 def local_window_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, window: int,
                            causal: bool = True, dilation: int = 0,
                            attention_mask: torch.Tensor | None = None,
-                           scale: float | None = None) -> torch.Tensor:
+                           scale: float | None = None, initial_state: WindowState | None = None,
+                           output_final_state: bool = False, backend: str = "auto"
+                           ) -> tuple[torch.Tensor, WindowState | None]:
     """Softmax attention over a sliding window, in blocks: O(T · n) time and memory.
 
-    q, k [B, T, H, D], v [B, T, H, V] -> o [B, T, H, V]; attention_mask [B, T] bool (False:
-    padding, never read; None: every key is real). scale defaults to D^-0.5.
+    q, k [B, T, H, D], v [B, T, H, V] -> (o [B, T, H, V], state); attention_mask [B, T] bool
+    (False: padding, never read; None: every key is real). scale defaults to D^-0.5.
     Causal: query t reads keys t-n+1 .. t; bidirectional: keys t - n // 2 .. t + (n - 1) // 2. The
     sequence is cut into blocks of c tokens (c = n causal, n // 2 + 1 bidirectional) and a
     block reads itself and its neighbours (the one before; bidirectional also the one
@@ -97,9 +139,39 @@ def local_window_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
     the last n positions ≤ t that are multiples of d, in the same softmax (a key in both
     sets counts twice), gathered per block from the keys at 0, d, 2d, ... A query with no
     real key reads zeros.
+
+    initial_state: a WindowState (k [B, H, n, D], v [B, H, n, V], real [B, H, n]), the queue
+    of the tokens before q, k, v; the state returned with output_final_state is the queue
+    after them, else None. A causal window without dilation only: a bidirectional window
+    reads ahead, and the dilated queue's state is kept by the abc-dilated layer.
+    backend: "auto" or "torch" (no Triton kernel; "triton" is a ConfigError).
     """
+    check_backend("local_window_attention", backend)
     B, T = _check(q, k, v, window, causal, dilation, attention_mask)
-    H, V = q.shape[2], v.shape[-1]
+    if not causal or dilation:
+        check_no_state("local_window_attention", initial_state, output_final_state,
+                       "a state is the queue of a causal window without dilation")
+    n = window
+    if initial_state is not None or output_final_state:
+        real = (attention_mask if attention_mask is not None
+                else torch.ones(B, T, dtype=torch.bool, device=q.device))
+    if initial_state is not None:  # the queue's tokens first, their queries discarded
+        _check_state(initial_state, q, n, k.shape[-1], v.shape[-1])
+        q = torch.cat([q.new_zeros(B, n, *q.shape[2:]), q], 1)
+        k, v = (torch.cat([held.transpose(1, 2).to(x.dtype), x], 1)
+                for held, x in ((initial_state.k, k), (initial_state.v, v)))
+        real = attention_mask = torch.cat([initial_state.real[:, 0], real], 1)
+    o = _blocks(q, k, v, window=n, causal=causal, dilation=dilation,
+                attention_mask=attention_mask, scale=scale)
+    if initial_state is not None:
+        o = o[:, n:]
+    return o, (_last(k, v, real, n) if output_final_state else None)
+
+
+def _blocks(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, window: int, causal: bool,
+            dilation: int, attention_mask: torch.Tensor | None, scale: float | None) -> torch.Tensor:
+    """`local_window_attention` from an empty queue, inputs checked: o [B, T, H, V]."""
+    (B, T, H, _), V = q.shape, v.shape[-1]
     c = window if causal else window // 2 + 1
     nb = -(-T // c)
     pad = nb * c - T
@@ -163,8 +235,8 @@ def local_window_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
     """
     B, T = _check(q, k, v, window, causal, dilation, attention_mask)
     n = window
-    scale = q.shape[-1] ** -0.5 if scale is None else scale
-    out_dtype, dt = q.dtype, torch.promote_types(q.dtype, torch.float32)
+    scale = default_scale(scale, q.shape[-1])
+    out_dtype, dt = q.dtype, accumulation_dtype(q.dtype)
     q, k, v = q.to(dt), k.to(dt), v.to(dt)
     rows = []
     for b in range(B):

@@ -80,7 +80,7 @@ def test_layer_is_its_projections_around_the_op(untied):
         mq, mk, mv = att.memory_qkv(x).view(2, 14, 3, 2, 8).unbind(2)
         q = torch.cat((mq[:, :3], q[:, 3:]), 1)
         kw = dict(memory_k=mk, memory_v=mv)
-    o, _ = gmat_attention(q, k, v, num_memory=3, pattern="window", window=2, **kw)
+    o, _ = gmat_attention(q, k, v, num_memory=3, causal=False, pattern="window", window=2, **kw)
     torch.testing.assert_close(y, att.out(o.reshape(2, 14, 16)), rtol=1e-12, atol=1e-12)
     assert state is None
 

@@ -116,7 +116,7 @@ def reference_layer_output(lay, x):
     q, k, v = lay.qkv(x).split([H * D, Hc * D, Hc * D], -1)  # q rows, then k, then v
     q, k, v = q.view(B, T, H, D), k.view(B, T, Hc, D), v.view(B, T, Hc, D)
     pk, pv = lay.persistent()
-    o, _ = persistent_attention_reference(q, k, v, pk, pv, causal=lay.spec.causal, mode=lay.mode)
+    o, _ = persistent_attention_reference(q, k, v, pk, pv, causal=lay.spec.causal, variant=lay.op_variant)
     return lay.out(o.reshape(B, T, d))
 
 

@@ -8,7 +8,7 @@ import torch
 from memattn.errors import ShapeError
 from memattn.layers import KVCache, LayerSpec, build_attention
 from memattn.layers.positions import Rotary
-from memattn.ops import softmax_attention
+from memattn.ops import KVState, softmax_attention
 
 
 def reference(q, k, v, causal, mask=None):
@@ -101,9 +101,12 @@ def test_initial_state_is_the_earlier_keys_and_values():
     head, state = softmax_attention(q[:, :5], k[:, :5], v[:, :5], output_final_state=True)
     tail, final = softmax_attention(q[:, 5:], k[:, 5:], v[:, 5:], initial_state=state, output_final_state=True)
     torch.testing.assert_close(torch.cat([head, tail], 1), whole)
-    torch.testing.assert_close(final[0], k)
-    torch.testing.assert_close(final[1], v)
+    assert isinstance(final, KVState)
+    torch.testing.assert_close(final.k, k.transpose(1, 2))  # [B, H, T, K]
+    torch.testing.assert_close(final.v, v.transpose(1, 2))
     assert softmax_attention(q, k, v)[1] is None
+    with pytest.raises(ShapeError, match="initial_state: expected a KVState"):
+        softmax_attention(q, k, v, initial_state=torch.zeros(2, 2, 1, 4))
 
 
 def test_a_cache_read_under_gradient_keeps_the_new_tokens_gradient():

@@ -14,7 +14,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from memattn.errors import ShapeError
+from memattn.errors import ConfigError, ShapeError
 from memattn.ops.abc import (
     ABCState,
     BoundedMemoryState,
@@ -504,11 +504,11 @@ def test_step_bad_input_and_options():
         abc_attention_step(q[:, 0], k[:, 0], v[:, 0], s[:, 0], abc_state(K=2))
     with pytest.raises(ShapeError, match=r"^phi: expected non-negative"):
         bounded_memory_attention_step(q[:, 0], k[:, 0], v[:, 0], -s[:, 0].abs() - 1)
-    with pytest.raises(ValueError, match=r"^chunk_size: expected a power of two"):
+    with pytest.raises(ConfigError, match=r"^chunk_size: expected a power of two"):
         abc_chunked(q, k, v, s, chunk_size=48)
-    with pytest.raises(ValueError, match=r"^mode: expected one of"):
+    with pytest.raises(ConfigError, match=r"^mode: expected one of"):
         abc_attention(q, k, v, s, mode="fast")
-    with pytest.raises(ValueError, match=r"^mode: 'recurrent' is a causal form"):
+    with pytest.raises(ConfigError, match=r"^mode: 'recurrent' is a causal form"):
         abc_attention(q, k, v, s, causal=False, mode="recurrent")
 
 

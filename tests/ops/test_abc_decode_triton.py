@@ -11,6 +11,7 @@ import torch
 
 pytest.importorskip("triton", reason="the fused decoding step is a Triton kernel")
 
+from memattn.errors import ConfigError, ShapeError
 from memattn.ops.abc import (
     ABCState,
     BoundedMemoryState,
@@ -119,11 +120,11 @@ def test_inplace_refuses_states_it_cannot_overwrite(backend):
     q, k, v, s, _ = sequence(T=1, K=16, V=8, M=5)
     _, state = abc_attention_step(q[:, 0], k[:, 0], v[:, 0], s[:, 0], backend="torch")
     half = ABCState(state.log_z, state.k.half(), state.v)
-    with pytest.raises(ValueError, match="state.k: inplace=True"):
+    with pytest.raises(ShapeError, match="state.k: inplace=True"):
         abc_attention_step(q[:, 0], k[:, 0], v[:, 0], s[:, 0], half, inplace=True,
                            backend=backend)
     strided = ABCState(state.log_z, state.k, state.v.mT.contiguous().mT)
-    with pytest.raises(ValueError, match="state.v: .*non-contiguous"):
+    with pytest.raises(ShapeError, match="state.v: .*non-contiguous"):
         abc_attention_step(q[:, 0], k[:, 0], v[:, 0], s[:, 0], strided, inplace=True,
                            backend=backend)
 
@@ -152,13 +153,13 @@ def test_huge_logits_stay_finite():
 
 def test_kernel_refuses_inputs_that_need_a_gradient_or_float64():
     q, k, v, s, _ = sequence(T=1, K=16, V=8, M=5)
-    with pytest.raises(ValueError, match="no backward"):
+    with pytest.raises(ConfigError, match="^backend: the fused decoding step .* has no backward"):
         abc_attention_step(q[:, 0].requires_grad_(), k[:, 0], v[:, 0], s[:, 0],
                            backend="triton")
-    with pytest.raises(ValueError, match="q: backend='triton' takes"):
+    with pytest.raises(ShapeError, match="^q: backend='triton' takes"):
         abc_attention_step(q[:, 0].double(), k[:, 0].double(), v[:, 0].double(),
                            s[:, 0].double(), backend="triton")
-    with pytest.raises(ValueError, match="backend: expected one of"):
+    with pytest.raises(ConfigError, match="^backend: expected one of"):
         abc_attention_step(q[:, 0], k[:, 0], v[:, 0], s[:, 0], backend="cuda")
 
 

@@ -17,7 +17,7 @@ pytest.importorskip("triton", reason="the Triton kernels need the triton package
 
 import memattn.kernels  # noqa: E402
 
-from memattn.errors import ShapeError
+from memattn.errors import ConfigError, ShapeError
 from memattn.kernels import abc_chunk, kernels_supported
 from memattn.kernels.abc_chunk import abc_chunk_triton
 from memattn.ops.abc import ABCState, abc_attention, abc_chunked, abc_reference
@@ -239,15 +239,15 @@ def test_varlen_errors(cu, kw, match):
 
 def test_backend_errors():
     xs = make_inputs(B=1, T=5)  # on the kernels' device: the device check passes
-    with pytest.raises(ValueError, match="backend"):
+    with pytest.raises(ConfigError, match="^backend: expected one of"):
         abc_attention(*xs[:4], backend="cuda")
-    with pytest.raises(ValueError, match="causal=False"):
+    with pytest.raises(ConfigError, match="causal=False"):
         abc_attention(*xs[:4], causal=False, backend="triton")
-    with pytest.raises(ValueError, match="causal=True only"):
+    with pytest.raises(ConfigError, match="causal=True only"):
         abc_attention(*xs[:4], causal=False, cu_seqlens=torch.tensor([0, 5], device=DEVICE))
-    with pytest.raises(ValueError, match="mode"):
+    with pytest.raises(ConfigError, match="mode"):
         abc_attention(*xs[:4], mode="reference", backend="triton")
-    with pytest.raises(ValueError, match="chunk_size"):
+    with pytest.raises(ConfigError, match="chunk_size"):
         abc_chunk_triton(*xs[:4], chunk_size=8)
     with pytest.raises(ShapeError, match="float64"):
         abc_chunk_triton(*xs[:4])

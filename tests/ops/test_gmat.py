@@ -9,7 +9,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from memattn.errors import ShapeError
+from memattn.errors import ConfigError, ShapeError
 from memattn.ops.gmat import (bidirectional_mask, causal_mask, gmat_attention,
                               gmat_attention_reference, lsh_buckets)
 from memattn.ops.softmax import softmax_attention
@@ -61,7 +61,7 @@ BIDIRECTIONAL = [("chunked", {}), ("window", {}), ("lsh", {}), ("full", {})]
 @pytest.mark.parametrize("mask, untied", [(False, False), (True, True)])
 def test_bidirectional_forms_equal_the_dense_masked_reference(pattern, M, L, mask, untied):
     inputs, rot = make(T=M + L, mask=mask, untied=untied)
-    kw = dict(num_memory=M, pattern=pattern, chunk_size=5, window=3, lsh_rotations=rot)
+    kw = dict(num_memory=M, pattern=pattern, chunk_size=5, window=3, lsh_rotations=rot, causal=False)
     assert_same(with_grads(gmat_attention, inputs, **kw),
                 with_grads(gmat_attention_reference, inputs, **kw))
 
@@ -112,13 +112,13 @@ def test_the_reference_masks_follow_the_definitions():
 def test_memory_rows_are_dense_softmax_over_everything():
     M, L = 3, 40
     inputs, _ = make(T=M + L)
-    o, _ = gmat_attention(**inputs, num_memory=M, pattern="chunked", chunk_size=4)
+    o, _ = gmat_attention(**inputs, num_memory=M, causal=False, pattern="chunked", chunk_size=4)
     q, k, v = inputs["q"], inputs["k"], inputs["v"]
     dense, _ = softmax_attention(q[:, :M], k, v, causal=False)
     torch.testing.assert_close(o[:, :M], dense, rtol=1e-12, atol=1e-12)
     changed = v.clone()
     changed[:, -1] += 1  # the last main token is far from every chunk but its own
-    o2, _ = gmat_attention(q, k, changed, num_memory=M, pattern="chunked", chunk_size=4)
+    o2, _ = gmat_attention(q, k, changed, num_memory=M, causal=False, pattern="chunked", chunk_size=4)
     assert (o2[:, :M] - o[:, :M]).abs().amin() > 0  # every memory row moved
     torch.testing.assert_close(o2[:, M:M + 36], o[:, M:M + 36], rtol=0, atol=0)  # other chunks did not
 
@@ -128,7 +128,7 @@ def test_memory_rows_are_dense_softmax_over_everything():
 def test_patterns_covering_everything_are_softmax_attention(pattern, kw):
     M, L = 3, 29
     inputs, _ = make(T=M + L, mask=True)
-    o, _ = gmat_attention(**inputs, num_memory=M, pattern=pattern, **kw)
+    o, _ = gmat_attention(**inputs, num_memory=M, causal=False, pattern=pattern, **kw)
     dense, _ = softmax_attention(inputs["q"], inputs["k"], inputs["v"], causal=False,
                               attention_mask=inputs["attention_mask"])
     torch.testing.assert_close(o, dense, rtol=1e-12, atol=1e-12)
@@ -138,7 +138,7 @@ def test_a_row_with_nothing_visible_is_zero_without_nan():
     inputs, _ = make(T=12)
     inputs["attention_mask"] = torch.ones(2, 12, dtype=torch.bool)
     inputs["attention_mask"][:, 4:8] = False  # the whole second chunk is padding
-    out = with_grads(gmat_attention, inputs, num_memory=0, pattern="chunked", chunk_size=4)
+    out = with_grads(gmat_attention, inputs, num_memory=0, causal=False, pattern="chunked", chunk_size=4)
     assert out["o"][:, 4:8].abs().max() == 0
     assert all(torch.isfinite(t).all() for t in out.values())
 
@@ -155,7 +155,8 @@ def test_lsh_buckets_group_keys_by_direction():
 def test_lsh_reads_tokens_of_its_bucket_only():
     M, L = 2, 30
     inputs, rot = make(T=M + L, H=1, n_buckets=4)
-    o, _ = gmat_attention(**inputs, num_memory=M, pattern="lsh", chunk_size=64, lsh_rotations=rot)
+    o, _ = gmat_attention(**inputs, num_memory=M, causal=False, pattern="lsh", chunk_size=64,
+                          lsh_rotations=rot)
     buckets = lsh_buckets(inputs["k"][:, M:], rot)[:, 0]  # [B, L]; one chunk holds all
     for b in range(2):
         for i in (0, 17):
@@ -169,10 +170,10 @@ def test_lsh_reads_tokens_of_its_bucket_only():
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_low_precision_inputs_compute_in_fp32_and_keep_their_dtype(dtype):
     inputs, _ = make(T=20, dtype=dtype)
-    o, _ = gmat_attention(**inputs, num_memory=2, pattern="window", window=2)
+    o, _ = gmat_attention(**inputs, num_memory=2, causal=False, pattern="window", window=2)
     assert o.dtype == dtype
     ref = gmat_attention_reference(**{n: t.double() for n, t in inputs.items()}, num_memory=2,
-                                   pattern="window", window=2)
+                                   causal=False, pattern="window", window=2)
     tol = 1e-5 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(o.double(), ref, rtol=tol, atol=tol)
 
@@ -191,36 +192,45 @@ def test_property_any_sizes_match_the_reference(M, L, C, w, pattern, causal, see
                                rtol=1e-10, atol=1e-10)
 
 
-@pytest.mark.parametrize("change, message", [
-    (dict(num_memory=-1), r"num_memory: expected a non-negative int, got -1"),
-    (dict(chunk_size=0), r"chunk_size: expected a positive int, got 0"),
-    (dict(window=-2), r"window: expected a positive int, got -2"),
-    (dict(pattern="dilated"), r"pattern: expected one of chunked, window, lsh, full, got 'dilated'"),
-    (dict(pattern="lsh"), r"lsh_rotations: the lsh pattern needs random rotations"),
-    (dict(pattern="lsh", causal=True), r"pattern: causal GMAT supports chunked, window, got 'lsh'"),
-    (dict(pattern="window", causal=True, window=9, chunk_size=4), r"window: a causal window must fit"),
-    (dict(num_memory=30), r"k: expected at least num_memory = 30 positions"),
+@pytest.mark.parametrize("change, error, message", [
+    (dict(num_memory=-1), ConfigError, r"num_memory: expected a non-negative int, got -1"),
+    (dict(chunk_size=0), ConfigError, r"chunk_size: expected a positive int, got 0"),
+    (dict(window=-2), ConfigError, r"window: expected a positive int, got -2"),
+    (dict(pattern="dilated"), ConfigError, r"pattern: expected one of chunked, window, lsh, full, got 'dilated'"),
+    (dict(pattern="lsh"), ShapeError, r"lsh_rotations: the lsh pattern needs random rotations"),
+    (dict(pattern="lsh", causal=True), ConfigError, r"pattern: causal GMAT supports chunked, window, got 'lsh'"),
+    (dict(pattern="window", causal=True, window=9, chunk_size=4), ConfigError,
+     r"window: a causal window must fit"),
+    (dict(num_memory=30), ShapeError, r"k: expected at least num_memory = 30 positions"),
+    (dict(output_final_state=True), ConfigError, r"output_final_state: gmat_attention keeps no state"),
+    (dict(backend="triton"), ConfigError, r"backend: no Triton kernel exists for gmat_attention"),
 ])
-def test_bad_arguments_are_errors_naming_them(change, message):
+def test_bad_arguments_are_errors_naming_them(change, error, message):
     inputs, _ = make(T=10)
-    kw = dict(num_memory=2, pattern="chunked", chunk_size=4)
+    kw = dict(num_memory=2, causal=False, pattern="chunked", chunk_size=4)
     kw.update(change)
-    with pytest.raises(ShapeError, match=message):
+    with pytest.raises(error, match=message):
         gmat_attention(**inputs, **kw)
+
+
+def test_causal_is_a_required_keyword():
+    inputs, _ = make(T=10)
+    with pytest.raises(TypeError, match="causal"):
+        gmat_attention(**inputs, num_memory=2)
 
 
 def test_bad_tensors_are_errors_naming_them():
     inputs, rot = make(T=10)
     q, k, v = inputs["q"], inputs["k"], inputs["v"]
     with pytest.raises(ShapeError, match=r"attention_mask: expected dtype torch.bool"):
-        gmat_attention(q, k, v, num_memory=2, attention_mask=torch.ones(2, 10))
+        gmat_attention(q, k, v, num_memory=2, causal=False, attention_mask=torch.ones(2, 10))
     with pytest.raises(ShapeError, match=r"attention_mask: expected \[B, T\] with dim 1 = 10"):
-        gmat_attention(q, k, v, num_memory=2, attention_mask=torch.ones(2, 9, dtype=torch.bool))
+        gmat_attention(q, k, v, num_memory=2, causal=False, attention_mask=torch.ones(2, 9, dtype=torch.bool))
     with pytest.raises(ShapeError, match=r"q: bidirectional GMAT has one query a position"):
-        gmat_attention(q[:, :4], k, v, num_memory=2)
+        gmat_attention(q[:, :4], k, v, num_memory=2, causal=False)
     with pytest.raises(ShapeError, match=r"memory_k, memory_v: give both"):
-        gmat_attention(q, k, v, num_memory=2, memory_k=k)
+        gmat_attention(q, k, v, num_memory=2, causal=False, memory_k=k)
     with pytest.raises(ShapeError, match=r"lsh_rotations: expected \[H, K, n_buckets / 2\] with dim 1 = 4"):
-        gmat_attention(q, k, v, num_memory=2, pattern="lsh", lsh_rotations=torch.randn(2, 5, 2))
+        gmat_attention(q, k, v, num_memory=2, causal=False, pattern="lsh", lsh_rotations=torch.randn(2, 5, 2))
     with pytest.raises(ShapeError, match=r"v: expected \[B, T, H, V\] with dim 1 = 10"):
-        gmat_attention(q, k, v[:, :9], num_memory=2)
+        gmat_attention(q, k, v[:, :9], num_memory=2, causal=False)

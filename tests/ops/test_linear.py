@@ -11,8 +11,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from memattn.errors import ShapeError
-from memattn.ops.linear import (ALPHA_MIN, choose_state_mode, linear_attention,
+from memattn.errors import ConfigError, ShapeError
+from memattn.ops.linear import (ALPHA_MIN, LinearAttentionState, choose_state_mode, linear_attention,
                                 linear_attention_autograd, linear_attention_chunked,
                                 linear_attention_read, linear_attention_recurrent,
                                 linear_attention_reference, linear_attention_step)
@@ -29,7 +29,8 @@ def make_inputs(B=2, T=7, H=2, K=5, V=4, *, Tq=None, gates=None, init=False, dty
         return torch.randn(*shape, generator=g, dtype=F64).to(dtype)
 
     inputs = dict(q=rand(B, Tq or T, H, K), k=rand(B, T, H, K), v=rand(B, T, H, V),
-                  alpha=None, beta=None, initial_state=rand(B, H, K, V) if init else None)
+                  alpha=None, beta=None,
+                  initial_state=LinearAttentionState(rand(B, H, K, V)) if init else None)
     if gates in ("beta", "gated"):
         inputs["beta"] = (0.5 + torch.rand(B, T, H, generator=g, dtype=F64)).to(dtype)
     if gates == "gated":
@@ -38,20 +39,35 @@ def make_inputs(B=2, T=7, H=2, K=5, V=4, *, Tq=None, gates=None, init=False, dty
     return inputs
 
 
+def tensors(inputs, fn):
+    """inputs with fn applied to every tensor (the state's kv included); None stays None."""
+    return {n: None if t is None else LinearAttentionState(fn(t.kv)) if n == "initial_state"
+            else fn(t) for n, t in inputs.items()}
+
+
+def leaves(inputs):
+    """Every given input as a fresh leaf that requires grad, and those leaves by name (the
+    state's by its kv)."""
+    args = tensors({n: t for n, t in inputs.items() if t is not None},
+                   lambda t: t.detach().clone().requires_grad_())
+    return args, {n: t.kv if n == "initial_state" else t for n, t in args.items()}
+
+
 def run_with_grads(form, inputs, causal, seed=1):
     """o, final state and the gradient of a random linear loss w.r.t. every given input."""
-    leaves = {n: t.detach().clone().requires_grad_() for n, t in inputs.items() if t is not None}
-    o, state = form(**leaves, causal=causal)
+    args, named = leaves(inputs)
+    o, state = form(**args, causal=causal)
+    state = state.kv
     g = torch.Generator().manual_seed(seed)
     do = torch.randn(o.shape, generator=g, dtype=F64).to(o.dtype)
     dS = torch.randn(state.shape, generator=g, dtype=F64).to(state.dtype)
     loss = (o.float() * do).sum() + (state * dS).sum()
-    grads = torch.autograd.grad(loss, list(leaves.values()), materialize_grads=True)
-    return {"o": o, "state": state, **{f"d{n}": d for n, d in zip(leaves, grads)}}
+    grads = torch.autograd.grad(loss, list(named.values()), materialize_grads=True)
+    return {"o": o, "state": state, **{f"d{n}": d for n, d in zip(named, grads)}}
 
 
 def as_double(inputs):
-    return {n: None if t is None else t.double() for n, t in inputs.items()}
+    return tensors(inputs, torch.Tensor.double)
 
 
 def assert_all_close(got, want, **tol):
@@ -111,8 +127,7 @@ def test_public_op_float32_matches_float64_reference():
     inputs = make_inputs(B=2, T=130, H=3, K=16, V=8, gates="gated", init=True,
                          alpha_range=(0.8, 1.0))
     want = run_with_grads(REFERENCE, inputs, causal=True)
-    got = run_with_grads(PUBLIC, {n: None if t is None else t.float() for n, t in inputs.items()},
-                         causal=True)
+    got = run_with_grads(PUBLIC, tensors(inputs, torch.Tensor.float), causal=True)
     assert got["o"].dtype == torch.float32 and got["state"].dtype == torch.float32
     assert_all_close({n: t.double() for n, t in got.items()}, want, rtol=1e-4, atol=1e-4)
 
@@ -146,14 +161,15 @@ def test_basic_noncausal_is_values_t_keys_times_query():
     C = values.mT @ keys  # [B, H, V, K]: the paper's C = Σ v kᵀ
     want = (C[:, :, None] @ x["q"].transpose(1, 2)[..., None]).squeeze(-1)  # [B, H, Tq, V]
     torch.testing.assert_close(o, want.transpose(1, 2), rtol=1e-12, atol=1e-12)
-    torch.testing.assert_close(state, C.mT, rtol=1e-12, atol=1e-12)
+    assert isinstance(state, LinearAttentionState)
+    torch.testing.assert_close(state.kv, C.mT, rtol=1e-12, atol=1e-12)
 
 
 def test_keys_equal_values_give_symmetric_gram_memory():
     """With k = v = h the memory is the paper's C = Σ h hᵀ = HᵀH, symmetric."""
     h = make_inputs(B=2, T=11, H=2, K=6, V=6)["k"]
     for causal in (True, False):
-        _, C = linear_attention(h, h, h, causal=causal, output_final_state=True)
+        C = linear_attention(h, h, h, causal=causal, output_final_state=True)[1].kv
         torch.testing.assert_close(C, C.mT, rtol=0, atol=1e-12)
         hh = h.transpose(1, 2)  # [B, H, T, K]
         torch.testing.assert_close(C, hh.mT @ hh, rtol=1e-12, atol=1e-12)
@@ -182,7 +198,7 @@ def test_constant_gates_match_decayed_sum():
 
 def saved_numbers(form, inputs, causal=True):
     """Total numel of everything autograd saves for backward during one training call."""
-    leaves = {n: t.detach().clone().requires_grad_() for n, t in inputs.items() if t is not None}
+    args, _ = leaves(inputs)
     sizes = []
 
     def pack(t):
@@ -190,8 +206,8 @@ def saved_numbers(form, inputs, causal=True):
         return t
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        o, state = form(**leaves, causal=causal)
-    (o.sum() + state.sum()).backward()  # the saved tensors do serve a backward
+        o, state = form(**args, causal=causal)
+    (o.sum() + state.kv.sum()).backward()  # the saved tensors do serve a backward
     return sum(sizes)
 
 
@@ -294,7 +310,7 @@ def slice_steps(inputs, steps):
 def test_continuation_from_final_state_equals_whole(split, train):
     x = make_inputs(T=63, gates="gated", init=True)
     if train:
-        x = {n: None if t is None else t.clone().requires_grad_() for n, t in x.items()}
+        x = tensors(x, lambda t: t.clone().requires_grad_())
     whole = linear_attention(**x, output_final_state=True)
     first = linear_attention(**slice_steps(x, slice(None, split)),
                              initial_state=x["initial_state"], output_final_state=True)
@@ -314,7 +330,7 @@ def test_step_by_step_decoding_equals_one_pass():
                                            x["alpha"][:, t], x["beta"][:, t])
         torch.testing.assert_close(o_t, o[:, t], rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(state, final, rtol=1e-5, atol=1e-5)
-    assert state.shape == (2, 2, 5, 4)  # fixed size after any number of steps
+    assert state.kv.shape == (2, 2, 5, 4)  # fixed size after any number of steps
 
 
 def test_stored_memory_answers_any_number_of_queries():
@@ -387,8 +403,11 @@ BAD_INPUTS = {
     "alpha_rank": (_bad(alpha=torch.ones(2, 7, dtype=F64)), "alpha"),
     "alpha_length": (_bad(alpha=torch.ones(2, 6, 2, dtype=F64)), "alpha"),
     "beta_heads": (_bad(beta=torch.ones(2, 7, 3, dtype=F64)), "beta"),
-    "state_rank": (_bad(initial_state=torch.zeros(2, 2, 5, dtype=F64)), "initial_state"),
-    "state_swapped": (_bad(initial_state=torch.zeros(2, 2, 4, 5, dtype=F64)), "initial_state"),
+    "state_tensor": (_bad(initial_state=torch.zeros(2, 2, 5, 4, dtype=F64)), "initial_state"),
+    "state_rank": (_bad(initial_state=LinearAttentionState(torch.zeros(2, 2, 5, dtype=F64))),
+                   r"initial_state\.kv"),
+    "state_swapped": (_bad(initial_state=LinearAttentionState(torch.zeros(2, 2, 4, 5, dtype=F64))),
+                      r"initial_state\.kv"),
 }
 
 
@@ -407,18 +426,21 @@ def test_bad_shapes_raise_shape_error_naming_the_argument(case, form):
 def test_negative_gates_and_bad_options_are_refused():
     x = _bad()
     x["alpha"][0, 3, 1] = -0.5
-    with pytest.raises(ValueError, match="^alpha:"):
+    with pytest.raises(ShapeError, match="^alpha:"):
         linear_attention(**x)
-    with pytest.raises(ValueError, match="^chunk_size:"):
+    with pytest.raises(ConfigError, match="^chunk_size:"):
         linear_attention_chunked(**_bad(), chunk_size=0)
-    with pytest.raises(ValueError, match="^state_mode:"):
+    with pytest.raises(ConfigError, match="^state_mode:"):
         linear_attention_autograd(**_bad(), state_mode="store")
 
 
 def test_step_checks_its_state():
     x = make_inputs(T=1)
-    with pytest.raises(ShapeError, match="^state:"):
-        linear_attention_step(x["q"][:, 0], x["k"][:, 0], x["v"][:, 0], torch.zeros(2, 2, 4, 5))
+    with pytest.raises(ShapeError, match="^state: expected a LinearAttentionState"):
+        linear_attention_step(x["q"][:, 0], x["k"][:, 0], x["v"][:, 0], torch.zeros(2, 2, 5, 4))
+    with pytest.raises(ShapeError, match=r"^state\.kv:"):
+        linear_attention_step(x["q"][:, 0], x["k"][:, 0], x["v"][:, 0],
+                              LinearAttentionState(torch.zeros(2, 2, 4, 5)))
     with pytest.raises(ShapeError, match="^alpha_t:"):
         linear_attention_step(x["q"][:, 0], x["k"][:, 0], x["v"][:, 0], None, torch.ones(2, 3))
 

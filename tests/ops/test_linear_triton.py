@@ -12,7 +12,8 @@ import torch
 pytest.importorskip("triton", reason="linear_attention_triton is a Triton kernel")
 
 from memattn.kernels.linear import linear_attention_triton
-from memattn.ops.linear import linear_attention, linear_attention_reference
+from memattn.errors import ConfigError, ShapeError
+from memattn.ops.linear import LinearAttentionState, linear_attention, linear_attention_reference
 
 F64 = torch.float64
 CUDA = torch.cuda.is_available()
@@ -39,14 +40,25 @@ def make_inputs(B=2, T=37, H=2, K=16, V=8, *, gates="gated", init=True, zero_at=
         alpha[0, T // 3, 0] = 1e-6
         alpha[:, list(zero_at)] = 0.0
         inputs["alpha"] = alpha
-    return {n: None if t is None else t.to(device=device, dtype=dtype) for n, t in inputs.items()}
+    if init:
+        inputs["initial_state"] = LinearAttentionState(inputs["initial_state"])
+    return tensors(inputs, lambda t: t.to(device=device, dtype=dtype))
+
+
+def tensors(inputs, fn):
+    """inputs with fn applied to every tensor (the state's kv included); None stays None."""
+    return {n: None if t is None else LinearAttentionState(fn(t.kv)) if n == "initial_state"
+            else fn(t) for n, t in inputs.items()}
 
 
 def outputs_and_grads(form, inputs, seed=1, **kwargs):
     """o, the final state and the gradient of <o, do> + <S_T, dS> for random do, dS w.r.t.
     every given input."""
-    leaves = {n: t.detach().clone().requires_grad_() for n, t in inputs.items() if t is not None}
-    o, state = form(**leaves, output_final_state=True, **kwargs)
+    args = tensors({n: t for n, t in inputs.items() if t is not None},
+                   lambda t: t.detach().clone().requires_grad_())
+    leaves = {n: t.kv if n == "initial_state" else t for n, t in args.items()}
+    o, state = form(**args, output_final_state=True, **kwargs)
+    state = state.kv
     g = torch.Generator().manual_seed(seed)
     do = torch.randn(o.shape, generator=g, dtype=F64).to(o)
     dS = torch.randn(state.shape, generator=g, dtype=F64).to(state)
@@ -56,8 +68,7 @@ def outputs_and_grads(form, inputs, seed=1, **kwargs):
 
 def assert_matches_reference(got, inputs, rtol=1e-4, **kwargs):
     """Compare with the float64 reference, each tensor to rtol of its largest entry."""
-    want = outputs_and_grads(linear_attention_reference,
-                             {n: None if t is None else t.double() for n, t in inputs.items()},
+    want = outputs_and_grads(linear_attention_reference, tensors(inputs, torch.Tensor.double),
                              **kwargs)
     assert got.keys() == want.keys()
     for key, w in want.items():
@@ -128,21 +139,21 @@ def test_public_op_routes_by_backend(monkeypatch):
 
     monkeypatch.setattr(kernel, "linear_attention_triton", refuse)
     linear_attention(**make_inputs(T=20, device="cpu"))  # auto: torch on the CPU
-    with pytest.raises(ValueError, match="causal form"):
+    with pytest.raises(ConfigError, match="causal form"):
         linear_attention(**inputs, causal=False, backend="triton")
-    with pytest.raises(ValueError, match="backend: expected one of"):
+    with pytest.raises(ConfigError, match="backend: expected one of"):
         linear_attention(**inputs, backend="cuda")
 
 
 def test_kernel_refuses_what_it_cannot_run():
     inputs = make_inputs(T=5)
-    with pytest.raises(ValueError, match="q: backend='triton' takes"):
-        linear_attention_triton(**{n: None if t is None else t.double()
-                                   for n, t in inputs.items()})
-    with pytest.raises(ValueError, match="chunk_size"):
+    with pytest.raises(ShapeError, match="q: backend='triton' takes"):
+        linear_attention_triton(**tensors(inputs, torch.Tensor.double))
+    with pytest.raises(ConfigError, match="chunk_size"):
         linear_attention_triton(**inputs, chunk_size=24)
-    with pytest.raises(ValueError, match="alpha: expected gates >= 0"):
-        linear_attention_triton(**dict(inputs, alpha=-inputs["alpha"]))
+    if not CUDA:  # gate values are checked on the CPU only: on a GPU the check would synchronise
+        with pytest.raises(ShapeError, match="alpha: expected gates >= 0"):
+            linear_attention_triton(**dict(inputs, alpha=-inputs["alpha"]))
 
 
 @needs_cuda

@@ -6,8 +6,8 @@ import math
 import pytest
 import torch
 
-from memattn.errors import ShapeError
-from memattn.ops import softmax_attention
+from memattn.errors import ConfigError, ShapeError
+from memattn.ops import KVState, softmax_attention
 from memattn.ops.persistent import (DistanceTerms, persistent_attention, persistent_attention_reference,
                                     persistent_attention_weights, span_mask)
 
@@ -18,9 +18,9 @@ def rand(*shape, grad=False):
     return torch.randn(*shape, dtype=F64, requires_grad=grad)
 
 
-def inputs(B=2, Tq=7, Tk=7, H=4, K=8, V=6, N=5, mode="joint", grad=False):
-    Hc = H // 2 if mode == "heads" else H
-    Hp = H - Hc if mode == "heads" else H
+def inputs(B=2, Tq=7, Tk=7, H=4, K=8, V=6, N=5, variant="joint", grad=False):
+    Hc = H // 2 if variant == "heads" else H
+    Hp = H - Hc if variant == "heads" else H
     return (rand(B, Tq, H, K, grad=grad), rand(B, Tk, Hc, K, grad=grad), rand(B, Tk, Hc, V, grad=grad),
             rand(Hp, N, K, grad=grad), rand(Hp, N, V, grad=grad))
 
@@ -69,9 +69,9 @@ OPTIONS = {
 }
 
 
-def materialise(option, *, B, Tq, Tk, H, K, N, mode, causal, grad=False):
-    Hc = H // 2 if mode == "heads" else H
-    Hp = H - Hc if mode == "heads" else H
+def materialise(option, *, B, Tq, Tk, H, K, N, variant, causal, grad=False):
+    Hc = H // 2 if variant == "heads" else H
+    Hp = H - Hc if variant == "heads" else H
     out = dict(option)
     extra = {}
     if out.get("rel") == "rel":
@@ -101,18 +101,18 @@ def band_block(request, monkeypatch):
 
 @pytest.mark.parametrize("few_queries", [False, True])  # True: a decoding step, Tq ≪ Tk
 @pytest.mark.parametrize("causal", [True, False])
-@pytest.mark.parametrize("mode", ["joint", "split", "heads"])
+@pytest.mark.parametrize("variant", ["joint", "split", "heads"])
 @pytest.mark.parametrize("option", list(OPTIONS))
-def test_fast_form_matches_reference_forward_and_gradients(mode, option, causal, few_queries, band_block):
+def test_fast_form_matches_reference_forward_and_gradients(variant, option, causal, few_queries, band_block):
     B, Tq, Tk, H, K, N = 2, 1 if few_queries else (5 if causal else 4), 13, 4, 6, 3
-    q, k, v, pk, pv = inputs(B, Tq, Tk, H, K, 5, N, mode, grad=True)
-    kwargs, extra = materialise(OPTIONS[option], B=B, Tq=Tq, Tk=Tk, H=H, K=K, N=N, mode=mode,
+    q, k, v, pk, pv = inputs(B, Tq, Tk, H, K, 5, N, variant, grad=True)
+    kwargs, extra = materialise(OPTIONS[option], B=B, Tq=Tq, Tk=Tk, H=H, K=K, N=N, variant=variant,
                                 causal=causal, grad=True)
     pk = extra.get("pk", pk)
     leaves = [t for t in (q, k, v, pv, *extra.get("bases", [pk]), *kwargs.values())
               if isinstance(t, torch.Tensor) and t.requires_grad and t.is_leaf]
-    fast, _ = persistent_attention(q, k, v, pk, pv, causal=causal, mode=mode, **with_distance(kwargs))
-    ref, _ = persistent_attention_reference(q, k, v, pk, pv, causal=causal, mode=mode, **with_distance(kwargs))
+    fast, _ = persistent_attention(q, k, v, pk, pv, causal=causal, variant=variant, **with_distance(kwargs))
+    ref, _ = persistent_attention_reference(q, k, v, pk, pv, causal=causal, variant=variant, **with_distance(kwargs))
     torch.testing.assert_close(fast, ref)
     w = torch.randn_like(ref)
     g_fast = torch.autograd.grad((fast * w).sum(), leaves)
@@ -137,11 +137,14 @@ def test_odd_length_with_initial_state_and_final_state(band_block):
     # different one-sided derivatives (the reference m · exp(s), the fast form log m)
     span = torch.tensor([9.3, 30.6], dtype=F64, requires_grad=True)
     terms = DistanceTerms(rel=rel, span=span, ramp=8.0, window=50)
-    kw = dict(distance=terms, initial_state=(k0, v0), output_final_state=True)
-    fast, (k_all, v_all) = persistent_attention(q, k, v, pk, pv, **kw)
-    ref, _ = persistent_attention_reference(q, k, v, pk, pv, **kw)
+    kw = dict(distance=terms, initial_state=KVState(k0.transpose(1, 2), v0.transpose(1, 2)),
+              output_final_state=True)
+    fast, state = persistent_attention(q, k, v, pk, pv, **kw)
+    ref, ref_state = persistent_attention_reference(q, k, v, pk, pv, **kw)
     torch.testing.assert_close(fast, ref)
-    assert torch.equal(k_all, torch.cat([k0, k], 1)) and torch.equal(v_all, torch.cat([v0, v], 1))
+    assert isinstance(state, KVState) and isinstance(ref_state, KVState)
+    assert torch.equal(state.k, torch.cat([k0, k], 1).transpose(1, 2))  # [B, H, T0 + T, K]
+    assert torch.equal(state.v, torch.cat([v0, v], 1).transpose(1, 2))
     leaves = (q, k, v, pk, pv, k0, v0, rel, span)
     for a, b in zip(torch.autograd.grad(fast.sum(), leaves), torch.autograd.grad(ref.sum(), leaves)):
         torch.testing.assert_close(a, b)
@@ -170,7 +173,7 @@ def test_cpu_flash_joint_read_matches_reference_forward_and_gradients(option, ca
     persistent query of another width (3) are padded to the kernel's one head size."""
     B, T, H, K, V, N = 2, 70, 3, 6, 5, 9
     q, k, v, pk, pv = inputs(B, T, T, H, K, V, N, grad=True)
-    kwargs, extra = materialise(OPTIONS[option], B=B, Tq=T, Tk=T, H=H, K=K, N=N, mode="joint",
+    kwargs, extra = materialise(OPTIONS[option], B=B, Tq=T, Tk=T, H=H, K=K, N=N, variant="joint",
                                 causal=causal, grad=True)
     pk = extra.get("pk", pk)
     leaves = [t for t in (q, k, v, pv, *extra.get("bases", [pk]), *kwargs.values())
@@ -211,9 +214,9 @@ def test_cpu_flash_joint_read_in_low_precision_is_near_the_float64_reference(dty
 
 # -- masking, read off the reference's weights ---------------------------------------------
 
-def weights(mode="joint", causal=True, **kw):
-    q, k, _, pk, _ = inputs(2, 6, 6, 4, 8, 5, 4, mode)
-    return persistent_attention_weights(q, k, pk, causal=causal, mode=mode, **with_distance(kw))
+def weights(variant="joint", causal=True, **kw):
+    q, k, _, pk, _ = inputs(2, 6, 6, 4, 8, 5, 4, variant)
+    return persistent_attention_weights(q, k, pk, causal=causal, variant=variant, **with_distance(kw))
 
 
 def test_joint_weights_sum_to_one_over_context_and_persistent_vectors_together():
@@ -237,9 +240,9 @@ def test_head_split_gives_half_the_heads_to_each_part():
     torch.testing.assert_close(w_p[:, 2:].sum(-1), torch.ones(2, 2, 6, dtype=F64))
     # and in the fast form: context heads ignore the persistent vectors, persistent heads the context
     q, k, v, pk, pv = inputs(2, 6, 6, 4, 8, 5, 4, "heads")
-    o = persistent_attention(q, k, v, pk, pv, mode="heads")[0]
-    o_other_pk = persistent_attention(q, k, v, pk + 1, pv + 1, mode="heads")[0]
-    o_other_ctx = persistent_attention(q, k + 1, v + 1, pk, pv, mode="heads")[0]
+    o = persistent_attention(q, k, v, pk, pv, variant="heads")[0]
+    o_other_pk = persistent_attention(q, k, v, pk + 1, pv + 1, variant="heads")[0]
+    o_other_ctx = persistent_attention(q, k + 1, v + 1, pk, pv, variant="heads")[0]
     torch.testing.assert_close(o[:, :, :2], o_other_pk[:, :, :2])
     torch.testing.assert_close(o[:, :, 2:], o_other_ctx[:, :, 2:])
 
@@ -289,23 +292,25 @@ def test_span_gradient_reaches_z_only_through_the_ramp():
 
 # -- errors ----------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("change, message", [
-    (lambda a: a.update(mode="both"), r"mode: expected one of joint, split, heads, got 'both'"),
-    (lambda a: a.update(pk=torch.randn(3, 5, 8), pv=torch.randn(3, 5, 6)), r"pk: expected \[H, N, Kp\] with H = 4 heads"),
-    (lambda a: a.update(pv=torch.randn(4, 2, 6)), r"pv: expected \[Hp, N, V\] with dim 1 = 5"),
-    (lambda a: a.update(pk=torch.randn(4, 5, 3)), r"pk: without pq the persistent keys share the queries' dim K=8, got Kp=3"),
-    (lambda a: a.update(mode="heads"), r"mode 'heads' splits the H=4 query heads"),
-    (lambda a: a.update(span=torch.ones(4)), r"ramp: the soft span mask needs a ramp > 0, got None"),
-    (lambda a: a.update(span=torch.ones(3), ramp=2.0), r"span: expected \[Hc\] with dim 0 = 4"),
-    (lambda a: a.update(window=0), r"window: expected a number of tokens >= 1, got 0"),
-    (lambda a: a.update(causal=False, rel=torch.randn(4, 8)), r"rel: not causal, expected 2R - 1 rows"),
-    (lambda a: a.update(attention_mask=torch.ones(2, 7)), r"attention_mask: expected dtype torch.bool"),
-    (lambda a: a.update(q=torch.randn(2, 9, 4, 8)), r"causal attention needs Tq <= Tk, got Tq=9, Tk=7"),
-    (lambda a: a.update(initial_state=torch.randn(2, 3, 4, 8)), r"initial_state: expected a pair"),
+@pytest.mark.parametrize("change, error, message", [
+    (lambda a: a.update(variant="both"), ConfigError, r"variant: expected one of joint, split, heads, got 'both'"),
+    (lambda a: a.update(backend="triton"), ConfigError, r"backend: no Triton kernel exists for persistent_attention"),
+    (lambda a: a.update(q=a["q"].long()), ShapeError, r"q: expected a floating point tensor"),
+    (lambda a: a.update(pk=torch.randn(3, 5, 8), pv=torch.randn(3, 5, 6)), ShapeError, r"pk: expected \[H, N, Kp\] with H = 4 heads"),
+    (lambda a: a.update(pv=torch.randn(4, 2, 6)), ShapeError, r"pv: expected \[Hp, N, V\] with dim 1 = 5"),
+    (lambda a: a.update(pk=torch.randn(4, 5, 3)), ShapeError, r"pk: without pq the persistent keys share the queries' dim K=8, got Kp=3"),
+    (lambda a: a.update(variant="heads"), ShapeError, r"variant 'heads' splits the H=4 query heads"),
+    (lambda a: a.update(span=torch.ones(4)), ConfigError, r"ramp: the soft span mask needs a ramp > 0, got None"),
+    (lambda a: a.update(span=torch.ones(3), ramp=2.0), ShapeError, r"span: expected \[Hc\] with dim 0 = 4"),
+    (lambda a: a.update(window=0), ConfigError, r"window: expected a number of tokens >= 1, got 0"),
+    (lambda a: a.update(causal=False, rel=torch.randn(4, 8)), ShapeError, r"rel: not causal, expected 2R - 1 rows"),
+    (lambda a: a.update(attention_mask=torch.ones(2, 7)), ShapeError, r"attention_mask: expected dtype torch.bool"),
+    (lambda a: a.update(q=torch.randn(2, 9, 4, 8)), ShapeError, r"causal attention needs Tq <= Tk, got Tq=9, Tk=7"),
+    (lambda a: a.update(initial_state=torch.randn(2, 3, 4, 8)), ShapeError, r"initial_state: expected a KVState \(k, v\), got Tensor"),
 ])
-def test_bad_inputs_are_clear_errors(change, message):
+def test_bad_inputs_are_clear_errors(change, error, message):
     args = dict(zip("q k v pk pv".split(), (t.float() for t in inputs())))
     change(args)
     q, k, v, pk, pv = (args.pop(n) for n in "q k v pk pv".split())
-    with pytest.raises(ShapeError, match=message):
+    with pytest.raises(error, match=message):
         persistent_attention(q, k, v, pk, pv, **with_distance(args))

@@ -1,14 +1,15 @@
 """memattn.ops.window: local_window_attention (in blocks) against local_window_reference (a
 loop over queries), and counted_softmax against a softmax over repeated keys: outputs and
-gradients, causal and bidirectional, odd lengths, padding and the dilated queue."""
+gradients, causal and bidirectional, odd lengths, padding, the dilated queue and the state."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from memattn.errors import ShapeError
+from memattn.errors import ConfigError, ShapeError
 from memattn.ops.window import (
+    WindowState,
     counted_softmax,
     in_strided_queue,
     in_window,
@@ -40,7 +41,7 @@ def padding(B, T, *, seed=0):
 
 
 def both(fn_kwargs, q, k, v):
-    return (local_window_attention(q, k, v, **fn_kwargs),
+    return (local_window_attention(q, k, v, **fn_kwargs)[0],
             local_window_reference(q, k, v, **fn_kwargs))
 
 
@@ -63,7 +64,7 @@ def test_padding_is_never_read(causal, window):
     # a row's padded keys can hold anything: the real queries read the same
     k2, v2 = k.clone(), v.clone()
     k2[~mask], v2[~mask] = 1e3, -1e3
-    moved = local_window_attention(q, k2, v2, window=window, causal=causal, attention_mask=mask)
+    moved, _ = local_window_attention(q, k2, v2, window=window, causal=causal, attention_mask=mask)
     torch.testing.assert_close(moved, got, **F64)
 
 
@@ -105,24 +106,48 @@ def test_gradients_equal_the_references(causal, dilation):
     mask = padding(2, 14)
     kw = {"window": 4, "causal": causal, "dilation": dilation, "attention_mask": mask}
     w = torch.randn(2, 14, 2, 3, dtype=torch.float64)
-    got = torch.autograd.grad((local_window_attention(q, k, v, **kw) * w).sum(), (q, k, v))
+    got = torch.autograd.grad((local_window_attention(q, k, v, **kw)[0] * w).sum(), (q, k, v))
     want = torch.autograd.grad((local_window_reference(q, k, v, **kw) * w).sum(), (q, k, v))
     for g, r in zip(got, want):
         assert torch.isfinite(g).all()
         torch.testing.assert_close(g, r, **F64)
 
 
-def test_a_continuation_needs_only_the_last_n_keys():
-    """What a layer continuing a queue does: the last n keys before a cut, with zero queries,
-    then the new tokens, read the same as the whole sequence."""
-    n, cut = 4, 9
-    q, k, v = inputs(T=20)
-    full = local_window_attention(q, k, v, window=n)
-    held = slice(cut - n, cut)
-    q2 = torch.cat([torch.zeros_like(q[:, held]), q[:, cut:]], 1)
-    k2, v2 = torch.cat([k[:, held], k[:, cut:]], 1), torch.cat([v[:, held], v[:, cut:]], 1)
-    part = local_window_attention(q2, k2, v2, window=n)[:, n:]
-    torch.testing.assert_close(part, full[:, cut:], **F64)
+@pytest.mark.parametrize("cut", [2, 9])  # before the window is full, and after
+@pytest.mark.parametrize("masked", [False, True])
+def test_a_continuation_from_the_state_equals_the_whole_sequence(cut, masked):
+    """The state is the queue of the last n tokens: running x[:cut], then x[cut:] from its
+    state, gives the outputs and the final state of running x whole."""
+    n, T = 4, 20
+    q, k, v = inputs(T=T)
+    mask = padding(2, T) if masked else None
+    full, final = local_window_attention(q, k, v, window=n, attention_mask=mask,
+                                         output_final_state=True)
+    first, mid = local_window_attention(q[:, :cut], k[:, :cut], v[:, :cut], window=n,
+                                        attention_mask=None if mask is None else mask[:, :cut],
+                                        output_final_state=True)
+    rest, end = local_window_attention(q[:, cut:], k[:, cut:], v[:, cut:], window=n,
+                                       attention_mask=None if mask is None else mask[:, cut:],
+                                       initial_state=mid, output_final_state=True)
+    torch.testing.assert_close(torch.cat([first, rest], 1), full, **F64)
+    assert isinstance(mid, WindowState) and mid.k.shape == (2, 2, n, 4) and mid.real.shape == (2, 2, n)
+    assert mid.real[:, :, :max(0, n - cut)].logical_not().all()  # slots no token reached
+    for got, want in zip(end, final):
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+    torch.testing.assert_close(final.k, k[:, T - n:].transpose(1, 2), rtol=0, atol=0)
+
+
+def test_a_state_is_the_queue_of_a_plain_causal_window_only():
+    q, k, v = inputs(T=6)
+    _, state = local_window_attention(q, k, v, window=3, output_final_state=True)
+    with pytest.raises(ConfigError, match="output_final_state: local_window_attention keeps no state"):
+        local_window_attention(q, k, v, window=3, causal=False, output_final_state=True)
+    with pytest.raises(ConfigError, match="initial_state: local_window_attention keeps no state"):
+        local_window_attention(q, k, v, window=3, dilation=2, initial_state=state)
+    with pytest.raises(ShapeError, match=r"initial_state.k: expected \[B, H, n, K\] with dim 2 = 4"):
+        local_window_attention(q, k, v, window=4, initial_state=state)
+    with pytest.raises(ShapeError, match="initial_state: expected a WindowState"):
+        local_window_attention(q, k, v, window=3, initial_state=(state.k, state.v))
 
 
 def test_float32_and_scale():
@@ -140,9 +165,9 @@ def test_bad_inputs_name_the_argument():
         local_window_attention(q, k, v, window=2, attention_mask=torch.ones(2, 6))
     with pytest.raises(ShapeError, match="Tq = T"):
         local_window_attention(q[:, :3], k, v, window=2)
-    with pytest.raises(ValueError, match="window: expected a positive integer"):
+    with pytest.raises(ConfigError, match="window: expected a positive integer"):
         local_window_attention(q, k, v, window=0)
-    with pytest.raises(ValueError, match="dilation: the dilated queue is a causal"):
+    with pytest.raises(ConfigError, match="dilation: the dilated queue is a causal"):
         local_window_attention(q, k, v, window=2, causal=False, dilation=2)
 
 

@@ -22,7 +22,7 @@ from memattn.layers.abc.common import PAD_LOGIT, ABCLayer, ABCMemoryState, check
 from memattn.layers.base import LayerSpec, register
 from memattn.ops.abc import bounded_memory_attention
 from memattn.ops.abc.cluster import nearest_centre, sequence_kmeans, update_centres
-from memattn.ops.abc.common import compute_dtype
+from memattn.ops.contract import compute_dtype
 
 
 @dataclass

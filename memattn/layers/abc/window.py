@@ -17,7 +17,8 @@ from memattn.errors import ConfigError
 from memattn.layers.abc.common import ABCLayer, check_positive
 from memattn.layers.base import AttentionState, LayerSpec, register
 from memattn.ops.softmax import softmax_attention
-from memattn.ops.window import counted_softmax, in_strided_queue, in_window, local_window_attention
+from memattn.ops.window import (WindowState, counted_softmax, in_strided_queue, in_window,
+                                local_window_attention)
 
 
 @dataclass
@@ -172,20 +173,19 @@ class ABCWindowAttention(ABCLayer):
             memory_state.seen += 1
             return self.finish(o), memory_state
         if offset == 0 and T > n:  # from an empty state: in blocks
-            o = local_window_attention(q, k, v, window=n, causal=self.spec.causal,
-                                       dilation=self.options.dilation if self.dilated else 0,
-                                       attention_mask=attention_mask)
+            o, _ = local_window_attention(q, k, v, window=n, causal=self.spec.causal,
+                                          dilation=self.options.dilation if self.dilated else 0,
+                                          attention_mask=attention_mask)
         elif not self.dilated and memory_state is not None and T > n:
-            # a long continuation: the held queue, in position order, then the new tokens, in
-            # blocks as from an empty state (its slots hold positions offset - n .. offset - 1)
+            # a long continuation: the held queue, in position order, as the op's state (its
+            # slots hold positions offset - n .. offset - 1), then the new tokens in blocks
             queue = memory_state.queues[0]
             order = torch.argsort(queue.pos)  # empty slots (-1) first
-            held = queue.real[:, order] & (queue.pos[order] >= 0)[None]
-            o = local_window_attention(torch.cat([torch.zeros_like(q[:, :len(order)]), q], 1),
-                                       torch.cat([queue.k[:, order].to(k.dtype), k], 1),
-                                       torch.cat([queue.v[:, order].to(v.dtype), v], 1),
-                                       window=n, causal=True,
-                                       attention_mask=torch.cat([held, real], 1))[:, len(order):]
+            held = queue.real[:, order] & (queue.pos[order] >= 0)[None]  # [B, n]
+            state = WindowState(queue.k[:, order].transpose(1, 2), queue.v[:, order].transpose(1, 2),
+                                held[:, None].expand(-1, self.spec.n_heads, -1))
+            o, _ = local_window_attention(q, k, v, window=n, causal=True, attention_mask=attention_mask,
+                                          initial_state=state)
         else:  # the new tokens can sit in both queues; a buffered key only in its own queue
             count = self._local(qpos, qpos).long()
             if self.dilated:

@@ -19,7 +19,9 @@ Three forms give one answer (tests hold them to it):
 
 `abc_attention` / `bounded_memory_attention` pick one with `mode`: "auto" (the default) takes
 the recurrent step for a single causal token that continues a state, the chunked form for
-other causal inputs and the closed form when not causal.
+other causal inputs and the closed form when not causal. `backend` (memattn.ops.contract)
+picks the code: abc_attention has Triton kernels (memattn.kernels.abc_chunk, abc_decode),
+bounded_memory_attention the torch forms only.
 
 Layout [B, T, H, D]; states [B, H, M, D]. fp16 / bf16 inputs are computed in float32 and o
 comes back in q's dtype; states are float32 (float64 for float64 inputs).
@@ -29,10 +31,11 @@ from __future__ import annotations
 
 import torch
 
-from memattn.kernels import BACKENDS, use_kernels
+from memattn.errors import ConfigError
+from memattn.kernels import use_kernels
 from memattn.ops.abc.chunked import abc_chunked, bounded_memory_chunked
-from memattn.ops.abc.common import (ABCState, BoundedMemoryState, check_inputs, check_state_type,
-                                    finite_or_off_cpu, outside_autocast)
+from memattn.ops.abc.common import ABCState, BoundedMemoryState, check_inputs
+from memattn.ops.contract import check_backend, check_state_type, finite_or_off_cpu, outside_autocast
 from memattn.ops.abc.recurrent import (
     abc_attention_step,
     abc_recurrent,
@@ -46,10 +49,10 @@ MODES = ("auto", "chunked", "recurrent", "reference")
 
 def _pick(mode: str, causal: bool, T: int, initial_state) -> str:
     if mode not in MODES:
-        raise ValueError(f"mode: expected one of {', '.join(MODES)}, got {mode!r}")
+        raise ConfigError(f"mode: expected one of {', '.join(MODES)}, got {mode!r}")
     if mode == "recurrent" and not causal:
-        raise ValueError("mode: 'recurrent' is a causal form; use 'auto' or 'chunked' "
-                         "with causal=False")
+        raise ConfigError("mode: 'recurrent' is a causal form; use 'auto' or 'chunked' "
+                          "with causal=False")
     if mode == "auto":
         return "step" if causal and T == 1 and initial_state is not None else "chunked"
     return mode
@@ -85,22 +88,21 @@ def abc_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, s: torch.Te
     also on CPU tensors under Triton's interpreter (TRITON_INTERPRET=1). A single token
     continuing a state takes the decoding step, with the same choice of backend.
     """
-    if backend not in BACKENDS:
-        raise ValueError(f"backend: expected one of {', '.join(BACKENDS)}, got {backend!r}")
+    check_backend("abc_attention", backend)
     T = k.shape[1] if isinstance(k, torch.Tensor) and k.dim() == 4 else 0
     if cu_seqlens is not None:
         if not causal:
-            raise ValueError("cu_seqlens: packed sequences are supported with causal=True "
-                             "only; run each sequence on its own for causal=False")
+            raise ConfigError("cu_seqlens: packed sequences are supported with causal=True "
+                              "only; run each sequence on its own for causal=False")
         if mode not in ("auto", "chunked"):
-            raise ValueError(f"cu_seqlens: packed sequences take the chunked form, "
-                             f"mode 'auto' or 'chunked', got mode={mode!r}")
+            raise ConfigError(f"cu_seqlens: packed sequences take the chunked form, "
+                              f"mode 'auto' or 'chunked', got mode={mode!r}")
     check_state_type(initial_state, ABCState)
     form = "chunked" if cu_seqlens is not None else _pick(mode, causal, T, initial_state)
     if backend == "triton" and (form not in ("chunked", "step") or not causal):
-        raise ValueError(f"backend: 'triton' runs the causal chunked form, got "
-                         f"{'causal=False' if not causal else f'mode={mode!r}'}; "
-                         f"use backend='torch'")
+        raise ConfigError(f"backend: 'triton' runs the causal chunked form, got "
+                          f"{'causal=False' if not causal else f'mode={mode!r}'}; "
+                          f"use backend='torch'")
     if form == "step":
         check_inputs(q, k, v, s, "s", causal, initial_state, ABCState)
         o, state = abc_attention_step(q[:, 0], k[:, 0], v[:, 0], s[:, 0], initial_state,
@@ -127,7 +129,8 @@ def bounded_memory_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                              phi: torch.Tensor, *, causal: bool = True,
                              scale: float | None = None,
                              initial_state: BoundedMemoryState | None = None,
-                             output_final_state: bool = False, mode: str = "auto"
+                             output_final_state: bool = False, mode: str = "auto",
+                             backend: str = "auto"
                              ) -> tuple[torch.Tensor, BoundedMemoryState | None]:
     """General ABC attention with given write weights.
 
@@ -139,7 +142,10 @@ def bounded_memory_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     initial_state: a BoundedMemoryState (k [B, H, M, K], v [B, H, M, V]), the memories
     K̃, Ṽ after the tokens seen. Returns (o [B, Tq, H, V] in q's dtype, the state after the
     last token if output_final_state else None). mode as in `abc_attention`.
+    backend: "auto" or "torch", both the torch forms (no Triton kernel runs the whole op;
+    "triton" is a ConfigError).
     """
+    check_backend("bounded_memory_attention", backend)
     T = k.shape[1] if isinstance(k, torch.Tensor) and k.dim() == 4 else 0
     check_state_type(initial_state, BoundedMemoryState)
     form = _pick(mode, causal, T, initial_state)

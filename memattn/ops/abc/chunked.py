@@ -34,13 +34,9 @@ import math
 import torch
 import torch.nn.functional as F
 
-from memattn.ops.abc.common import (
-    ABCState,
-    BoundedMemoryState,
-    check_inputs,
-    compute_dtype,
-    default_scale,
-)
+from memattn.errors import ConfigError
+from memattn.ops.abc.common import ABCState, BoundedMemoryState, check_inputs
+from memattn.ops.contract import compute_dtype, default_scale
 
 # Logit of the padding tokens after the end: exp(pad - log_z) = 0, logaddexp(log_z, pad) = log_z.
 _PAD_LOGIT = -1e30
@@ -57,7 +53,7 @@ _HALVE_DOWN_TO = 16
 
 def _check_chunk_size(chunk_size: int) -> None:
     if not isinstance(chunk_size, int) or chunk_size < 1 or chunk_size & (chunk_size - 1):
-        raise ValueError(f"chunk_size: expected a power of two, got {chunk_size!r}")
+        raise ConfigError(f"chunk_size: expected a power of two, got {chunk_size!r}")
 
 
 def _chunk_len(T: int, chunk_size: int) -> int:

@@ -1,13 +1,14 @@
-"""What the three ABC forms share: the decoding states, input checks and dtype rules."""
+"""What the three ABC forms share: the decoding states and the checks of their inputs
+(the rules every op shares are in memattn.ops.contract)."""
 
 from __future__ import annotations
 
-import functools
 from typing import NamedTuple
 
 import torch
 
-from memattn.errors import ShapeError, check_devices, check_tensor
+from memattn.errors import ShapeError, check_devices, check_float, check_tensor
+from memattn.ops.contract import check_qkv, check_state_type
 
 
 class ABCState(NamedTuple):
@@ -55,29 +56,6 @@ class BoundedMemoryState(NamedTuple):
                    torch.zeros(batch, heads, slots, v_dim, device=device, dtype=dtype))
 
 
-def outside_autocast(op):
-    """The op with autocast off while it runs: it casts its inputs to its compute dtype
-    itself (`compute_dtype`), which autocast would undo in its matmuls, and mix dtypes where
-    its parts meet."""
-
-    @functools.wraps(op)
-    def run(*args, **kwargs):
-        with torch.autocast("cpu", enabled=False), torch.autocast("cuda", enabled=False):
-            return op(*args, **kwargs)
-
-    return run
-
-
-def compute_dtype(*tensors: torch.Tensor | None) -> torch.dtype:
-    """float64 if any input is float64, else float32 (fp16 / bf16 accumulate in fp32)."""
-    return torch.float64 if any(t is not None and t.dtype == torch.float64 for t in tensors) \
-        else torch.float32
-
-
-def default_scale(scale: float | None, k_dim: int) -> float:
-    return k_dim ** -0.5 if scale is None else float(scale)
-
-
 def check_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, w: torch.Tensor, w_name: str,
                  causal: bool, initial_state, state_type: type,
                  nonnegative: bool = False) -> tuple[int, int, int, int, int, int, int]:
@@ -85,19 +63,11 @@ def check_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, w: torch.Ten
 
     Returns (B, Tq, T, H, K, V, M). Raises ShapeError naming the argument at fault.
     """
-    check_tensor("q", q, "[B, Tq, H, K]", None, None, None, None)
-    B, Tq, H, K = q.shape
-    check_tensor("k", k, "[B, T, H, K]", B, None, H, K)
-    T = k.shape[1]
-    check_tensor("v", v, "[B, T, H, V]", B, T, H, None)
-    V = v.shape[3]
+    B, Tq, T, H, K, V = check_qkv(q, k, v)
     check_tensor(w_name, w, "[B, T, H, M]", B, T, H, None)
+    check_float(w_name, w)
     M = w.shape[3]
-    for name, t in (("q", q), ("k", k), ("v", v), (w_name, w)):
-        if not t.is_floating_point():
-            raise ShapeError(f"{name}: expected a floating-point tensor, got dtype {t.dtype}")
-    check_devices(q, k=k, v=v, **{w_name: w},
-                  **{f"initial_state.{i}": t for i, t in enumerate(initial_state or ())})
+    check_devices(q, **{w_name: w}, **{f"initial_state.{i}": t for i, t in enumerate(initial_state or ())})
     if M == 0:
         raise ShapeError(f"{w_name}: expected at least one memory slot (M >= 1) in [B, T, H, M], "
                          f"got shape {tuple(w.shape)}")
@@ -140,23 +110,10 @@ def check_inplace_state(state: tuple | None, state_type: type, dtype: torch.dtyp
     already in the dtype the step computes in (float32; float64 for float64 inputs)."""
     for field, t in zip(state_type._fields, state or ()):
         if t.dtype != dtype or not t.is_contiguous():
-            raise ValueError(f"state.{field}: inplace=True updates the state tensors in place "
+            raise ShapeError(f"state.{field}: inplace=True updates the state tensors in place "
                              f"and needs them contiguous {dtype}, got "
                              f"{'a non-contiguous ' if not t.is_contiguous() else ''}{t.dtype} "
                              f"tensor; pass inplace=False")
-
-
-def finite_or_off_cpu(*tensors) -> bool:
-    """False when a CPU tensor among `tensors` (None and tuples allowed) holds a NaN or an
-    infinity. The chunked forms mix every step of a chunk in one product, so a non-finite
-    input there would spoil the outputs before it; the ops then take the step-by-step form,
-    whose outputs before it are exact. Checked through one sum per tensor (NaN and infinity
-    reach it; about 1 % of the op on the CPU; a sum that overflows only costs the faster form).
-    Not checked on a GPU, where it would synchronise."""
-    flat = [t for x in tensors for t in (x if isinstance(x, tuple) else (x,)) if t is not None]
-    return all(t.device.type != "cpu" or not t.is_floating_point()
-               or bool(torch.isfinite(t.sum(dtype=torch.float32 if t.element_size() < 4 else None)))
-               for t in flat)
 
 
 def check_nonnegative(w: torch.Tensor, name: str, wanted: bool) -> None:
@@ -165,15 +122,6 @@ def check_nonnegative(w: torch.Tensor, name: str, wanted: bool) -> None:
     to the caller there (memattn's layers make φ non-negative by construction)."""
     if wanted and w.device.type == "cpu" and bool((w < 0).any()):
         raise ShapeError(f"{name}: expected non-negative write weights, got a minimum of {w.min().item():g}")
-
-
-def check_state_type(state, state_type: type, name: str = "initial_state") -> None:
-    """ShapeError unless `state` is None or a `state_type` tuple of its fields' length."""
-    fields = state_type._fields
-    if state is not None and (not isinstance(state, tuple) or len(state) != len(fields)):
-        raise ShapeError(f"{name}: expected a {state_type.__name__} "
-                         f"({', '.join(fields)}), got {type(state).__name__}"
-                         + (f" of length {len(state)}" if isinstance(state, tuple) else ""))
 
 
 def check_state(state, state_type: type, B: int, H: int, M: int, K: int, V: int, *,

@@ -20,9 +20,8 @@ from memattn.ops.abc.common import (
     check_inplace_state,
     check_inputs,
     check_step_inputs,
-    compute_dtype,
-    default_scale,
 )
+from memattn.ops.contract import compute_dtype, default_scale
 
 
 def _read(q: torch.Tensor, mem_k: torch.Tensor, mem_v: torch.Tensor, scale: float) -> torch.Tensor:

@@ -19,13 +19,8 @@ from __future__ import annotations
 
 import torch
 
-from memattn.ops.abc.common import (
-    ABCState,
-    BoundedMemoryState,
-    check_inputs,
-    compute_dtype,
-    default_scale,
-)
+from memattn.ops.abc.common import ABCState, BoundedMemoryState, check_inputs
+from memattn.ops.contract import compute_dtype, default_scale
 
 
 def _read(q_t: torch.Tensor, mem_k: torch.Tensor, mem_v: torch.Tensor,

@@ -19,27 +19,29 @@ from __future__ import annotations
 import torch
 
 from memattn.errors import ShapeError
+from memattn.ops.contract import accumulation_dtype, check_backend, check_no_state, default_scale
 from memattn.ops.gmat.causal import gmat_causal
-from memattn.ops.gmat.common import (CAUSAL_PATTERNS, PATTERNS, accumulation_dtype, check_pattern,
-                                     check_qkv, lsh_buckets, resolve_scale)
+from memattn.ops.gmat.common import CAUSAL_PATTERNS, PATTERNS, check_pattern, check_qkv, lsh_buckets
 from memattn.ops.gmat.reference import (bidirectional_mask, causal_mask,
                                         gmat_attention_reference)
 from memattn.ops.gmat.sparse import gmat_bidirectional
 
 
 def gmat_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, num_memory: int,
-                   pattern: str = "chunked", chunk_size: int = 64, window: int = 64,
-                   lsh_rotations: torch.Tensor | None = None, causal: bool = False,
+                   causal: bool, pattern: str = "chunked", chunk_size: int = 64, window: int = 64,
+                   lsh_rotations: torch.Tensor | None = None,
                    scale: float | None = None, attention_mask: torch.Tensor | None = None,
                    memory_k: torch.Tensor | None = None,
                    memory_v: torch.Tensor | None = None, initial_state: None = None,
-                   output_final_state: bool = False) -> tuple[torch.Tensor, None]:
+                   output_final_state: bool = False, backend: str = "auto"
+                   ) -> tuple[torch.Tensor, None]:
     """Attention of M global memory tokens and a sparsely attending sequence: (o, None).
 
-    The op signature of memattn, with two deliberate differences: causal defaults to False
-    (GMAT's setting is the encoder), and the op keeps no state — a causal decoder passes the
-    rows of the last blocks as k and v (the `gmat` layer's GmatCache does), so initial_state
-    must be None and output_final_state False.
+    The op signature of memattn, with two deliberate differences: `causal` is a required
+    keyword (GMAT's own setting is the encoder, every other op's default is causal, so no
+    default would read right for both), and the op keeps no state — a causal decoder passes
+    the rows of the last blocks as k and v (the `gmat` layer's GmatCache does), so
+    initial_state or output_final_state is a ConfigError.
 
     Bidirectional (causal=False): q, k [B, M+L, H, K], v [B, M+L, H, V], the M memory
     rows first. Memory rows attend to all M + L keys; main rows to all memory keys and to
@@ -59,15 +61,16 @@ def gmat_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, num_mem
     memory projections; default k / v. A row with no visible key returns 0.
     Returns o [B, Tq, H, V] in the dtype of q (fp16 / bf16 compute in fp32).
     Memory and work: O(M·(M+L) + L·(M+C)) scores (C, 2C or 3·window local keys a row).
+    backend: "auto" or "torch", both the torch forms ("triton" is a ConfigError).
     """
-    if initial_state is not None or output_final_state:
-        raise ShapeError("initial_state / output_final_state: gmat_attention keeps no state; pass the "
-                         "rows of the last blocks as k and v (see the gmat layer's GmatCache)")
+    check_backend("gmat_attention", backend)
+    check_no_state("gmat_attention", initial_state, output_final_state,
+                   "pass the rows of the last blocks as k and v, as the gmat layer's GmatCache does")
     B, Tq, T, H, K, V = check_qkv(q, k, v, memory_k, memory_v, attention_mask)
     check_pattern(pattern, causal=causal, num_memory=num_memory, chunk_size=chunk_size,
                   window=window, lsh_rotations=lsh_rotations, head_dim=K, heads=H)
     dt = accumulation_dtype(q.dtype)
-    scale = resolve_scale(scale, K)
+    scale = default_scale(scale, K)
     if causal:
         if Tq > T:
             raise ShapeError(f"q: causal attention needs Tq <= T, got Tq={Tq}, T={T}")

@@ -16,42 +16,34 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from memattn import errors
-from memattn.errors import ShapeError, check_tensor
+from memattn.errors import ConfigError, ShapeError, check_tensor
+from memattn.ops import contract
 
 PATTERNS = ("chunked", "window", "lsh", "full")
 CAUSAL_PATTERNS = ("chunked", "window")
 
 
-def accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
-    """float64 stays float64; fp32, fp16 and bf16 compute their softmax in fp32."""
-    return torch.float64 if dtype == torch.float64 else torch.float32
-
-
-def resolve_scale(scale: float | None, head_dim: int) -> float:
-    return head_dim ** -0.5 if scale is None else float(scale)
-
-
 def _positive_int(name: str, value, *, zero_ok: bool = False) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value < 0 or (value == 0 and not zero_ok):
         want = "a non-negative int" if zero_ok else "a positive int"
-        raise ShapeError(f"{name}: expected {want}, got {value!r}")
+        raise ConfigError(f"{name}: expected {want}, got {value!r}")
 
 
 def check_pattern(pattern: str, *, causal: bool, num_memory: int, chunk_size: int, window: int,
                   lsh_rotations: torch.Tensor | None, head_dim: int | None, heads: int | None) -> None:
-    """Raise ShapeError naming the argument unless the pattern and its sizes can be used."""
+    """Raise ConfigError (an option) or ShapeError (lsh_rotations) naming the argument unless
+    the pattern and its sizes can be used."""
     _positive_int("num_memory", num_memory, zero_ok=True)
     if pattern not in PATTERNS:
-        raise ShapeError(f"pattern: expected one of {', '.join(PATTERNS)}, got {pattern!r}")
+        raise ConfigError(f"pattern: expected one of {', '.join(PATTERNS)}, got {pattern!r}")
     if causal and pattern not in CAUSAL_PATTERNS:
         why = ("hash buckets mix past and future tokens and decoding would need every past key"
                if pattern == "lsh" else "dense attention to the past is softmax attention: use attention=softmax")
-        raise ShapeError(f"pattern: causal GMAT supports {', '.join(CAUSAL_PATTERNS)}, got {pattern!r} ({why})")
+        raise ConfigError(f"pattern: causal GMAT supports {', '.join(CAUSAL_PATTERNS)}, got {pattern!r} ({why})")
     _positive_int("chunk_size", chunk_size)
     _positive_int("window", window)
     if causal and pattern == "window" and window > chunk_size:
-        raise ShapeError(f"window: a causal window must fit in one chunk (window <= chunk_size = "
+        raise ConfigError(f"window: a causal window must fit in one chunk (window <= chunk_size = "
                          f"{chunk_size}, the memory period), got window={window}")
     if pattern == "lsh":
         if lsh_rotations is None:
@@ -64,16 +56,13 @@ def check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, memory_k: torch
               ) -> tuple[int, int, int, int, int, int]:
     """Shapes of one call: q [B, Tq, H, K], k [B, T, H, K], v [B, T, H, V], memory_k / memory_v
     like k / v, attention_mask bool [B, T]. Returns (B, Tq, T, H, K, V)."""
-    B, Tq, T, H, K, V = errors.check_qkv(q, k, v)
+    B, Tq, T, H, K, V = contract.check_qkv(q, k, v)
     if (memory_k is None) != (memory_v is None):
         raise ShapeError("memory_k, memory_v: give both (untied memory projections) or neither")
     if memory_k is not None:
         check_tensor("memory_k", memory_k, "[B, T, H, K]", B, T, H, K)
         check_tensor("memory_v", memory_v, "[B, T, H, V]", B, T, H, V)
-    if attention_mask is not None:
-        check_tensor("attention_mask", attention_mask, "[B, T]", B, T)
-        if attention_mask.dtype != torch.bool:
-            raise ShapeError(f"attention_mask: expected dtype torch.bool, got {attention_mask.dtype}")
+    contract.check_mask(attention_mask, B, T)
     return B, Tq, T, H, K, V
 
 

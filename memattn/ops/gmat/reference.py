@@ -28,8 +28,9 @@ from __future__ import annotations
 
 import torch
 
-from memattn.ops.gmat.common import (accumulation_dtype, check_pattern, check_qkv, lsh_buckets,
-                                     resolve_scale)
+from memattn.errors import ShapeError
+from memattn.ops.contract import accumulation_dtype, default_scale
+from memattn.ops.gmat.common import check_pattern, check_qkv, lsh_buckets
 
 
 def masked_softmax(scores: torch.Tensor, visible: torch.Tensor) -> torch.Tensor:
@@ -100,9 +101,9 @@ def causal_mask(num_memory: int, chunk_size: int, length: int, pattern: str, *,
 
 
 def gmat_attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
-                             num_memory: int, pattern: str = "chunked", chunk_size: int = 64,
-                             window: int = 64, lsh_rotations: torch.Tensor | None = None,
-                             causal: bool = False, scale: float | None = None,
+                             num_memory: int, causal: bool, pattern: str = "chunked",
+                             chunk_size: int = 64, window: int = 64,
+                             lsh_rotations: torch.Tensor | None = None, scale: float | None = None,
                              attention_mask: torch.Tensor | None = None,
                              memory_k: torch.Tensor | None = None,
                              memory_v: torch.Tensor | None = None) -> torch.Tensor:
@@ -121,7 +122,7 @@ def gmat_attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
         is_memory_row = torch.arange(T - Tq, T) % S < M
     else:
         if Tq != T or T < M:
-            raise ValueError(f"q: the bidirectional layout needs Tq = T >= num_memory, got Tq={Tq}, "
+            raise ShapeError(f"q: the bidirectional layout needs Tq = T >= num_memory, got Tq={Tq}, "
                              f"T={T}, num_memory={M}")
         buckets = lsh_buckets(k[:, M:], lsh_rotations) if pattern == "lsh" else None
         mask = bidirectional_mask(M, T - M, pattern, chunk_size=chunk_size, window=window,
@@ -131,7 +132,7 @@ def gmat_attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
     if attention_mask is not None:
         mask = mask & attention_mask[:, None, None, :]  # [B, H, Tq, T]
     dt = accumulation_dtype(q.dtype)
-    scale = resolve_scale(scale, K)
+    scale = default_scale(scale, K)
     qh, kh, vh = (t.transpose(1, 2).to(dt) for t in (q, k, v))  # [B, H, *, D]
     o = masked_softmax(scale * qh @ kh.mT, mask) @ vh  # [B, H, Tq, V]
     if memory_k is not None:

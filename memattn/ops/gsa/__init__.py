@@ -27,13 +27,8 @@ Three forms give one answer (tests hold them to it):
 for a single causal token that continues a state, the chunked form for other causal inputs
 and the closed form when not causal.
 
-Backends (the `backend` argument):
-
-    backend   runs                                   devices
-    auto      the torch forms above                  any
-    torch     the torch forms above                  any
-    triton    no kernel exists yet for this op:      -
-              a ConfigError says so
+Backends (the `backend` argument, memattn.ops.contract): "auto" and "torch" both run the
+torch forms above; no Triton kernel exists for this op yet, and "triton" is a ConfigError.
 
 Layout [B, T, H, D]; states [B, H, M, D]. fp16 / bf16 inputs are computed in float32 and o
 comes back in q's dtype; states are float32 (float64 for float64 inputs).
@@ -52,14 +47,13 @@ from __future__ import annotations
 import torch
 
 from memattn.errors import ConfigError
-from memattn.ops.abc.common import check_state_type, finite_or_off_cpu, outside_autocast
+from memattn.ops.contract import check_backend, check_state_type, finite_or_off_cpu, outside_autocast
 from memattn.ops.gsa.chunked import DEFAULT_CHUNK_SIZE, gsa_chunked, gsa_memory
 from memattn.ops.gsa.common import GSAState, check_gsa_inputs
 from memattn.ops.gsa.recurrent import gated_slot_attention_step, gsa_recurrent
 from memattn.ops.gsa.reference import gsa_reference
 
 MODES = ("auto", "chunked", "recurrent", "reference")
-BACKENDS = ("auto", "torch")
 
 
 @outside_autocast
@@ -83,11 +77,7 @@ def gated_slot_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: t
     backend: "auto" or "torch", both the torch forms; there is no Triton kernel for this op
     yet, and "triton" is a ConfigError.
     """
-    if backend not in BACKENDS:
-        if backend == "triton":
-            raise ConfigError("backend: no Triton kernel exists yet for gated_slot_attention; "
-                              "use backend='auto' or 'torch'")
-        raise ConfigError(f"backend: expected one of {', '.join(BACKENDS)}, got {backend!r}")
+    check_backend("gated_slot_attention", backend)
     if mode not in MODES:
         raise ConfigError(f"mode: expected one of {', '.join(MODES)}, got {mode!r}")
     if mode == "recurrent" and not causal:
@@ -112,7 +102,6 @@ def gated_slot_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: t
 
 
 __all__ = [
-    "BACKENDS",
     "DEFAULT_CHUNK_SIZE",
     "MODES",
     "GSAState",

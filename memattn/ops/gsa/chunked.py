@@ -35,7 +35,7 @@ import torch.nn.functional as F
 
 from memattn.errors import ConfigError
 from memattn.ops.abc.chunked import read_memory
-from memattn.ops.abc.common import compute_dtype, default_scale
+from memattn.ops.contract import compute_dtype, default_scale
 from memattn.ops.gsa.common import G_FLOOR, GSAState, check_gsa_inputs
 
 DEFAULT_CHUNK_SIZE = 32

@@ -13,8 +13,8 @@ from __future__ import annotations
 
 import torch
 
-from memattn.ops.abc.common import (check_inplace_state, check_step_inputs, compute_dtype,
-                                    default_scale)
+from memattn.ops.abc.common import check_inplace_state, check_step_inputs
+from memattn.ops.contract import compute_dtype, default_scale
 from memattn.ops.gsa.common import GSAState, check_gates, check_gsa_inputs
 
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 
 from memattn.ops.abc.chunked import read_memory
-from memattn.ops.abc.common import compute_dtype, default_scale
+from memattn.ops.contract import compute_dtype, default_scale
 from memattn.ops.gsa.common import GSAState, check_gsa_inputs
 
 

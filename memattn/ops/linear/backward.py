@@ -38,7 +38,9 @@ from torch.autograd.function import once_differentiable
 
 from memattn.ops.linear.chunked import (DEFAULT_CHUNK_SIZE, check_chunk_size,
                                         chunked_forward_heads, final_state_heads)
-from memattn.ops.linear.common import (accumulation_dtype, check_alpha_values, check_inputs,
+from memattn.errors import ConfigError
+from memattn.ops.contract import accumulation_dtype
+from memattn.ops.linear.common import (LinearAttentionState, check_alpha_values, check_inputs,
                                        chunk_decays, from_chunks, heads_first, log_alpha,
                                        no_decays, resolve_scale, shift_down, suffix_decays, to_chunks)
 
@@ -114,7 +116,7 @@ def causal_backward_heads(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 S = (S - increments[:, :, c]) / dec.total[:, :, c, None, None]
                 starts[c] = S
         else:
-            raise ValueError(f"mode: expected prefix, invert or checkpoint, got {mode!r}")
+            raise ConfigError(f"mode: expected prefix, invert or checkpoint, got {mode!r}")
         starts = torch.stack(starts, dim=2)  # [B, H, N, K, V]
 
     qk = qc @ kc.mT  # [B, H, N, C, C]  q_t·k_i
@@ -260,20 +262,23 @@ class LinearAttentionFunction(torch.autograd.Function):
 def linear_attention_autograd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
                               causal: bool = True, alpha: torch.Tensor | None = None,
                               beta: torch.Tensor | None = None, scale: float | None = None,
-                              initial_state: torch.Tensor | None = None,
+                              initial_state: LinearAttentionState | None = None,
                               chunk_size: int = DEFAULT_CHUNK_SIZE, state_mode: str = "auto"
-                              ) -> tuple[torch.Tensor, torch.Tensor]:
+                              ) -> tuple[torch.Tensor, LinearAttentionState]:
     """Chunked forward with the memory-light backward above: the training path.
 
     q [B, Tq, H, K], k [B, T, H, K], v [B, T, H, V], alpha / beta [B, T, H] (alpha >= 0),
-    initial_state [B, H, K, V] -> (o [B, Tq, H, V] in the dtype of q, S_T [B, H, K, V] in
-    fp32 / fp64). state_mode: "auto", "invert" or "checkpoint" (causal α forms only).
+    initial_state a LinearAttentionState -> (o [B, Tq, H, V] in the dtype of q, the
+    LinearAttentionState after the last token, kv in fp32 / fp64). state_mode: "auto",
+    "invert" or "checkpoint" (causal α forms only).
     """
     check_inputs(q, k, v, causal=causal, alpha=alpha, beta=beta, initial_state=initial_state)
     check_alpha_values(alpha)
     check_chunk_size(chunk_size)
     if state_mode not in STATE_MODES:
-        raise ValueError(f"state_mode: expected one of {', '.join(STATE_MODES)}, "
-                         f"got {state_mode!r}")
-    return LinearAttentionFunction.apply(q, k, v, alpha, beta, initial_state,
+        raise ConfigError(f"state_mode: expected one of {', '.join(STATE_MODES)}, "
+                          f"got {state_mode!r}")
+    o, S = LinearAttentionFunction.apply(q, k, v, alpha, beta,
+                                         None if initial_state is None else initial_state.kv,
                                          resolve_scale(scale), causal, chunk_size, state_mode)
+    return o, LinearAttentionState(S)

@@ -14,7 +14,9 @@ from __future__ import annotations
 
 import torch
 
-from memattn.ops.linear.common import (accumulation_dtype, check_alpha_values, check_inputs,
+from memattn.errors import ConfigError
+from memattn.ops.contract import accumulation_dtype
+from memattn.ops.linear.common import (LinearAttentionState, check_alpha_values, check_inputs,
                                        chunk_decays, from_chunks, heads_first, log_alpha,
                                        no_decays, resolve_scale, suffix_decays, to_chunks)
 
@@ -23,7 +25,7 @@ DEFAULT_CHUNK_SIZE = 64
 
 def check_chunk_size(chunk_size: int) -> None:
     if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1:
-        raise ValueError(f"chunk_size: expected a positive int, got {chunk_size!r}")
+        raise ConfigError(f"chunk_size: expected a positive int, got {chunk_size!r}")
 
 
 def chunked_forward_heads(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -79,15 +81,15 @@ def final_state_heads(k: torch.Tensor, v: torch.Tensor, x: torch.Tensor | None,
 def linear_attention_chunked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
                              causal: bool = True, alpha: torch.Tensor | None = None,
                              beta: torch.Tensor | None = None, scale: float | None = None,
-                             initial_state: torch.Tensor | None = None,
+                             initial_state: LinearAttentionState | None = None,
                              output_final_state: bool = False,
                              chunk_size: int = DEFAULT_CHUNK_SIZE
-                             ) -> tuple[torch.Tensor, torch.Tensor | None]:
+                             ) -> tuple[torch.Tensor, LinearAttentionState | None]:
     """Chunked forward of `linear_attention` (plain autograd; the op's backward is backward.py).
 
     q [B, Tq, H, K], k [B, T, H, K], v [B, T, H, V], alpha / beta [B, T, H] (alpha >= 0),
-    initial_state [B, H, K, V] -> (o [B, Tq, H, V] in the dtype of q, state [B, H, K, V]
-    in fp32 / fp64, or None). Differentiating through this function stores per-chunk
+    initial_state a LinearAttentionState -> (o [B, Tq, H, V] in the dtype of q, the
+    LinearAttentionState after the last token in fp32 / fp64, or None). Differentiating through this function stores per-chunk
     intermediates and gives 0 for the gradient of a gate that is exactly 0 (log space);
     `linear_attention` has neither limit.
     """
@@ -97,11 +99,11 @@ def linear_attention_chunked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
     dt = accumulation_dtype(q.dtype)
     qh, kh, vh, b = (heads_first(t, dt) for t in (q, k, v, beta))
     x = None if alpha is None else log_alpha(heads_first(alpha, dt))  # [B, H, T]
-    S0 = None if initial_state is None else initial_state.to(dt)
+    S0 = None if initial_state is None else initial_state.kv.to(dt)
     scale = resolve_scale(scale)
     if causal:
         o, S, _ = chunked_forward_heads(qh, kh, vh, x, b, S0, scale, chunk_size)
     else:
         S = final_state_heads(kh, vh, x, b, S0)
         o = scale * (qh @ S)
-    return o.transpose(1, 2).contiguous().to(q.dtype), (S if output_final_state else None)
+    return o.transpose(1, 2).contiguous().to(q.dtype), (LinearAttentionState(S) if output_final_state else None)

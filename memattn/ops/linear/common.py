@@ -1,4 +1,4 @@
-"""What the forms of linear attention share: input checks, dtypes and chunk decays.
+"""What the forms of linear attention share: the state, input checks and chunk decays.
 
 Decays are handled in log space: x_t = log α_t, with x_t = -inf where α_t = 0, so a
 product of gates Π α is exp of a sum of logs and a zero gate gives an exact 0 (never NaN:
@@ -12,26 +12,36 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
-from memattn.errors import ShapeError, check_float, check_qkv, check_tensor
+from memattn.errors import ShapeError, check_float, check_tensor
+from memattn.ops.contract import check_qkv, check_state_type
 
 
-def accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
-    """float64 stays float64; every other float type (fp16, bf16, fp32) accumulates in fp32."""
-    return torch.float64 if dtype == torch.float64 else torch.float32
+class LinearAttentionState(NamedTuple):
+    """Fixed-size state of `linear_attention` after the tokens seen so far (positions ≤ t).
+
+    kv [B, H, K, V]  S_t = C_tᵀ = α_t S_{t-1} + β_t k_t v_tᵀ, the transposed memory C_t
+
+    Held in float32 (float64 when the inputs are float64).
+    """
+
+    kv: torch.Tensor
 
 
 def resolve_scale(scale: float | None) -> float:
-    """The paper's read has no scale: None means 1."""
+    """The read's scale: None means 1, the paper's o = C q. Deliberately not the K^-0.5 of
+    the softmax reads (memattn.ops.contract.default_scale): a linear read has no softmax
+    whose temperature the scale would set, only a size the caller may choose."""
     return 1.0 if scale is None else float(scale)
 
 
 def check_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool,
                  alpha: torch.Tensor | None, beta: torch.Tensor | None,
-                 initial_state: torch.Tensor | None) -> tuple[int, int, int, int, int, int]:
+                 initial_state: LinearAttentionState | None) -> tuple[int, int, int, int, int, int]:
     """Raise ShapeError naming the argument unless the shapes fit; return (B, Tq, T, H, K, V).
 
     q [B, Tq, H, K], k [B, T, H, K], v [B, T, H, V], alpha / beta [B, T, H],
-    initial_state [B, H, K, V]. Causal reading needs Tq = T (one query per step).
+    initial_state a LinearAttentionState (kv [B, H, K, V]). Causal reading needs Tq = T (one
+    query per step).
     """
     B, Tq, T, H, K, V = check_qkv(q, k, v)
     if T == 0:
@@ -44,10 +54,19 @@ def check_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: b
         if t is not None:
             check_tensor(name, t, "[B, T, H]", B, T, H)
             check_float(name, t)
-    if initial_state is not None:
-        check_tensor("initial_state", initial_state, "[B, H, K, V]", B, H, K, V)
-        check_float("initial_state", initial_state)
+    check_state(initial_state, B, H, K, V)
     return B, Tq, T, H, K, V
+
+
+def check_state(state: LinearAttentionState | None, B: int, H: int, K: int, V: int | None, *,
+                name: str = "initial_state") -> None:
+    """ShapeError naming the argument unless state is None or a LinearAttentionState whose kv
+    is a floating-point [B, H, K, V] (V None: any)."""
+    if state is None:
+        return
+    check_state_type(state, LinearAttentionState, name)
+    check_tensor(f"{name}.kv", state.kv, "[B, H, K, V]", B, H, K, V)
+    check_float(f"{name}.kv", state.kv)
 
 
 def check_alpha_values(alpha: torch.Tensor | None) -> None:
@@ -55,7 +74,7 @@ def check_alpha_values(alpha: torch.Tensor | None) -> None:
     CPU; on a GPU the check would synchronise with the host at every call, so it is left to
     the caller there (gated-linear's gates are sigmoids, in (0, 1) by construction)."""
     if alpha is not None and alpha.device.type == "cpu" and bool((alpha < 0).any()):
-        raise ValueError(f"alpha: expected gates >= 0 (decays are products computed in log "
+        raise ShapeError(f"alpha: expected gates >= 0 (decays are products computed in log "
                          f"space), got a minimum of {alpha.min().item():.4g}")
 
 

@@ -9,21 +9,23 @@ from __future__ import annotations
 
 import torch
 
-from memattn.ops.linear.common import accumulation_dtype, check_inputs, resolve_scale
+from memattn.ops.contract import accumulation_dtype
+from memattn.ops.linear.common import LinearAttentionState, check_inputs, resolve_scale
 
 
 def linear_attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
                                causal: bool = True, alpha: torch.Tensor | None = None,
                                beta: torch.Tensor | None = None, scale: float | None = None,
-                               initial_state: torch.Tensor | None = None,
+                               initial_state: LinearAttentionState | None = None,
                                output_final_state: bool = False
-                               ) -> tuple[torch.Tensor, torch.Tensor | None]:
+                               ) -> tuple[torch.Tensor, LinearAttentionState | None]:
     """C_t = α_t C_{t-1} + β_t v_t k_tᵀ, o_t = scale · C_t q_t, one step at a time.
 
     q [B, Tq, H, K], k [B, T, H, K], v [B, T, H, V], alpha / beta [B, T, H] (default 1),
-    initial_state [B, H, K, V] -> o [B, Tq, H, V] (dtype of q), state [B, H, K, V] (fp32,
-    or fp64 for fp64 inputs; None unless output_final_state). Not causal: every query
-    reads the final memory C_T, and Tq may differ from T.
+    initial_state a LinearAttentionState (kv [B, H, K, V]) -> o [B, Tq, H, V] (dtype of q),
+    the LinearAttentionState after the last token (fp32, or fp64 for fp64 inputs; None
+    unless output_final_state). Not causal: every query reads the final memory C_T, and Tq
+    may differ from T.
     """
     B, _, T, H, K, V = check_inputs(q, k, v, causal=causal, alpha=alpha, beta=beta,
                                      initial_state=initial_state)
@@ -32,7 +34,7 @@ def linear_attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     q, k, v = q.to(dt), k.to(dt), v.to(dt)
     alpha = q.new_ones(B, T, H) if alpha is None else alpha.to(dt)
     beta = q.new_ones(B, T, H) if beta is None else beta.to(dt)
-    state = q.new_zeros(B, H, K, V) if initial_state is None else initial_state.to(dt)
+    state = q.new_zeros(B, H, K, V) if initial_state is None else initial_state.kv.to(dt)
 
     outputs = []
     for t in range(T):
@@ -44,4 +46,4 @@ def linear_attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
         o = torch.stack(outputs, dim=1)  # [B, T, H, V]
     else:
         o = scale * torch.einsum("bqhk,bhkv->bqhv", q, state)
-    return o.to(out_dtype), (state if output_final_state else None)
+    return o.to(out_dtype), (LinearAttentionState(state) if output_final_state else None)

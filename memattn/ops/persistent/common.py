@@ -7,14 +7,15 @@ and the distance of key c from query t is t - c.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch
 
-from memattn.errors import ShapeError, check_tensor
+from memattn.errors import ConfigError, ShapeError, check_devices, check_float, check_tensor
+from memattn.ops.contract import check_mask, check_qkv, check_state_type
+from memattn.ops.softmax import KVState
 
-MODES = ("joint", "split", "heads")
+VARIANTS = ("joint", "split", "heads")
 
 
 @dataclass(frozen=True)
@@ -39,7 +40,7 @@ class DistanceTerms:
 NO_DISTANCE_TERMS = DistanceTerms()
 
 
-def check_inputs(q, k, v, pk, pv, *, mode, pq, rel, span, ramp, window, attention_mask,
+def check_inputs(q, k, v, pk, pv, *, variant, pq, rel, span, ramp, window, attention_mask,
                  initial_state, causal):
     """Validate shapes and options; returns (k, v) with `initial_state` prepended.
 
@@ -47,41 +48,39 @@ def check_inputs(q, k, v, pk, pv, *, mode, pq, rel, span, ramp, window, attentio
     "split": Hc = Hp = H. "heads": the first Hc query heads read only the context, the last
     Hp only the persistent vectors, Hc + Hp = H.
     """
-    if mode not in MODES:
-        raise ShapeError(f"mode: expected one of {', '.join(MODES)}, got {mode!r}")
-    check_tensor("q", q, "[B, Tq, H, K]", None, None, None, None)
-    B, Tq, H, K = q.shape
-    check_tensor("k", k, "[B, Tk, Hc, K]", B, None, None, K)
-    Hc = k.shape[2]
-    check_tensor("v", v, "[B, Tk, Hc, V]", B, k.shape[1], Hc, None)
-    V = v.shape[-1]
+    if variant not in VARIANTS:
+        raise ConfigError(f"variant: expected one of {', '.join(VARIANTS)}, got {variant!r}")
+    B, Tq, _, Hc, K, V = check_qkv(q, k, v, length="Tk", heads="Hc")
+    H = q.shape[2]
     check_tensor("pk", pk, "[Hp, N, Kp]", None, None, None)
     Hp, N, Kp = pk.shape
     check_tensor("pv", pv, "[Hp, N, V]", Hp, N, V)
-    if mode == "heads":
+    for name, t in (("pk", pk), ("pv", pv)):
+        check_float(name, t)
+    check_devices(q, pk=pk, pv=pv, pq=pq, attention_mask=attention_mask)
+    if variant == "heads":
         if Hc + Hp != H:
-            raise ShapeError(f"pk: mode 'heads' splits the H={H} query heads into context heads "
+            raise ShapeError(f"pk: variant 'heads' splits the H={H} query heads into context heads "
                              f"(k has Hc={Hc}) and persistent heads (pk has Hp={Hp}); expected "
                              f"Hc + Hp = {H}, got {Hc + Hp}")
         if N == 0:
-            raise ShapeError("pk: mode 'heads' needs N >= 1 persistent vectors for its persistent heads, got N=0")
+            raise ShapeError("pk: variant 'heads' needs N >= 1 persistent vectors for its persistent heads, got N=0")
     else:
         if Hc != H:
-            raise ShapeError(f"k: expected [B, Tk, H, K] with H = {H} heads (mode {mode!r}), got shape {tuple(k.shape)}")
+            raise ShapeError(f"k: expected [B, Tk, H, K] with H = {H} heads (variant {variant!r}), got shape {tuple(k.shape)}")
         if Hp != H:
-            raise ShapeError(f"pk: expected [H, N, Kp] with H = {H} heads (mode {mode!r}), got shape {tuple(pk.shape)}")
+            raise ShapeError(f"pk: expected [H, N, Kp] with H = {H} heads (variant {variant!r}), got shape {tuple(pk.shape)}")
     if pq is not None:
         check_tensor("pq", pq, "[B, Tq, Hp, Kp]", B, Tq, Hp, Kp)
     elif Kp != K:
         raise ShapeError(f"pk: without pq the persistent keys share the queries' dim K={K}, got Kp={Kp}")
+    check_state_type(initial_state, KVState)
     if initial_state is not None:
-        if not (isinstance(initial_state, (tuple, list)) and len(initial_state) == 2):
-            raise ShapeError("initial_state: expected a pair (k0 [B, T0, Hc, K], v0 [B, T0, Hc, V]), "
-                             f"got {type(initial_state).__name__}")
         k0, v0 = initial_state
-        check_tensor("initial_state[0]", k0, "[B, T0, Hc, K]", B, None, Hc, K)
-        check_tensor("initial_state[1]", v0, "[B, T0, Hc, V]", B, k0.shape[1], Hc, V)
-        k, v = torch.cat([k0.to(k.dtype), k], 1), torch.cat([v0.to(v.dtype), v], 1)
+        check_devices(q, **{"initial_state.k": k0, "initial_state.v": v0})
+        check_tensor("initial_state.k", k0, "[B, Hc, T0, K]", B, Hc, None, K)
+        check_tensor("initial_state.v", v0, "[B, Hc, T0, V]", B, Hc, k0.shape[2], V)
+        k, v = (torch.cat([held.transpose(1, 2).to(x.dtype), x], 1) for held, x in ((k0, k), (v0, v)))
     Tk = k.shape[1]
     if causal and Tq > Tk:
         raise ShapeError(f"q: causal attention needs Tq <= Tk, got Tq={Tq}, Tk={Tk}")
@@ -94,18 +93,11 @@ def check_inputs(q, k, v, pk, pv, *, mode, pq, rel, span, ramp, window, attentio
     if span is not None:
         check_tensor("span", span, "[Hc]", Hc)
         if ramp is None or ramp <= 0:
-            raise ShapeError(f"ramp: the soft span mask needs a ramp > 0, got {ramp!r}")
+            raise ConfigError(f"ramp: the soft span mask needs a ramp > 0, got {ramp!r}")
     if window is not None and window < 1:
-        raise ShapeError(f"window: expected a number of tokens >= 1, got {window}")
-    if attention_mask is not None:
-        check_tensor("attention_mask", attention_mask, "[B, Tk]", B, Tk)
-        if attention_mask.dtype != torch.bool:
-            raise ShapeError(f"attention_mask: expected dtype torch.bool, got {attention_mask.dtype}")
+        raise ConfigError(f"window: expected a number of tokens >= 1, got {window}")
+    check_mask(attention_mask, B, Tk, "[B, Tk]")
     return k, v
-
-
-def resolve_scale(scale: float | None, dim: int) -> float:
-    return 1.0 / math.sqrt(dim) if scale is None else float(scale)
 
 
 def distances(Tq: int, Tk: int, device=None) -> torch.Tensor:

@@ -27,7 +27,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from memattn.ops.abc.common import outside_autocast
+from memattn.ops.contract import outside_autocast
 
 _aten = torch.ops.aten
 AVAILABLE = hasattr(_aten, "_scaled_dot_product_flash_attention_for_cpu_backward")

@@ -22,16 +22,18 @@ from __future__ import annotations
 import torch
 
 from memattn.errors import check_tensor
+from memattn.ops.contract import default_scale
 from memattn.ops.persistent.common import (NO_DISTANCE_TERMS, check_inputs, distances, rel_index,
-                                           resolve_scale, span_mask, visible)
+                                           span_mask, visible)
+from memattn.ops.softmax import KVState
 
 
-def persistent_attention_weights(q, k, pk, *, causal=True, scale=None, mode="joint", pq=None,
+def persistent_attention_weights(q, k, pk, *, causal=True, scale=None, variant="joint", pq=None,
                                  pscale=None, distance=None, attention_mask=None):
     """The attention weights of the reference, explicitly.
 
     q [B, Tq, H, K], k [B, Tk, Hc, K] (every context key, cached ones included), pk [Hp, N, Kp],
-    pq [B, Tq, Hp, Kp] (default: q, or its last Hp heads in mode "heads"), distance a
+    pq [B, Tq, Hp, Kp] (default: q, or its last Hp heads in variant "heads"), distance a
     `DistanceTerms`, attention_mask bool [B, Tk]. Returns (persistent weights
     [B, H, Tq, N], context weights [B, H, Tq, Tk]), fp32 (fp64 for fp64 inputs), zero where a
     head does not read that part.
@@ -40,16 +42,16 @@ def persistent_attention_weights(q, k, pk, *, causal=True, scale=None, mode="joi
     values = pk.new_zeros(pk.shape[0], pk.shape[1], k.shape[-1])  # stand-in: only keys matter here
     d = distance or NO_DISTANCE_TERMS
     rel, span, ramp, window = d.rel, d.span, d.ramp, d.window
-    check_inputs(q, k, k, pk, values, mode=mode, pq=pq, rel=rel, span=span, ramp=ramp, window=window,
+    check_inputs(q, k, k, pk, values, variant=variant, pq=pq, rel=rel, span=span, ramp=ramp, window=window,
                  attention_mask=attention_mask, initial_state=None, causal=causal)
     dt = torch.float64 if q.dtype == torch.float64 else torch.float32
     B, Tq, H, K = q.shape
     Tk, Hc = k.shape[1], k.shape[2]
     Hp, N, Kp = pk.shape
-    scale, pscale = resolve_scale(scale, K), resolve_scale(pscale, Kp)
+    scale, pscale = default_scale(scale, K), default_scale(pscale, Kp)
     q, k, pk = q.to(dt), k.to(dt), pk.to(dt)
     if pq is None:
-        pq = q[:, :, H - Hp:] if mode == "heads" else q
+        pq = q[:, :, H - Hp:] if variant == "heads" else q
     pq = pq.to(dt)
     w_p = q.new_zeros(B, H, Tq, N)
     w_c = q.new_zeros(B, H, Tq, Tk)
@@ -59,9 +61,9 @@ def persistent_attention_weights(q, k, pk, *, causal=True, scale=None, mode="joi
     u = rel.to(dt)[rel_index(dist, rel.shape[0], causal=causal)] if rel is not None else None  # [Tq, Tk, K]
 
     for h in range(H):
-        reads_context = mode != "heads" or h < Hc
-        reads_persistent = N > 0 and (mode != "heads" or h >= Hc)
-        hp = h - Hc if mode == "heads" else h
+        reads_context = variant != "heads" or h < Hc
+        reads_persistent = N > 0 and (variant != "heads" or h >= Hc)
+        hp = h - Hc if variant == "heads" else h
         for t in range(Tq):
             scores, exps = [], []
             if reads_context:
@@ -83,7 +85,7 @@ def persistent_attention_weights(q, k, pk, *, causal=True, scale=None, mode="joi
                 exps.append(e_c)
             if reads_persistent:
                 exps.append(torch.exp(scores[-1] - top))  # mask padded with 1: never masked
-            if mode == "split" or len(exps) == 1:
+            if variant == "split" or len(exps) == 1:
                 exps = [e / e.sum(1, keepdim=True) for e in exps]
             else:
                 total = sum(e.sum(1, keepdim=True) for e in exps)
@@ -95,25 +97,26 @@ def persistent_attention_weights(q, k, pk, *, causal=True, scale=None, mode="joi
     return w_p, w_c
 
 
-def persistent_attention_reference(q, k, v, pk, pv, *, causal=True, scale=None, mode="joint",
+def persistent_attention_reference(q, k, v, pk, pv, *, causal=True, scale=None, variant="joint",
                                    pq=None, pscale=None, distance=None, attention_mask=None,
                                    initial_state=None, output_final_state=False):
     """Persistent-memory attention from the explicit weights.
 
     q [B, Tq, H, K], k [B, Tk, Hc, K], v [B, Tk, Hc, V], pk [Hp, N, Kp], pv [Hp, N, V];
     the other arguments as in `persistent_attention`. Returns o [B, Tq, H, V] (q's dtype) and,
-    if output_final_state, the context (k, v) with initial_state prepended, else None.
+    if output_final_state, the context's KVState with initial_state's tokens first, else None.
     """
     d = distance or NO_DISTANCE_TERMS
-    k_all, v_all = check_inputs(q, k, v, pk, pv, mode=mode, pq=pq, rel=d.rel, span=d.span, ramp=d.ramp,
+    k_all, v_all = check_inputs(q, k, v, pk, pv, variant=variant, pq=pq, rel=d.rel, span=d.span, ramp=d.ramp,
                                 window=d.window, attention_mask=attention_mask,
                                 initial_state=initial_state, causal=causal)
-    w_p, w_c = persistent_attention_weights(q, k_all, pk, causal=causal, scale=scale, mode=mode,
+    w_p, w_c = persistent_attention_weights(q, k_all, pk, causal=causal, scale=scale, variant=variant,
                                             pq=pq, pscale=pscale, distance=d, attention_mask=attention_mask)
     dt = w_p.dtype
     H, Hc, Hp = q.shape[2], k.shape[2], pk.shape[0]
-    ctx_head = list(range(H)) if mode != "heads" else list(range(Hc)) + [0] * Hp
-    per_head = list(range(H)) if mode != "heads" else [0] * Hc + list(range(Hp))
+    ctx_head = list(range(H)) if variant != "heads" else list(range(Hc)) + [0] * Hp
+    per_head = list(range(H)) if variant != "heads" else [0] * Hc + list(range(Hp))
     o = (torch.einsum("bhtc,bchv->bthv", w_c, v_all.to(dt)[:, :, ctx_head])
          + torch.einsum("bhtn,hnv->bthv", w_p, pv.to(dt)[per_head]))
-    return o.to(q.dtype), ((k_all, v_all) if output_final_state else None)
+    return o.to(q.dtype), (KVState(k_all.transpose(1, 2), v_all.transpose(1, 2))
+                           if output_final_state else None)

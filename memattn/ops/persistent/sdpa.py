@@ -46,9 +46,11 @@ import dataclasses
 import torch
 import torch.nn.functional as F
 
+from memattn.ops.contract import accumulation_dtype, default_scale
 from memattn.ops.persistent import flash
 from memattn.ops.persistent.common import (NO_DISTANCE_TERMS, DistanceTerms, check_inputs, distances,
-                                           rel_index, resolve_scale, span_mask, visible)
+                                           rel_index, span_mask, visible)
+from memattn.ops.softmax import KVState
 
 
 def context_mask(q: torch.Tensor, Tk: int, *, causal: bool, scale: float, rel=None, span=None,
@@ -107,12 +109,12 @@ def _with_persistent_columns(mask: torch.Tensor | None, N: int) -> torch.Tensor 
 BAND_BLOCK = 64
 
 
-def reaches(d: DistanceTerms, *, causal: bool, mode: str, Tq: int, Tk: int) -> list[int] | None:
+def reaches(d: DistanceTerms, *, causal: bool, variant: str, Tq: int, Tk: int) -> list[int] | None:
     """The farthest distance each context head can see, when a banded read pays: causal
     queries, modes "joint" and "split", more than one block of queries, and a window or span
     that hides keys. One entry for all heads without a span (a window is the same for all),
     else one per head (the spans, read once from the device). None: read every key."""
-    if not causal or mode == "heads" or Tq <= BAND_BLOCK or (d.window is None and d.span is None):
+    if not causal or variant == "heads" or Tq <= BAND_BLOCK or (d.window is None and d.span is None):
         return None
     limit = Tk - 1 if d.window is None else min(Tk - 1, d.window - 1)
     if d.span is None:
@@ -122,7 +124,7 @@ def reaches(d: DistanceTerms, *, causal: bool, mode: str, Tq: int, Tk: int) -> l
     return [max(0, min(limit, int(x))) for x in spans]
 
 
-def _banded(q, k, v, pk, pv, reach, *, mode, pq, scale, pscale, d, attention_mask):
+def _banded(q, k, v, pk, pv, reach, *, variant, pq, scale, pscale, d, attention_mask):
     """Causal attention read block by block over the band of keys each block can see;
     arguments as `persistent_attention_sdpa` (k, v with any initial state in front), reach
     from `reaches`. The whole blocks of a head (group) go as one batch of bands, the rest of
@@ -140,7 +142,7 @@ def _banded(q, k, v, pk, pv, reach, *, mode, pq, scale, pscale, d, attention_mas
 
         def read(qs, ks, vs, pqs, mask):
             o, _ = persistent_attention_sdpa(qs, ks, vs, pk[g], pv[g], causal=True, scale=scale,
-                                             mode=mode, pq=pqs, pscale=pscale, attention_mask=mask,
+                                             variant=variant, pq=pqs, pscale=pscale, attention_mask=mask,
                                              distance=dataclasses.replace(d, span=span))
             return o
 
@@ -179,7 +181,7 @@ def _joint_read(qh, pqh, pkb, pvb, kh, vh, mask, scale, pscale):
     bias) or None -> [B, H, Tq, V]; scores in fp32 at least.
     """
     N = pkb.shape[2]
-    dt = torch.promote_types(qh.dtype, torch.float32)
+    dt = accumulation_dtype(qh.dtype)
     context = (qh @ kh.transpose(-1, -2)).to(dt) * scale
     if mask is not None:
         context = (context.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool
@@ -217,7 +219,7 @@ def _shared_persistent_read(qh, kh, vh, pq, pk, pvb, mask, scale, pscale):
     return F.scaled_dot_product_attention(qh, keys, torch.cat([pvb, vh], 2), attn_mask=bias, scale=scale)
 
 
-def persistent_attention_sdpa(q, k, v, pk, pv, *, causal=True, scale=None, mode="joint", pq=None,
+def persistent_attention_sdpa(q, k, v, pk, pv, *, causal=True, scale=None, variant="joint", pq=None,
                               pscale=None, distance=None, attention_mask=None, initial_state=None,
                               output_final_state=False):
     """Persistent-memory attention through `scaled_dot_product_attention`.
@@ -225,40 +227,41 @@ def persistent_attention_sdpa(q, k, v, pk, pv, *, causal=True, scale=None, mode=
     Arguments and result as `memattn.ops.persistent_attention`.
     """
     d = distance or NO_DISTANCE_TERMS
-    k, v = check_inputs(q, k, v, pk, pv, mode=mode, pq=pq, rel=d.rel, span=d.span, ramp=d.ramp,
+    k, v = check_inputs(q, k, v, pk, pv, variant=variant, pq=pq, rel=d.rel, span=d.span, ramp=d.ramp,
                         window=d.window, attention_mask=attention_mask,
                         initial_state=initial_state, causal=causal)
     B, Tq, H, K = q.shape
     Tk, Hc = k.shape[1], k.shape[2]
     Hp, N, Kp = pk.shape
-    scale, pscale = resolve_scale(scale, K), resolve_scale(pscale, Kp)
+    scale, pscale = default_scale(scale, K), default_scale(pscale, Kp)
     pk, pv = pk.to(q.dtype), pv.to(q.dtype)
-    reach = reaches(d, causal=causal, mode=mode, Tq=Tq, Tk=Tk)
+    final = KVState(k.transpose(1, 2), v.transpose(1, 2)) if output_final_state else None
+    reach = reaches(d, causal=causal, variant=variant, Tq=Tq, Tk=Tk)
     if reach is not None:
-        o = _banded(q, k, v, pk, pv, reach, mode=mode, pq=pq, scale=scale, pscale=pscale, d=d,
+        o = _banded(q, k, v, pk, pv, reach, variant=variant, pq=pq, scale=scale, pscale=pscale, d=d,
                     attention_mask=attention_mask)
-        return o, ((k, v) if output_final_state else None)
+        return o, final
     q_ctx = q[:, :, :Hc]
     mask, plain_causal = context_mask(q_ctx, Tk, causal=causal, scale=scale, rel=d.rel, span=d.span,
                                       ramp=d.ramp, window=d.window, attention_mask=attention_mask)
     kh, vh = k.transpose(1, 2), v.transpose(1, 2)  # [B, Hc, Tk, D]
     pkb, pvb = pk[None].expand(B, -1, -1, -1), pv[None].expand(B, -1, -1, -1)  # [B, Hp, N, D]
 
-    if mode == "joint" and N > 0:
+    if variant == "joint" and N > 0:
         qh = q.transpose(1, 2)  # [B, H, Tq, K]
         if Tq * DECODE_RATIO <= Tk:
             pqh = qh if pq is None else pq.transpose(1, 2)
             o = _joint_read(qh, pqh, pkb, pvb, kh, vh, mask, scale, pscale)
-            return o.transpose(1, 2), ((k, v) if output_final_state else None)
+            return o.transpose(1, 2), final
         if flash.AVAILABLE and q.device.type == "cpu" and (mask is None or plain_causal):
             pqh, pkh = (qh if pq is None else pq.transpose(1, 2)), pk
             if _same_for_every_head(pqh, 1) and _same_for_every_head(pkh, 0):
                 pqh, pkh = pqh[:, :1], pkh[:1]  # the persistent scores once for every head
             o = flash.joint_read(qh, kh, vh, pqh, pkh, pv, scale=scale, pscale=pscale, causal=plain_causal)
-            return o.transpose(1, 2), ((k, v) if output_final_state else None)
+            return o.transpose(1, 2), final
         if pq is not None and _same_for_every_head(pq, 2) and _same_for_every_head(pk, 0):
             o = _shared_persistent_read(qh, kh, vh, pq, pk, pvb, mask, scale, pscale)
-            return o.transpose(1, 2), ((k, v) if output_final_state else None)
+            return o.transpose(1, 2), final
         if pq is None and pscale == scale:  # one query for both parts: concatenate the keys
             queries, keys = qh, torch.cat([pkb, kh], 2)
         else:  # the persistent scores have their own query: concatenate the features
@@ -277,8 +280,8 @@ def persistent_attention_sdpa(q, k, v, pk, pv, *, causal=True, scale=None, mode=
         o = _sdpa(q_ctx.transpose(1, 2), kh, vh, mask, plain_causal, scale)  # [B, Hc, Tq, V]
         if N > 0:
             if pq is None:
-                pq = q[:, :, H - Hp:] if mode == "heads" else q
+                pq = q[:, :, H - Hp:] if variant == "heads" else q
             o_p = F.scaled_dot_product_attention(pq.transpose(1, 2), pkb, pvb, scale=pscale)
-            o = o + o_p if mode == "split" else torch.cat([o, o_p], 1)
+            o = o + o_p if variant == "split" else torch.cat([o, o_p], 1)
     o = o.transpose(1, 2)  # [B, Tq, H, V]
-    return o, ((k, v) if output_final_state else None)
+    return o, final
