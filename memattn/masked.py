@@ -1,26 +1,27 @@
 """Masked language modelling: a bidirectional `models.Encoder` trained to restore masked tokens
 (task=mlm; ABC's warm-start setting fine-tunes such a model).
 
-What `memattn train` needs for task=mlm (`MaskedLMTask`: a batch of step s, the loss,
-validation). A batch is batch_size windows of seq_len tokens of the training split, drawn
-as the language model draws them; BERT's masking chooses 15 % of the positions, of which
-80 % read a mask token, 10 % a random token and 10 % stay, and the loss is the
-cross-entropy at the chosen positions. The mask token is one id past the corpus's
-vocabulary (model.vocab_size = vocabulary + 1). Validation reads the first windows of the
-validation split with a masking fixed by the seed: loss and accuracy at the chosen positions.
+What `memattn train` and `memattn eval` need for task=mlm (`MaskedLMTask`: a batch of step
+s, the loss, validation, a checkpoint's evaluation). A batch is batch_size windows of
+seq_len tokens of the training split, drawn as the language model draws them; BERT's
+masking chooses 15 % of the positions, of which 80 % read a mask token, 10 % a random token
+and 10 % stay, and the loss is the cross-entropy at the chosen positions. The mask token
+is one id past the corpus's vocabulary (model.vocab_size = vocabulary + 1). Validation reads
+the first windows of the validation split with a masking fixed by the seed: loss and
+accuracy at the chosen positions.
 """
 
 from __future__ import annotations
 
 import math
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 import torch.nn.functional as F
 
 from memattn.config import RunConfig
 from memattn.errors import ConfigError
-from memattn.tasks import StepLoss, Task
+from memattn.tasks import EvalOptions, StepLoss, Task
 
 MASK_RATE = 0.15
 
@@ -141,6 +142,26 @@ class MaskedLMTask(Task):
         data = windows(self.val_ids if ids is None else ids, tc.seq_len,
                        batches * tc.batch_size if batches else 1 << 62)
         return evaluate_masked(model, data, self.vocab, tc.batch_size, tc.seed, device)
+
+    @classmethod
+    def evaluate_checkpoint(cls, model, cfg: RunConfig, vocab: dict[str, Any], options: EvalOptions
+                            ) -> tuple[dict[str, Any], str]:
+        """Loss, perplexity and accuracy at the masked positions of the split's windows (masks
+        drawn from the run's seed)."""
+        from memattn.evaluate import as_tensor
+
+        o = options
+        if o.stream or o.context:
+            raise ConfigError("--stream / --context: for causal language models, not a masked-LM run")
+        ids, _ = o.read_split(cfg, vocab)
+        seq_len = o.seq_len or cfg.train.seq_len
+        data = windows(as_tensor(ids), seq_len, o.batches * o.batch_size if o.batches else 1 << 62)
+        result = evaluate_masked(model, data, cfg.model.vocab_size - cls.extra_symbols, o.batch_size,
+                                 cfg.train.seed, o.device)
+        result.update(split=o.split, seq_len=seq_len, checkpoint=str(o.checkpoint))
+        return result, (f"{o.split}: loss {result['loss']:.4f} nats, perplexity {result['ppl']:.3f}, accuracy "
+                        f"{100 * result['accuracy']:.2f} % over {result['tokens']:,} masked tokens "
+                        f"(windows of {seq_len})")
 
 
 @torch.no_grad()

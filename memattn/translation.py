@@ -14,6 +14,7 @@ loss leave out.
 from __future__ import annotations
 
 import math
+import time
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -22,7 +23,7 @@ import torch.nn.functional as F
 
 from memattn.config import RunConfig
 from memattn.errors import ConfigError
-from memattn.tasks import StepLoss, Task
+from memattn.tasks import EvalOptions, StepLoss, Task
 
 
 class PairBatch(NamedTuple):
@@ -95,6 +96,7 @@ class TranslationTask(Task):
     """Parallel data for the training loop: batch of step s, loss and validation."""
 
     logged = ("loss", "ppl")  # the validation figures the training log keeps
+    translates = True
 
     @classmethod
     def check_config(cls, cfg: RunConfig) -> None:
@@ -168,6 +170,30 @@ class TranslationTask(Task):
         return evaluate_pairs(model, split or self.val_split, self.vocab, batch_size=self.cfg.train.batch_size,
                               max_batches=self.cfg.train.eval_batches if max_batches is None else max_batches,
                               device=device)
+
+    @classmethod
+    def evaluate_checkpoint(cls, model, cfg: RunConfig, vocab: dict[str, Any], options: EvalOptions
+                            ) -> tuple[dict[str, Any], str]:
+        """Loss and perplexity of the split's references, then its sources translated (beam)
+        and scored with SacreBLEU and chrF."""
+        from memattn.data import Vocab
+
+        o = options
+        if o.stream or o.context or o.seq_len:
+            raise ConfigError("--stream / --context / --seq-len: for language models, not a translation run")
+        vocab = Vocab.from_json(vocab)
+        split = load_parallel_corpus(cfg, vocab).split(o.split)
+        n = min(len(split), o.batches * o.batch_size) if o.batches else len(split)
+        result = evaluate_pairs(model, split, vocab, batch_size=o.batch_size, max_batches=o.batches, device=o.device)
+        start = time.perf_counter()
+        hyps = translate_texts(model, vocab, split.source_text[:n], beam=o.beam, length_penalty=o.length_penalty,
+                               batch_size=o.batch_size, device=o.device, where=f"the {o.split} split")
+        seconds = time.perf_counter() - start
+        result.update(score_translations(hyps, split.target_text[:n]), split=o.split, sentences=n, beam=o.beam,
+                      length_penalty=o.length_penalty, translate_s=round(seconds, 2), checkpoint=str(o.checkpoint))
+        return result, (f"{o.split}: loss {result['loss']:.4f} nats, perplexity {result['ppl']:.3f} over "
+                        f"{result['tokens']:,} target tokens; BLEU {result['bleu']:.2f}, chrF {result['chrf']:.2f} "
+                        f"over {n:,} sentences (beam {o.beam}, {seconds:.1f} s)")
 
 
 @torch.no_grad()

@@ -1,5 +1,6 @@
 """The task registry (memattn.tasks): a task registered from outside the package trains
-through the one loop, checkpoints, resumes exactly and loads back, like the built-in ones."""
+through the one loop, checkpoints, resumes exactly and loads back, like the built-in ones;
+the commands (memattn.cli) ask its class what it does."""
 
 from __future__ import annotations
 
@@ -114,3 +115,29 @@ def test_an_unknown_task_is_refused_by_name(tmp_path):
         load_config("tiny", [f"train.out_dir={tmp_path}", "task=nope"])
     with pytest.raises(ConfigError, match="task: expected one of"):
         task_class("nope")
+
+
+def test_the_commands_ask_the_task_what_it_does(successor_task, tmp_path, capsys, monkeypatch):
+    """memattn eval, generate and translate read what the task class declares (generates,
+    translates, evaluate_checkpoint), never its name."""
+    from memattn.cli import main
+
+    train(load_config("tiny", settings(tmp_path / "run", "train.steps=2")), progress=False)
+    run, sentences = str(tmp_path / "run"), tmp_path / "in.txt"
+    sentences.write_text("abc\n")
+    for argv, message in [(["eval", run], f"{run}: a successor run; its task has no evaluation of a checkpoint"),
+                          (["eval", run, "--lengths", "16"], f"causal language models; {run} is a successor run"),
+                          (["generate", run, "--prompt", "abc"], f"{run}: a successor run; memattn generate"),
+                          (["translate", run, "--input", str(sentences)], "needs a translation run")]:
+        assert main(argv) == 2
+        assert message in capsys.readouterr().err
+    monkeypatch.setattr(SuccessorTask, "generates", True)
+    monkeypatch.setattr(SuccessorTask, "evaluate_checkpoint", classmethod(
+        lambda cls, model, cfg, vocab, options: ({"split": options.split}, f"{options.split}: evaluated")))
+    assert main(["generate", run, "--prompt", "abc", "--tokens", "4"]) == 0
+    assert capsys.readouterr().out.startswith("abc")
+    assert main(["eval", run, "--lengths", "16"]) == 2
+    assert "a successor run; its task has no evaluation by length" in capsys.readouterr().err
+    assert main(["eval", run, "--split", "val"]) == 0
+    assert main(["eval", run, "--split", "val", "--json"]) == 0
+    assert capsys.readouterr().out == 'val: evaluated\n{"split": "val"}\n'

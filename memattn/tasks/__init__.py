@@ -24,6 +24,16 @@ and, on an instance,
                                  what a checkpoint keeps of the task's own state between
                                  steps (the language model's carried memory) and its return
 
+What the command line does with a trained run, asked of its task, never of its name:
+    evaluate_checkpoint(model, cfg, vocab, options)
+                                 classmethod: `memattn eval` (EvalOptions): the figures and
+                                 the line that says them
+    generates                    its model continues a text token by token (`memattn generate`,
+                                 `eval --lengths`, the decoding state `memattn info` measures)
+    evaluate_by_length(model, cfg, vocab, options, lengths, streams=, chunk=, max_window=)
+                                 classmethod of a task that generates: `eval --lengths`
+    translates                   its model translates sentences (`memattn translate`)
+
 The training loop (memattn.train) is the same for every task: it adds the model's auxiliary
 losses (`aux_loss()`, e.g. adaptive-span penalties) to every task's objective.
 """
@@ -31,6 +41,8 @@ losses (`aux_loss()`, e.g. adaptive-span penalties) to every task's objective.
 from __future__ import annotations
 
 import importlib
+import sys
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
@@ -49,15 +61,58 @@ class StepLoss(NamedTuple):
     terms: dict[str, tuple[float, torch.Tensor]] = {}
 
 
+@dataclass(frozen=True)
+class EvalOptions:
+    """What `memattn eval` asks of a trained run; a task's errors name these options as the
+    command line spells them (--seq-len, --context, ...)."""
+
+    checkpoint: str  # the checkpoint file or run folder
+    split: str = "test"
+    seq_len: int | None = None  # None: the training seq_len
+    batch_size: int = 16
+    batches: int = 0  # 0: all
+    context: int = 0
+    stream: bool = False
+    beam: int = 5
+    length_penalty: float = 0.6
+    device: str = "cpu"
+    progress: Callable[[int, int], None] | None = None  # (done, total)
+
+    def read_split(self, cfg, vocab: dict[str, Any]):
+        """(ids, characters per token) of the split of the run's corpus, read with the run's
+        vocabulary (`memattn.train.checkpoint_split`); a note on stderr when its text changed
+        since training."""
+        from memattn.train import checkpoint_split
+
+        ids, chars_per_token, note = checkpoint_split(self.checkpoint, cfg, vocab, self.split)
+        if note:
+            print(f"memattn eval: note: {note}", file=sys.stderr)
+        return ids, chars_per_token
+
+
 class Task:
     """Defaults of the optional parts of a task (see the module docstring)."""
 
     extra_symbols = 0
     source = None
+    generates = False
+    translates = False
 
     @classmethod
     def check_config(cls, cfg) -> None:
         return None
+
+    @classmethod
+    def evaluate_checkpoint(cls, model, cfg, vocab: dict[str, Any], options: EvalOptions
+                            ) -> tuple[dict[str, Any], str]:
+        raise ConfigError(f"{options.checkpoint}: a {cfg.task} run; its task has no evaluation of a "
+                          "checkpoint for memattn eval")
+
+    @classmethod
+    def evaluate_by_length(cls, model, cfg, vocab: dict[str, Any], options: EvalOptions, lengths: list[int], *,
+                           streams: int, chunk: int, max_window: int) -> dict[str, Any]:
+        raise ConfigError(f"--lengths: {options.checkpoint}: a {cfg.task} run; its task has no evaluation by "
+                          "length")
 
     def check_model(self, model) -> None:
         return None

@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from memattn.errors import ConfigError
-from memattn.tasks import StepLoss, Task
+from memattn.tasks import EvalOptions, StepLoss, Task
 
 
 class Windows(NamedTuple):
@@ -28,6 +28,7 @@ class Windows(NamedTuple):
 
 class LanguageModelTask(Task):
     logged = ("loss", "bpc")
+    generates = True
 
     @classmethod
     def check_config(cls, cfg) -> None:
@@ -154,6 +155,75 @@ class LanguageModelTask(Task):
         from memattn.train import carried_memory
 
         return ({}, None) if self.carry is None else carried_memory(self.carry, ddp)
+
+    @classmethod
+    def evaluate_checkpoint(cls, model, cfg, vocab: dict[str, Any], options: EvalOptions
+                            ) -> tuple[dict[str, Any], str]:
+        """Loss, bits per character and perplexity of the split: windows of seq_len tokens
+        scored after `context` unscored ones, or `batch_size` streams whose memory is carried
+        from segment to segment (--stream, or a run trained with train.segments)."""
+        from memattn.evaluate import as_tensor, check_streamable, evaluate
+
+        o = options
+        ids, chars_per_token = o.read_split(cfg, vocab)
+        seq_len = o.seq_len or cfg.train.seq_len
+        stream = o.stream or cfg.train.segments
+        check_window(cfg, len(ids), seq_len, 0 if stream else o.context, o.split,
+                     streams=o.batch_size if stream else 0)
+        ids = as_tensor(ids)
+        if stream and o.context:
+            raise ConfigError("--context: a stream (--stream, or a run trained with train.segments) "
+                              "already reads everything before each segment")
+        if o.stream:
+            check_streamable(model)
+        windows = (len(ids) - 1 - o.context) // seq_len
+        if o.batches:
+            windows = min(windows, o.batches * o.batch_size)
+        read, scored = windows * (o.context + seq_len), windows * seq_len
+        if not stream and o.context and read > 1_000_000 and read > 8 * scored:
+            print(f"memattn eval: note: each window re-reads --context {o.context:,} tokens before scoring "
+                  f"{seq_len}: {read:,} tokens read to score {scored:,} (--batches N reads fewer)", file=sys.stderr)
+        result = evaluate(model, ids, seq_len=seq_len, batch_size=o.batch_size, max_batches=o.batches,
+                          device=o.device, segments=stream, context=o.context, chars_per_token=chars_per_token,
+                          progress=o.progress)
+        result.update(split=o.split, seq_len=seq_len, context=o.context, stream=stream, checkpoint=str(o.checkpoint))
+        reading = ("one stream per row, state carried" if stream else
+                   f"segments of {seq_len} after {o.context} unscored tokens")
+        return result, (f"{o.split}: loss {result['loss']:.4f} nats, {result['bpc']:.4f} bits/char, "
+                        f"perplexity {result['ppl']:.3f} over {result['tokens']:,} tokens ({reading})")
+
+    @classmethod
+    def evaluate_by_length(cls, model, cfg, vocab: dict[str, Any], options: EvalOptions, lengths: list[int], *,
+                           streams: int, chunk: int, max_window: int) -> dict[str, Any]:
+        """`memattn eval --lengths`: bits per character by position and over the first n tokens
+        of `streams` documents of the split (`memattn.evaluate.evaluate_by_length`)."""
+        from memattn.evaluate import as_tensor, evaluate_by_length
+
+        ids, chars_per_token = options.read_split(cfg, vocab)
+        result = evaluate_by_length(model, as_tensor(ids), lengths=lengths, train_len=cfg.train.seq_len,
+                                    streams=streams, device=options.device, chars_per_token=chars_per_token,
+                                    chunk=chunk, max_window=max_window, progress=options.progress)
+        result.update(split=options.split, attention=cfg.model.attention.name, checkpoint=str(options.checkpoint))
+        return result
+
+
+def check_window(cfg, tokens: int, seq_len: int, context: int, split: str, streams: int = 0) -> None:
+    """ConfigError unless a split of `tokens` tokens holds one window of context + seq_len
+    tokens and its next one (or, streamed, `streams` streams of a segment each), and the
+    model's learned positions, if any, reach that far: refused before anything is read."""
+    names = "--seq-len" + (" / --context" if context else "")
+    if streams and (tokens - 1) // streams < seq_len:
+        raise ConfigError(f"--seq-len / --batch-size: the {split} split holds {tokens:,} tokens, too few for "
+                          f"{streams} streams of a segment of {seq_len} tokens each; use a smaller --batch-size "
+                          "or --seq-len")
+    if not streams and tokens < context + seq_len + 1:
+        raise ConfigError(f"{names}: the {split} split holds {tokens:,} tokens, fewer than one window of "
+                          f"{context + seq_len:,} tokens and its next one ({context:,} of context + seq_len "
+                          f"{seq_len:,} + 1); use a shorter {names.replace(' / ', ' or ')}")
+    if cfg.model.positions in ("learned", "split") and context + seq_len > cfg.model.max_len:
+        raise ConfigError(f"{names}: windows of {context + seq_len:,} tokens run past the model's learned "
+                          f"positions (model.max_len={cfg.model.max_len:,}); use at most {cfg.model.max_len:,} "
+                          "tokens in all")
 
 
 def _unwrapped(model):
