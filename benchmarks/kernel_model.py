@@ -130,7 +130,7 @@ def markdown(res: dict) -> str:
              f"{res['gpu']}: {gpu['tb_s']} TB/s, {gpu['tflop_s']:.0f} TFLOP/s bf16, "
              f"{gpu['sms']} SMs. See benchmarks/kernel_model.py for what is counted.", ""]
     for case in res["cases"]:
-        B, T, D, M = res["batch"], case["T"], case["D"], case["M"]
+        T, D, M = case["T"], case["D"], case["M"]
         lines += [f"## T = {T}, D = {D}, M = {M}", "",
                   "| kernel | launches | MB read | MB written | GFLOP | FLOP/byte | programs "
                   "| per SM | depth | bound µs |", "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]

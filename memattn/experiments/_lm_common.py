@@ -12,8 +12,7 @@ from typing import Any, Callable
 
 import torch
 
-from memattn.experiments._runner import (STAND_IN, Job, finished_row, measured_side_by_side, run_dir_of,
-                                         run_experiment, side_by_side_note)
+from memattn.experiments._runner import (STAND_IN, Job, finished_row, measured_side_by_side, run_experiment, side_by_side_note)
 
 # (row, mechanism, options, seeds); an option whose key has a dot is a setting of the run
 # itself (e.g. "train.segments"), the others are the mechanism's (attention.KEY)

@@ -32,7 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from memattn.experiments._common import save_figure, setup_line
-from memattn.experiments._runner import Job, measured_side_by_side, run_dir_of, run_experiment, side_by_side_note
+from memattn.experiments._runner import Job, measured_side_by_side, run_experiment, side_by_side_note
 
 DESCRIPTION = ("bounded-memory control (Peng et al. 2022) in translation: bounded cross and causal "
                "memories of separate sizes against softmax, with BLEU, on English-Spanish Bible verses")

@@ -42,8 +42,8 @@ def check_kernel_inputs(name: str, tensors: dict[str, torch.Tensor | None], *,
     Triton kernels of `name` can take the tensors (autograd=False: a kernel without backward
     also refuses tensors that require grad)."""
     if triton is None:
-        raise ConfigError(f"backend: 'triton' needs the triton package "
-                          f"(pip install 'memattn[gpu]'); use backend='torch'")
+        raise ConfigError("backend: 'triton' needs the triton package "
+                          "(pip install 'memattn[gpu]'); use backend='torch'")
     given = [t for t in tensors.values() if t is not None]
     for arg, t in tensors.items():
         if t is not None and not kernels_supported(t):

@@ -15,8 +15,6 @@ import torch
 
 pytest.importorskip("triton", reason="the Triton kernels need the triton package")
 
-import memattn.kernels  # noqa: E402
-
 from memattn.errors import ConfigError, ShapeError
 from memattn.kernels import abc_chunk, kernels_supported
 from memattn.kernels.abc_chunk import abc_chunk_triton
