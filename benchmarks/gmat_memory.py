@@ -20,6 +20,7 @@ import torch
 
 from memattn.bench.timing import median_time, peak_allocated
 from memattn.layers import LayerSpec, build_attention
+from memattn.layers.base import memory_layout
 
 D_MODEL, HEADS, M = 64, 4, 8
 
@@ -27,7 +28,8 @@ D_MODEL, HEADS, M = 64, 4, 8
 def case(name: str, options: dict, L: int):
     spec = LayerSpec(d_model=D_MODEL, n_heads=HEADS, causal=False, positions="none")
     layer = build_attention(name, options, spec)
-    rows = L + (options.get("num_memory", 0) if name == "gmat" else 0)
+    layout = memory_layout(name, options, causal=False)  # the memory tokens the model would insert
+    rows = L + (layout.tokens if layout is not None else 0)
     x = torch.randn(1, rows, D_MODEL, requires_grad=True)
 
     def run():

@@ -144,7 +144,7 @@ class ModelConfig:
             from memattn.layers.base import get_mechanism
 
             for mech in (self.attention, *layers.values()):
-                if getattr(get_mechanism(mech.name).layer, "memory_layout", None) is not None:
+                if get_mechanism(mech.name).memory_layout is not None:
                     raise ConfigError(f"model.attention_layers: {mech.name!r} places memory tokens in the "
                                       "sequence every layer reads, so it cannot be mixed with other mechanisms "
                                       "layer by layer")

@@ -39,6 +39,7 @@ from memattn.checkpoint import load_checkpoint, restore, save_checkpoint
 from memattn.fileio import atomic_write, atomic_write_text, remove_stale_temporaries
 from memattn.config import RunConfig, TrainConfig, from_dict, to_dict
 from memattn.errors import CheckpointError, ConfigError, TrainingError
+from memattn.layers.base import attention_layers
 from memattn.models import CausalLM, ModelCache
 from memattn.tasks import task_class
 
@@ -70,12 +71,13 @@ def sample_batch(ids: torch.Tensor, step: int, cfg: TrainConfig, rank: int = 0,
 
 
 def project_parameters(model: torch.nn.Module) -> None:
-    """After an optimizer step: each module with a `project_parameters()` method puts its
-    parameters back where they are defined (e.g. a learned span into [0, S])."""
+    """After an optimizer step: each attention layer whose mechanism declares
+    `project_parameters` puts its parameters back where they are defined (e.g. a learned
+    span into [0, S])."""
     with torch.no_grad():
-        for m in model.modules():
-            if hasattr(m, "project_parameters"):
-                m.project_parameters()
+        for layer, mech in attention_layers(model):
+            if mech.project_parameters:
+                layer.project_parameters()
 
 
 def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict[str, Any]]:

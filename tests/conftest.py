@@ -36,6 +36,15 @@ def text_file(tmp_path):
     return path
 
 
+def registered(capability=None):
+    """The names of the registered mechanisms (those that declare `capability`, a field of
+    memattn.layers.Mechanism such as "causal", when given): what the generic tests run over,
+    each with its registration's `test_options`."""
+    from memattn.layers import mechanisms
+
+    return [name for name, m in mechanisms().items() if capability is None or getattr(m, capability)]
+
+
 def tiny_overrides(text_file, root, *extra):
     """Overrides for a seconds-long run on `text_file`, writing under the folder `root`."""
     return ["data.corpus=text", f"data.path={text_file}", f"data.cache_dir={root / 'cache'}",

@@ -71,9 +71,10 @@ def test_links_are_found():
     assert "docs/front_page.png" in links(README) and "docs/mechanisms.md" in links(README)
 
 
-def test_readme_lists_every_mechanism_and_what_the_registry_says_of_its_streaming():
-    """One row per registered mechanism; its last column says what `memattn info --mechanisms`
-    prints: yes, with options, not shown, or — for a mechanism that is not causal."""
+def test_readme_lists_every_mechanism_and_what_the_registry_says_of_its_state_and_streaming():
+    """One row per registered mechanism; its state column says what the registry declares
+    (fixed, grows, or grows unless an option bounds it; — for a mechanism that is not causal),
+    its last column what `memattn info --mechanisms` prints: yes, with options, not shown, or —."""
     from memattn.layers.base import mechanisms
 
     section = README.read_text().split("## Mechanisms", 1)[1].split("\n## ", 1)[0]
@@ -81,15 +82,21 @@ def test_readme_lists_every_mechanism_and_what_the_registry_says_of_its_streamin
     for line in section.splitlines():
         cells = [c.strip() for c in line.strip().strip("|").split("|")]
         if line.startswith("| `") and len(cells) >= 2:
-            rows[cells[0].strip("`")] = cells[-1]
+            rows[cells[0].strip("`")] = (cells[-2].split(" (")[0], cells[-1])
     expected = {}
     for key, mech in mechanisms().items():
         if not mech.causal:
-            expected[key] = "—"
-        elif mech.streams(mech.options()):
-            expected[key] = "yes"
+            expected[key] = ("—", "—")
+            continue
+        fixed = mech.fixed_size(mech.options())
+        state = "fixed" if fixed else "grows"
+        if mech.streams(mech.options()):
+            expected[key] = (state, "yes")
         elif callable(mech.streaming):
-            expected[key] = "with options"
+            expected[key] = (state, "with options")
         else:
-            expected[key] = "not shown"
+            expected[key] = (state, "not shown")
     assert rows == expected
+    # a state that an option bounds says so beside "grows"
+    bounded = [key for key, mech in mechanisms().items() if callable(mech.fixed_state)]
+    assert all("(fixed with" in section.split(f"| `{key}` |", 1)[1].split("\n", 1)[0] for key in bounded)

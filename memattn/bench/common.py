@@ -71,8 +71,12 @@ def parse_choice(text: str) -> Choice:
             raise ConfigError(f"--attention: expected NAME or NAME:OPTION=VALUE,..., got {text!r}")
         options[key.strip()] = yaml.safe_load(raw) if raw.strip() else ""
     parse_options(name, options)
-    label = " ".join([name, *(f"{k}={v}" for k, v in options.items())])
-    return Choice(label, mech, options)
+    return Choice(choice_label(name, options), mech, options)
+
+
+def choice_label(name: str, options: dict) -> str:
+    """A row's name in tables: 'NAME OPTION=VALUE ...', as --attention NAME:OPTION=VALUE,... gives it."""
+    return " ".join([name, *(f"{k}={v}" for k, v in options.items())])
 
 
 def chosen_mechanisms(s: BenchSettings) -> list[Choice]:

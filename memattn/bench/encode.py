@@ -1,8 +1,10 @@
 """encode: time and peak memory to encode one batch with a bidirectional encoder, each
 mechanism against softmax attention (the analogue of ABC's Table 6).
 
-ABC's comparison: softmax against abc-linformer and abc-mlp with n = 64 and 128 slots
-(`encode.slots`); then every other bidirectional mechanism at its default options. One
+ABC's comparison: softmax against abc-linformer and abc-mlp with n = 64 and 128 slots.
+Here every bidirectional mechanism whose registration names the option that sizes its
+memory (`Mechanism.state_size`) runs at each n of `encode.slots` (that option set to n);
+the others, and those given options on the command line, run at their options. One
 forward pass of `memattn.models.Encoder` (random weights, random tokens) under
 `torch.inference_mode`, the hidden states as output. Time: the median wall time of a pass.
 Peak memory: the most bytes of tensors torch held at once during one pass, above the
@@ -15,24 +17,27 @@ from __future__ import annotations
 
 import torch
 
-from memattn.bench.common import Progress, chosen_mechanisms, measure, model_config
+from memattn.bench.common import Progress, choice_label, chosen_mechanisms, measure, model_config
 from memattn.bench.report import Metric, Result, Row, Section, fmt_bytes, fmt_ms, fmt_rate
 from memattn.bench.settings import BenchSettings
 from memattn.bench.timing import median_time, peak_allocated
 from memattn.models import Encoder
 
 NAME = "encode"
-SLOTTED = ("abc-linformer", "abc-mlp")  # measured at each n of encode.slots
 
 
 def variants(s: BenchSettings) -> tuple[list[tuple[str, str, dict]], list[tuple[str, str]]]:
-    """([(label, mechanism, options)], [(label, mechanism, why skipped)]), softmax first."""
+    """([(label, mechanism, options)], [(label, mechanism, why skipped)]), softmax first; a
+    sized row's label is what --attention would call it (NAME OPTION=VALUE ...)."""
     runs, skipped = [], []
     for c in chosen_mechanisms(s):
+        size = c.mechanism.state_size
         if not c.mechanism.bidirectional:
             skipped.append((c.label, c.name, "causal only: it has no bidirectional form for an encoder"))
-        elif c.name in SLOTTED and not c.options:
-            runs += [(f"{c.name} n={n}", c.name, {"num_slots": n}) for n in s.sizes.encode.slots]
+        elif size is not None and size.option is not None and not c.options:
+            for n in s.sizes.encode.slots:
+                options = size.sized(n, s.sizes.encode.length)
+                runs.append((choice_label(c.name, options), c.name, options))
         else:
             runs.append((c.label, c.name, c.options))
     return runs, skipped

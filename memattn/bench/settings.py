@@ -77,7 +77,8 @@ class EncodeSizes(LMShape):
     n_layers: int = 4
     batch: int = 16
     length: int = 512
-    slots: tuple[int, ...] = (64, 128)  # n of abc-linformer and abc-mlp (ABC's Table 6)
+    # the sizes of each mechanism's memory (its `state_size` option; ABC's Table 6: 64 and 128 slots)
+    slots: tuple[int, ...] = (64, 128)
 
 
 @dataclass

@@ -75,7 +75,8 @@ def add_commands(sub) -> None:
                         "trust_remote_code=True. A folder memattn wrote already is refused (convert the "
                         "original). Needs memattn[hf].")
     cv.add_argument("model", help="a transformers model folder (or hub name, where a network is there)")
-    cv.add_argument("--attention", required=True, help="the mechanism (memattn info --mechanisms)")
+    cv.add_argument("--attention", required=True,
+                    help="the mechanism (memattn info --mechanisms: those with 'memattn convert: yes')")
     cv.add_argument("overrides", nargs="*", metavar="attention.OPTION=VALUE",
                     help="options of the mechanism, e.g. attention.num_slots=32")
     cv.add_argument("--layers", default="", help="comma-separated layer numbers to convert (default: all)")

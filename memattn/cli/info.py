@@ -30,6 +30,17 @@ def mechanism_table() -> str:
         else:
             streams = "; not shown to stream past its training length"
         lines.append(f"{name} ({', '.join(uses)}{streams}): {mech.summary}")
+        if mech.causal:
+            state = "fixed" if mech.fixed_size(mech.options()) else "grows"
+            if callable(mech.fixed_state):
+                state += " at its defaults (options decide)"
+            if mech.state_size is not None:
+                size = mech.state_size
+                state += f"; sized by attention.{size.option}" if size.option else f"; {size.why}"
+            lines.append(f"    decoding state: {state}")
+        if mech.cross is not None:
+            lines.append(f"    cross attention memory: {mech.cross.memory}")
+        lines.append("    memattn convert: " + ("yes" if mech.convertible else "no (memattn's own models only)"))
         hints = typing.get_type_hints(mech.options)
         for f in dataclasses.fields(mech.options):
             default = f.default if f.default is not dataclasses.MISSING else f.default_factory()

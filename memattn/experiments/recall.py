@@ -17,12 +17,12 @@ our own seeded generators (`memattn.data.recall`):
   is also "not read", with its message.
 
 Matched state size: each target of `state_bytes` (bytes of decoding state per layer) picks,
-for each mechanism, the value of the option that sizes its state (`STATE_SIZE_OPTION`) whose
-state is closest to the target (in ratio), the bytes measured from `model.init_cache(1)` once
-it holds what it keeps (`state_bytes`: after training rows until its bytes stop changing).
-Mechanisms whose state no option sizes (linear, gated-linear: H·K·V set by d_model and
-n_heads) get one row at their own size; softmax is the ceiling, one row, its bytes at the
-training length on the row (its cache grows with every token).
+for each mechanism, the value of the option that sizes its state (its registration's
+`state_size`) whose state is closest to the target (in ratio), the bytes measured from
+`model.init_cache(1)` once it holds what it keeps (`state_bytes`: after training rows until
+its bytes stop changing). Mechanisms whose state no option sizes (linear, gated-linear:
+H·K·V set by d_model and n_heads) get one row at their own size; one whose state grows and
+no option sizes (softmax) is a ceiling, one row, its bytes at the training length on the row.
 
 Budget: MQAR is learned slowly at this scale. In a probe at these defaults (softmax, one CPU
 thread), MQAR accuracy rose from 0.26 at 2,000 steps to 0.375 at 5,000 while the passkey was
@@ -46,9 +46,8 @@ import json
 import math
 import platform
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
 
 import torch
 
@@ -58,7 +57,7 @@ from memattn.errors import ConfigError, ShapeError
 from memattn.experiments._common import command_of, save_figure, write_results
 from memattn.experiments._runner import CHECKPOINT_FILE, ROW_FILE, Job, finished_row, run_jobs
 from memattn.fileio import atomic_write
-from memattn.layers.base import mechanisms
+from memattn.layers.base import StateSize, get_mechanism, mechanisms
 from memattn.models.lm import CausalLM
 from memattn.train import lr_at, param_groups, project_parameters, step_seed
 from memattn.typed import apply_overrides, parse_settings
@@ -150,41 +149,7 @@ QUICK = {"state_bytes": (4096,), "d_model": 32, "length": 32, "pairs": 4,
 # settings, so that a run folder is reused whichever targets and mechanisms a command names.
 PLANNING = ("mechanisms", "state_bytes")
 TEST_SEED = 1_000_003  # test rows: drawn from their own seeds, the same for every model
-
-
-@dataclass(frozen=True)
-class StateSize:
-    """How a mechanism's decoding state is sized. option: the option that sets it (None: no
-    option does); fixed: options that go with every size; cover(value, length): options that
-    let a state of that size hold a training row (a position-based write: its slots times
-    their stride must reach the row's end); ceiling: a growing state read whole."""
-
-    option: str | None = None
-    fixed: dict[str, Any] = field(default_factory=dict)
-    cover: Callable[[int, int], dict[str, Any]] | None = None
-    ceiling: bool = False
-    why: str = ""  # for option None: what sets its size
-
-
-# Which option sets the state size of each mechanism. The registry has no such field yet; this
-# table can move into `memattn.layers.base.Mechanism` later. A causal mechanism missing from it
-# runs once with its default options when its state is fixed in size, else is skipped.
-STATE_SIZE_OPTION: dict[str, StateSize] = {
-    "abc-cluster": StateSize("num_clusters"),
-    "abc-dilated": StateSize("window"),
-    "abc-l2g": StateSize("num_slots", cover=lambda v, length: {"every": -(-length // v)}),
-    "abc-linformer": StateSize("num_slots"),
-    "abc-meanpool": StateSize("num_slots", cover=lambda v, length: {"pool": -(-length // v)}),
-    "abc-mlp": StateSize("num_slots"),
-    "abc-random": StateSize("num_slots"),
-    "abc-window": StateSize("window"),
-    "gsa": StateSize("num_slots"),
-    "gmat": StateSize("chunk_size", fixed={"num_memory": 2}),
-    "persistent": StateSize("window", fixed={"context": "window"}),
-    "linear": StateSize(why="its state H·K·V is set by d_model and n_heads"),
-    "gated-linear": StateSize(why="its state H·K·V is set by d_model and n_heads"),
-    "softmax": StateSize(ceiling=True, why="its KV cache grows with every token: the ceiling"),
-}
+# values of a mechanism's state-size option (Mechanism.state_size) tried against the targets
 SIZE_VALUES = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512)
 FILL = 2 * SIZE_VALUES[-1]  # tokens read at most to fill a fixed-size state (the longest window)
 
@@ -232,19 +197,19 @@ def plan(s: Settings) -> tuple[list[dict], list[dict]]:
     for name, mech in mechanisms().items():
         if not mech.causal or (s.mechanisms != ("all",) and name not in s.mechanisms):
             continue
-        size = STATE_SIZE_OPTION.get(name)
+        size = mech.state_size
         try:
             if size is None or size.option is None:
-                options = {} if size is None else dict(size.fixed)
+                options = dict(size.with_options) if size is not None else {}
                 nbytes, fixed = state_bytes(build_model(s, AttentionConfig(name, options)), s.length)
-                if not fixed and not (size is not None and size.ceiling):
-                    skipped.append({"mechanism": name, "reason": "its state grows with the sequence and no "
-                                    "option bounding it is known (add it to STATE_SIZE_OPTION)"})
-                    continue
+                if not fixed:
+                    sizing = "its state grows with every token and no option sizes it: the ceiling, read whole"
+                else:
+                    sizing = size.why if size is not None and size.why else \
+                        "no option sizes its state (Mechanism.state_size): its default options"
                 planned.append({"mechanism": name, "options": options, "targets": list(s.state_bytes),
                                 "state_bytes_per_layer": nbytes / s.n_layers, "size_option": None,
-                                "sizing": size.why if size is not None else
-                                "no size option known (STATE_SIZE_OPTION): its default options"})
+                                "sizing": sizing})
                 continue
             sized = sizes_of(s, name, size)
         except (ConfigError, ShapeError) as e:
@@ -259,8 +224,7 @@ def plan(s: Settings) -> tuple[list[dict], list[dict]]:
             value = min(sized, key=lambda v: (abs(math.log(sized[v] / target)), v))
             chosen.setdefault(value, []).append(target)
         for value, targets in sorted(chosen.items()):
-            options = {**size.fixed, size.option: value, **(size.cover(value, s.length) if size.cover else {})}
-            planned.append({"mechanism": name, "options": options, "targets": targets,
+            planned.append({"mechanism": name, "options": size.sized(value, s.length), "targets": targets,
                             "state_bytes_per_layer": sized[value], "size_option": size.option,
                             "sizing": f"attention.{size.option} closest to the target"})
     for p in planned:
@@ -272,8 +236,8 @@ def plan(s: Settings) -> tuple[list[dict], list[dict]]:
 def size_key(mechanism: str, key: str) -> bool:
     """Whether option `key` of `mechanism` belongs in its row's name (the size option, and
     the options that follow from it)."""
-    size = STATE_SIZE_OPTION.get(mechanism)
-    return size is not None and key not in size.fixed
+    size = get_mechanism(mechanism).state_size
+    return size is not None and key not in size.with_options
 
 
 def sizes_of(s: Settings, name: str, size: StateSize) -> dict[int, float]:
@@ -282,7 +246,7 @@ def sizes_of(s: Settings, name: str, size: StateSize) -> dict[int, float]:
     increasing order until one's state is 4 times the largest target."""
     out = {}
     for value in SIZE_VALUES:
-        options = {**size.fixed, size.option: value, **(size.cover(value, s.length) if size.cover else {})}
+        options = size.sized(value, s.length)
         try:
             nbytes, fixed = state_bytes(build_model(s, AttentionConfig(name, options)), s.length)
         except (ConfigError, ShapeError):

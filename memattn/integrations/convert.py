@@ -30,10 +30,12 @@ copy of `modeling_memattn.py`; `load_converted` does the same. The folder also c
 card and memattn's folder format (`memattn.integrations.folders`). PEFT's LoRA targets by
 default what it targets in the source family plus every converted layer's `qkv`.
 
+The mechanisms it converts to are those the registry declares `convertible` (`targets()`).
 Refused with an error: rotary scaling other than the default, sliding-window layers,
-mechanisms that need the model's cooperation (memory tokens: gmat; layer-to-layer state:
-abc-workspace; a mechanism's own feed-forward), cross attention, a head dim times heads
-other than the hidden size, and a static (preallocated key/value) cache.
+mechanisms that need memattn's own models around them (not declared convertible: memory
+tokens placed in the sequence, memories handed from layer to layer; options that bring a
+feed-forward sublayer of their own), cross attention, a head dim times heads other than
+the hidden size, and a static (preallocated key/value) cache.
 """
 
 from __future__ import annotations
@@ -47,7 +49,7 @@ from torch import nn
 
 from memattn.errors import ConfigError
 from memattn.layers.base import (AttentionState, LayerSpec, build_attention, build_feedforward,
-                                 get_mechanism, parse_options, real_positions)
+                                 get_mechanism, layers_aux_loss, mechanisms, parse_options, real_positions)
 from memattn.layers.positions import Rotary
 
 try:
@@ -65,8 +67,6 @@ from memattn.warmstart import CONVERSION_KEY as CONFIG_KEY  # noqa: E402
 LLAMA_LIKE = ("LlamaAttention", "MistralAttention", "Qwen2Attention", "Qwen3Attention")
 GPT2 = ("GPT2Attention",)
 BERT_LIKE = ("BertSelfAttention", "RobertaSelfAttention")
-REFUSED = {"gmat": "its memory tokens are placed in the sequence by memattn's own models",
-           "abc-workspace": "it reads the previous layer's memory, which memattn's own models pass on"}
 
 
 class StateLayer(StatefulLayer):
@@ -263,13 +263,24 @@ def _memattn_layer(attn: nn.Module, kind: str, config, name: str, options: Any, 
     return layer.to(device=weight.device, dtype=weight.dtype)
 
 
+def targets() -> list[str]:
+    """The mechanisms `convert` puts in the place of a transformers attention module: those
+    the registry declares convertible."""
+    return [name for name, mech in mechanisms().items() if mech.convertible]
+
+
 def convert(model: nn.Module, attention: str, options: dict[str, Any] | None = None, *,
             layers: list[int] | None = None) -> nn.Module:
     """Replace the self-attention of `model` (a transformers model) by memattn mechanism
     `attention` with `options`, in the layers `layers` (None: all), in place; returns it."""
     mech = get_mechanism(attention)
-    if attention in REFUSED:
-        raise ConfigError(f"convert: {attention!r} cannot replace one attention module: {REFUSED[attention]}")
+    if not mech.convertible:
+        needs = [what for what, needed in (
+            ("its memory tokens are placed in the sequence", mech.memory_layout is not None),
+            ("each layer reads the memory the layer before it wrote", mech.reads_layer_outputs)) if needed]
+        raise ConfigError(f"convert: {attention!r} cannot replace one attention module: it needs memattn's "
+                          f"own models around it{' (' + '; '.join(needs) + ')' if needs else ''}; "
+                          f"mechanisms that convert: {', '.join(targets())}")
     typed = parse_options(attention, options or {})
     if any(isinstance(m, ConvertedAttention) for m in model.modules()):
         raise ConfigError("convert: the model was converted already; convert the original once, "
@@ -330,8 +341,9 @@ class ConvertedLM(nn.Module):
     def num_parameters(self) -> int:
         return sum(p.numel() for p in self.parameters())
 
-    def aux_loss(self) -> None:
-        return None
+    def aux_loss(self) -> torch.Tensor | None:
+        """The converted layers' auxiliary losses (of the mechanisms that declare one), or None."""
+        return layers_aux_loss(self)
 
 
 def save_converted(model: nn.Module, folder: str | Path) -> None:

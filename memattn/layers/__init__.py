@@ -1,16 +1,19 @@
 """Attention layers: projections + a write/read rule + cache I/O, one file a mechanism.
 
-Importing this package registers every built-in mechanism.
+Importing this package imports every module in it, so a mechanism's layer file registers the
+mechanism (and its cross attention, where it has one) by being here; `memattn.layers.base`
+holds the registry, `memattn.layers.cross` what the cross layers share.
 """
 
-from memattn.layers import abc  # noqa: F401  (registers the "abc-*" mechanisms and "gsa")
-from memattn.layers import gmat  # noqa: F401  (registers "gmat")
-from memattn.layers import linear  # noqa: F401  (registers "linear" and "gated-linear")
-from memattn.layers import persistent  # noqa: F401  (registers "persistent")
-from memattn.layers import softmax  # noqa: F401  (registers "softmax")
-from memattn.layers import cross  # noqa: F401  (registers the cross attention of softmax and abc-mlp)
-from memattn.layers.base import (AttentionLayer, AttentionState, KVCache, LayerSpec, Mechanism,
-                                 attention_layer, build_attention, get_mechanism, mechanisms, register)
+import importlib
+import pkgutil
 
-__all__ = ["AttentionLayer", "AttentionState", "KVCache", "LayerSpec", "Mechanism", "attention_layer",
-           "build_attention", "get_mechanism", "mechanisms", "register"]
+from memattn.layers.base import (AttentionLayer, AttentionState, Cross, KVCache, LayerSpec, Mechanism, StateSize,
+                                 attention_layer, build_attention, get_mechanism, mechanisms, register,
+                                 unregister)
+
+for _module in pkgutil.walk_packages(__path__, prefix=f"{__name__}."):
+    importlib.import_module(_module.name)  # each layer file registers its mechanisms
+
+__all__ = ["AttentionLayer", "AttentionState", "Cross", "KVCache", "LayerSpec", "Mechanism", "StateSize",
+           "attention_layer", "build_attention", "get_mechanism", "mechanisms", "register", "unregister"]

@@ -21,10 +21,12 @@ position counted over its row's real tokens, as a model derives it from the mask
 it tokens sit at seen, seen + 1, ... of the state. Left-padded rows then give exactly the
 result of each row alone.
 
-Memory tokens (optional): a layer class whose mechanism reads learned tokens placed in the
-sequence (GMAT's global memory) defines a static `memory_layout(options, causal)` returning
-a `MemoryLayout`. The model then inserts those tokens into the sequence every layer sees
-(and strips them from its output); a layer without it sees only the tokens.
+`register` also declares what the mechanism can do (the fields of `Mechanism`: causal,
+bidirectional, cross attention, convertible, streaming, a fixed state, ...). Memory tokens
+(optional): a mechanism that reads learned tokens placed in the sequence (GMAT's global
+memory) declares `memory_layout(options, causal)` returning a `MemoryLayout`. The model then
+inserts those tokens into the sequence every layer sees (and strips them from its output); a
+layer without it sees only the tokens.
 """
 
 from __future__ import annotations
@@ -382,62 +384,139 @@ class NoOptions:
     """A mechanism with no options of its own."""
 
 
-@dataclass
+@dataclass(frozen=True)
+class Cross:
+    """How a mechanism serves as cross attention: queries of one sequence reading a memory
+    written by another (`memattn.layers.cross`)."""
+
+    # built as layer(spec, options) with the mechanism's typed options; memory(src, src_mask)
+    # writes the source's memory once, forward(x, memory) reads it
+    layer: Callable[..., nn.Module]
+    memory: str  # how the source's memory is written, in words
+
+
+@dataclass(frozen=True)
+class StateSize:
+    """The option that sets the size of a mechanism's memory (its decoding state, in a causal
+    model), and what goes with it."""
+
+    option: str | None = None  # None: no option does (`why` says what does)
+    with_options: dict[str, Any] = field(default_factory=dict)  # set with every size (e.g. context=window)
+    # (size, length) -> options that let a memory of that size hold `length` tokens, where the
+    # write depends on positions (slots times their stride must reach the last token)
+    cover: Callable[[int, int], dict[str, Any]] | None = None
+    why: str = ""  # option None: what sets the size
+
+    def __post_init__(self) -> None:
+        if self.option is None and not self.why:
+            raise ValueError("StateSize: no option sizes this memory; say what sets its size (why=...)")
+
+    def sized(self, size: int, length: int) -> dict[str, Any]:
+        """The options of a memory of `size` that holds `length` tokens."""
+        return {**self.with_options, self.option: size, **(self.cover(size, length) if self.cover else {})}
+
+
+@dataclass(frozen=True)
 class Mechanism:
-    """A registry entry: the layer class, its typed options and what it can do."""
+    """A registry entry: the layer class, its typed options and what it can do.
+
+    Every capability a model, the converter, the benchmarks, the experiments or the generic
+    tests act on is a field here, declared in `register`; the methods that do the work
+    (`aux_loss()`, `project_parameters()`, a `layer_outputs` argument) stay on the layer, and
+    a generic test holds each declaration to the layer (tests/layers/test_registry.py).
+    """
 
     name: str
     layer: Callable[..., nn.Module]
-    options: type
+    options: type = NoOptions
+    summary: str = ""  # the first line of the layer's docstring
     causal: bool = True  # usable in a causal model
     bidirectional: bool = True  # usable in an encoder
-    replaces_feedforward: bool = False  # the block drops its feed-forward sublayer
-    summary: str = ""
-    # (spec, options) -> a module of the mechanism's own for the block's feed-forward slot
-    # (pre-norm and residual kept), or None; it takes precedence over the model's MLP.
-    feedforward: Callable[[LayerSpec, Any], nn.Module | None] | None = None
-    # The class of its cross attention (queries of one sequence reading a memory written by
-    # another, `memattn.layers.cross`), or None: the mechanism cannot serve as cross attention.
-    cross: Callable[..., nn.Module] | None = None
+    # its cross attention, or None: the mechanism cannot serve as cross attention
+    cross: Cross | None = None
+    # whether `memattn convert` can put it in the place of a transformers attention module:
+    # not for a mechanism that needs memattn's own models (memory_layout, reads_layer_outputs)
+    convertible: bool = True
     # Whether a causal model keeps its quality when it reads past its training length with a
     # state of one size (measured: README's long-stream table): a bool, or options -> bool
     # where an option decides (abc-mlp streams with a write rule that forgets).
     streaming: bool | Callable[[Any], bool] = False
+    # whether its decoding state keeps one size whatever it reads: a bool, or options -> bool
+    fixed_state: bool | Callable[[Any], bool] = True
+    # the option that sizes its memory (None: it declares none)
+    state_size: StateSize | None = None
+    # whether a causal model with left-padded rows gives each row its result alone at every
+    # option; False: some padding is refused with a ConfigError that says how to pad
+    left_padding: bool = True
+    aux_loss: bool = False  # the layer has `aux_loss()`: a term for the training objective, or None
+    project_parameters: bool = False  # the layer has `project_parameters()`, called after each optimizer step
+    # the layer's forward takes `layer_outputs`, a dict one forward pass hands from layer to layer
+    reads_layer_outputs: bool = False
+    # (options, causal) -> the MemoryLayout of learned tokens a model inserts into the sequence
+    # for it, or None; a mechanism without it sees only the tokens
+    memory_layout: Callable[[Any, bool], MemoryLayout | None] | None = None
+    replaces_feedforward: bool = False  # the block drops its feed-forward sublayer
+    # (spec, options) -> a module of the mechanism's own for the block's feed-forward slot
+    # (pre-norm and residual kept), or None; it takes precedence over the model's MLP.
+    feedforward: Callable[[LayerSpec, Any], nn.Module | None] | None = None
+    # options for tests: windows, slots and pools small enough that a sequence of a few dozen
+    # tokens fills them and runs past, while a memory written by position holds 64 tokens
+    test_options: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        where = f"register({self.name!r})"
+        if not (self.causal or self.bidirectional):
+            raise ValueError(f"{where}: a mechanism serves causally, bidirectionally or both")
+        if self.convertible and (self.memory_layout is not None or self.reads_layer_outputs):
+            raise ValueError(f"{where}: convertible=True, but a mechanism with memory tokens or layer "
+                             "outputs needs memattn's own models around it")
+        if self.streaming is True and self.fixed_state is False:
+            raise ValueError(f"{where}: streaming=True needs a decoding state of a fixed size")
+        names = {f.name for f in dataclasses.fields(self.options)}
+        named = [*self.test_options, *((self.state_size.option,) if self.state_size and self.state_size.option
+                                       else ()), *(self.state_size.with_options if self.state_size else ())]
+        unknown = [key for key in named if key not in names]
+        if unknown:
+            raise ValueError(f"{where}: {', '.join(unknown)} not among the options of "
+                             f"{self.options.__name__} ({', '.join(names) or 'none'})")
 
     def streams(self, options: Any) -> bool:
         """Whether this mechanism with these (parsed) options streams past its training length."""
         return self.streaming(options) if callable(self.streaming) else self.streaming
 
+    def fixed_size(self, options: Any) -> bool:
+        """Whether its decoding state with these (parsed) options keeps one size."""
+        return self.fixed_state(options) if callable(self.fixed_state) else self.fixed_state
+
 
 _REGISTRY: dict[str, Mechanism] = {}
 
 
-def register(name: str, *, options: type = NoOptions, causal: bool = True,
-             bidirectional: bool = True, replaces_feedforward: bool = False,
-             feedforward: Callable[[LayerSpec, Any], nn.Module | None] | None = None,
-             streaming: bool | Callable[[Any], bool] = False):
-    """Class decorator: make a layer available under the config string `name`; `streaming`
-    (a bool, or options -> bool) declares a measured hold of quality past the training length."""
+def register(name: str, *, options: type = NoOptions, **capabilities: Any):
+    """Class decorator: make a layer available under the config string `name`, with its typed
+    `options` and its capabilities as keywords (the fields of `Mechanism`: causal,
+    bidirectional, cross, convertible, streaming, fixed_state, state_size, ...). Declare
+    `streaming` only with a measurement past the training length behind it."""
 
     def wrap(cls):
         if name in _REGISTRY:
             raise ValueError(f"attention mechanism {name!r} is registered twice")
+        declared = {f.name for f in dataclasses.fields(Mechanism)} - {"name", "layer", "options", "summary"}
+        unknown = sorted(set(capabilities) - declared)
+        if unknown:
+            raise TypeError(f"register({name!r}): {', '.join(unknown)} is not a field of Mechanism")
         doc = (cls.__doc__ or "").strip().splitlines()
-        _REGISTRY[name] = Mechanism(name, cls, options, causal, bidirectional,
-                                    replaces_feedforward, doc[0] if doc else "", feedforward,
-                                    streaming=streaming)
+        _REGISTRY[name] = Mechanism(name, cls, options, doc[0] if doc else "", **capabilities)
         return cls
 
     return wrap
 
 
-def register_cross(name: str, layer: Callable[..., nn.Module]) -> None:
-    """Say that mechanism `name` serves as cross attention with the class `layer`, built as
-    layer(spec, options) with `name`'s typed options."""
-    mech = get_mechanism(name)
-    if mech.cross is not None:
-        raise ValueError(f"cross attention of {name!r} is registered twice")
-    mech.cross = layer
+def unregister(name: str) -> Mechanism:
+    """Remove mechanism `name` from the registry; return its entry."""
+    if name not in _REGISTRY:
+        raise ConfigError(f"attention: unknown mechanism {name!r}")
+    return _REGISTRY.pop(name)
 
 
 def mechanisms() -> dict[str, Mechanism]:
@@ -445,6 +524,32 @@ def mechanisms() -> dict[str, Mechanism]:
     import memattn.layers  # noqa: F401  (registration happens on import)
 
     return dict(sorted(_REGISTRY.items()))
+
+
+def mechanism_of(module: nn.Module) -> Mechanism | None:
+    """The registered mechanism whose layer `module` is (its class or a subclass of it), or None."""
+    return _mechanism_of(module, {m.layer: m for m in _REGISTRY.values()})
+
+
+def _mechanism_of(module: nn.Module, by_layer: dict) -> Mechanism | None:
+    return next((by_layer[cls] for cls in type(module).__mro__ if cls in by_layer), None)
+
+
+def attention_layers(model: nn.Module) -> list[tuple[nn.Module, Mechanism]]:
+    """Every layer of a registered mechanism within `model` (memattn's or a converted
+    transformers model), with its registry entry."""
+    by_layer = {m.layer: m for m in _REGISTRY.values()}
+    found = ((m, _mechanism_of(m, by_layer)) for m in model.modules())
+    return [(m, mech) for m, mech in found if mech is not None]
+
+
+def layers_aux_loss(model: nn.Module) -> torch.Tensor | None:
+    """The sum of the auxiliary losses of `model`'s attention layers whose mechanism declares
+    one (`Mechanism.aux_loss`, e.g. adaptive-span penalties), to add to the training
+    objective; None if none gives one."""
+    losses = [m.aux_loss() for m, mech in attention_layers(model) if mech.aux_loss]
+    losses = [loss for loss in losses if loss is not None]
+    return torch.stack(losses).sum() if losses else None
 
 
 def get_mechanism(name: str) -> Mechanism:
@@ -474,8 +579,8 @@ def parse_options(name: str, options: dict[str, Any] | Any) -> Any:
 
 def memory_layout(name: str, options: dict[str, Any] | Any, *, causal: bool) -> MemoryLayout | None:
     """The memory tokens mechanism `name` with `options` needs in a causal or bidirectional
-    model, or None (most mechanisms): its layer's static `memory_layout(options, causal)`."""
-    layout = getattr(get_mechanism(name).layer, "memory_layout", None)
+    model, or None (most mechanisms): its registration's `memory_layout(options, causal)`."""
+    layout = get_mechanism(name).memory_layout
     return None if layout is None else layout(parse_options(name, options), causal)
 
 

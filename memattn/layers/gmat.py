@@ -1,6 +1,6 @@
 """`gmat`: global memory tokens over sparse attention (Gupta & Berant 2020, GMAT).
 
-The model inserts M learned memory tokens into the sequence (see `memory_layout`); this
+The model inserts M learned memory tokens into the sequence (see `gmat_memory_layout`); this
 layer lets them attend densely to everything (the write: the memory summarises the
 sequence) and lets every token attend to all of them besides its sparse pattern of
 neighbours (the read). Work and memory O(M·(M+L) + L·(M+C)): never an L×L matrix.
@@ -21,7 +21,8 @@ import torch
 from torch import nn
 
 from memattn.errors import ConfigError, ShapeError, check_tensor
-from memattn.layers.base import AttentionLayer, AttentionState, LayerSpec, MemoryLayout, check_mask, register
+from memattn.layers.base import (AttentionLayer, AttentionState, LayerSpec, MemoryLayout, StateSize,
+                                 check_mask, register)
 from memattn.ops.gmat import CAUSAL_PATTERNS, PATTERNS, gmat_attention
 
 LSH_SEED = 20_200_605  # rotations are drawn from this seed and the layer index: reproducible
@@ -91,16 +92,19 @@ class GmatCache(AttentionState):
         self._buffers = {name: fn(t, True) for name, t in self._buffers.items()}
 
 
-@register("gmat", options=GmatOptions)
+def gmat_memory_layout(options: GmatOptions, causal: bool) -> MemoryLayout | None:
+    """M tokens before the sequence (encoder) or before every chunk of C (decoder)."""
+    if options.num_memory == 0:
+        return None
+    return MemoryLayout(options.num_memory, options.chunk_size if causal else 0)
+
+
+# a causal model places its memory blocks at the same positions in every row: no left padding
+@register("gmat", options=GmatOptions, memory_layout=gmat_memory_layout, convertible=False,
+          left_padding=False, state_size=StateSize("chunk_size", with_options={"num_memory": 2}),
+          test_options={"num_memory": 2, "chunk_size": 4, "window": 4})
 class GmatAttention(AttentionLayer):
     """Global memory tokens over sparse (chunked, window, lsh or full) attention; GMAT."""
-
-    @staticmethod
-    def memory_layout(options: GmatOptions, causal: bool) -> MemoryLayout | None:
-        """M tokens before the sequence (encoder) or before every chunk of C (decoder)."""
-        if options.num_memory == 0:
-            return None
-        return MemoryLayout(options.num_memory, options.chunk_size if causal else 0)
 
     def __init__(self, spec: LayerSpec, options: GmatOptions) -> None:
         if spec.causal and options.pattern not in CAUSAL_PATTERNS:

@@ -22,15 +22,16 @@ paper's form is feature_map=identity, normalize=false.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, NamedTuple
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from memattn.errors import ConfigError
-from memattn.layers.base import AttentionLayer, AttentionState, LayerSpec, register
-from memattn.ops.contract import accumulation_dtype
+from memattn.layers.base import AttentionLayer, AttentionState, Cross, LayerSpec, StateSize, register
+from memattn.layers.cross import CrossLayer
+from memattn.ops.contract import accumulation_dtype, compute_dtype
 from memattn.ops.linear import LinearAttentionState, linear_attention
 
 # Smallest normaliser z·q divided by: guards tokens that have seen only padding (z = 0).
@@ -115,7 +116,58 @@ def _state(kv: torch.Tensor | None) -> LinearAttentionState | None:
     return None if kv is None else LinearAttentionState(kv)
 
 
-@register("linear", options=LinearOptions)
+class LinearMemory(NamedTuple):
+    """Linear cross attention's memory: C [B, H, K, V] = Σ φ(k) vᵀ, z [B, H, K] = Σ φ(k) | None."""
+
+    c: torch.Tensor
+    z: torch.Tensor | None
+
+
+class LinearCrossAttention(CrossLayer):
+    """linear / gated-linear cross attention: C = Σ_s v_s φ(k_s)ᵀ over the source, read
+    C φ(q) (divided by z·φ(q), z = Σ_s φ(k_s), when the mechanism normalises); gated, the
+    source's gate g_s = σ(W_g h_s + b_g) multiplies its keys and values. No decay: the
+    source is a set."""
+
+    gated = False
+
+    def __init__(self, spec: LayerSpec, options: LinearOptions) -> None:
+        super().__init__(spec, options)
+        self.gate = nn.Linear(spec.d_model, spec.d_model) if self.gated else None
+
+    def memory(self, src: torch.Tensor, src_mask: torch.Tensor | None = None) -> LinearMemory:
+        k, v = self.source_kv(src, src_mask)
+        dt = compute_dtype(k)
+        k, v = feature(k, self.options.feature_map).to(dt), v.to(dt)
+        if self.gate is not None:
+            g = torch.sigmoid(self.gate(src)).view_as(k).to(dt)
+            k, v = g * k, g * v
+        if src_mask is not None:
+            k = k * src_mask[:, :, None, None]  # padding writes nothing
+        z = k.sum(1) if self.options.normalize else None  # [B, H, K]
+        return LinearMemory(torch.einsum("bshk,bshv->bhkv", k, v), z)
+
+    def forward(self, x: torch.Tensor, memory: LinearMemory) -> torch.Tensor:
+        q = feature(self.query(x, memory.c.shape[0]), self.options.feature_map).to(memory.c.dtype)
+        o = torch.einsum("bthk,bhkv->bthv", q, memory.c)
+        if memory.z is not None:
+            o = o / torch.einsum("bthk,bhk->bth", q, memory.z)[..., None].clamp_min(NORMALIZER_EPS)
+        return self.finish(o.to(x.dtype))
+
+
+class GatedLinearCrossAttention(LinearCrossAttention):
+    """gated-linear cross attention: keys and values of the source gated by g_s = σ(W_g h_s + b_g)."""
+
+    gated = True
+
+
+# no option sizes the memory: H·K·V follows from the model's width and heads
+STATE_SIZE = StateSize(why="its state H·K·V is set by d_model and n_heads")
+
+
+@register("linear", options=LinearOptions, state_size=STATE_SIZE,
+          cross=Cross(LinearCrossAttention, "C = Σ_s v_s φ(k_s)ᵀ over the source, read C φ(q) (divided "
+                      "by z·φ(q), z = Σ_s φ(k_s), when it normalises) (LinearMemory)"))
 class LinearAttention(AttentionLayer):
     """Linear attention: one K×V memory per head, C = Σ v φ(k)ᵀ, read as C φ(q); fixed-size state.
 
@@ -219,7 +271,9 @@ class LinearAttention(AttentionLayer):
         return o[:, None].to(out_dtype)
 
 
-@register("gated-linear", options=GatedLinearOptions)
+@register("gated-linear", options=GatedLinearOptions, state_size=STATE_SIZE,
+          cross=Cross(GatedLinearCrossAttention, "C = Σ_s (g_s ⊙ v_s)(g_s ⊙ φ(k_s))ᵀ over the source, "
+                      "g_s = σ(W_g h_s + b_g), read as linear's (LinearMemory)"))
 class GatedLinearAttention(LinearAttention):
     """Gated linear attention: the paper's f = σ(W h + b) ⊙ h written into C; fixed-size state.
 

@@ -48,7 +48,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from memattn.errors import ConfigError
-from memattn.layers.base import AttentionLayer, KVCache, LayerSpec, register
+from memattn.layers.base import AttentionLayer, KVCache, LayerSpec, StateSize, register
 from memattn.ops.persistent import DistanceTerms, KVState, persistent_attention
 
 VARIANTS = ("all-attn", "attn-split", "head-split", "single-head", "ff-attn")
@@ -142,8 +142,10 @@ def softmax_feedforward(spec: LayerSpec, options: PersistentOptions) -> nn.Modul
     return SoftmaxFeedForward(spec.d_model, options.n_persistent, spec.dropout)
 
 
-@register("persistent", options=PersistentOptions, causal=True, bidirectional=True,
-          replaces_feedforward=True, feedforward=softmax_feedforward)
+@register("persistent", options=PersistentOptions, replaces_feedforward=True,
+          feedforward=softmax_feedforward, aux_loss=True, project_parameters=True,
+          fixed_state=lambda o: o.context == "window" or o.adaptive_span,
+          state_size=StateSize("window", with_options={"context": "window"}))
 class PersistentAttention(AttentionLayer):
     """All-attention: heads read the context and N learned persistent key/value vectors in one softmax; no feed-forward."""
 

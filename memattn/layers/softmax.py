@@ -6,7 +6,8 @@ from dataclasses import dataclass
 
 import torch
 
-from memattn.layers.base import AttentionLayer, KVCache, LayerSpec, register
+from memattn.layers.base import AttentionLayer, Cross, KVCache, LayerSpec, register
+from memattn.layers.cross import CrossLayer, SourceKV
 from memattn.ops.softmax import softmax_attention
 
 
@@ -15,7 +16,22 @@ class SoftmaxOptions:
     bias: bool = False  # biases on the q/k/v and output projections
 
 
-@register("softmax", options=SoftmaxOptions)
+class SoftmaxCrossAttention(CrossLayer):
+    """Softmax over every source token; the memory holds the source's keys and values."""
+
+    def memory(self, src: torch.Tensor, src_mask: torch.Tensor | None = None) -> SourceKV:
+        k, v = self.source_kv(src, src_mask)
+        return SourceKV(k, v, src_mask)
+
+    def forward(self, x: torch.Tensor, memory: SourceKV) -> torch.Tensor:
+        q = self.query(x, memory.k.shape[0])
+        o, _ = softmax_attention(q, memory.k, memory.v, causal=False, attention_mask=memory.mask)
+        return self.finish(o)
+
+
+@register("softmax", options=SoftmaxOptions, fixed_state=False,
+          cross=Cross(SoftmaxCrossAttention, "the source's keys and values and its mask (SourceKV): "
+                      "grows with the source"))
 class SoftmaxAttention(AttentionLayer):
     """Softmax attention over every past token; decodes with a growing KV cache."""
 

@@ -33,6 +33,7 @@ from memattn.layers.base import (
     build_feedforward,
     check_mask,
     get_mechanism,
+    layers_aux_loss,
     memory_layout,
     real_positions,
 )
@@ -69,19 +70,21 @@ class Block(nn.Module):
         own = cfg.layer_attention(spec.layer_idx)  # this layer's mechanism (hybrid models)
         self.norm_attn = make_norm(cfg.norm, cfg.d_model)
         self.attn = build_attention(own.name, own.typed, spec)
+        mech = get_mechanism(own.name)
+        self.reads_layer_outputs = mech.reads_layer_outputs  # e.g. abc-workspace
         self.norm_cross = make_norm(cfg.norm, cfg.d_model) if cross else None
-        mech = cfg.cross_attention or cfg.attention
-        self.cross = build_cross_attention(mech.name, mech.typed, spec) if cross else None
+        source = cfg.cross_attention or cfg.attention
+        self.cross = build_cross_attention(source.name, source.typed, spec) if cross else None
         hidden = int(cfg.ff_mult * cfg.d_model)
         ff = build_feedforward(own.name, own.typed, spec)  # the mechanism's own, if any
-        if ff is None and hidden > 0 and not get_mechanism(own.name).replaces_feedforward:
+        if ff is None and hidden > 0 and not mech.replaces_feedforward:
             ff = FeedForward(cfg.d_model, hidden, cfg.dropout)
         self.norm_ff = make_norm(cfg.norm, cfg.d_model) if ff is not None else None
         self.ff = ff
 
     def forward(self, x, state=None, attention_mask=None, memory=None, positions=None, layer_outputs=None):
         kwargs = {} if positions is None else {"positions": positions}
-        if getattr(self.attn, "reads_layer_outputs", False):  # e.g. abc-workspace
+        if self.reads_layer_outputs:
             kwargs["layer_outputs"] = layer_outputs
         h, state = self.attn(self.norm_attn(x), memory_state=state, attention_mask=attention_mask, **kwargs)
         x = x + h
@@ -296,11 +299,9 @@ class Transformer(nn.Module):
         return sum(p.numel() for p in self.parameters())
 
     def aux_loss(self) -> torch.Tensor | None:
-        """Sum of the attention layers' auxiliary losses (a layer's optional `aux_loss()`, e.g.
-        the adaptive-span penalty), to add to the training objective; None if no layer has one."""
-        losses = [b.attn.aux_loss() for b in self.blocks if hasattr(b.attn, "aux_loss")]
-        losses = [loss for loss in losses if loss is not None]
-        return torch.stack(losses).sum() if losses else None
+        """Sum of the attention layers' auxiliary losses (of the mechanisms that declare one,
+        e.g. the adaptive-span penalty), to add to the training objective; None if none gives one."""
+        return layers_aux_loss(self)
 
     def positions(self, B: int, T: int, offset: int, cache: ModelCache | None,
                   attention_mask: torch.Tensor | None) -> torch.Tensor | None:

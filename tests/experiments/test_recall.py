@@ -3,6 +3,7 @@ memattn.experiments.recall (sizing, settings, a quick run end to end)."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 
@@ -16,13 +17,12 @@ from memattn.experiments import get_experiment
 from memattn.experiments.recall import (
     NAME,
     QUICK,
-    STATE_SIZE_OPTION,
     Settings,
     build_model,
     plan,
     state_bytes,
 )
-from memattn.layers.base import mechanisms
+from memattn.layers.base import _REGISTRY, mechanisms
 from memattn.typed import parse_settings
 
 VOCAB = RecallVocab(keys=8, values=8, filler=4)  # PASS 0, QUERY 1, digits 2-11, filler 12-15, keys 16-23, values 24-31
@@ -139,14 +139,13 @@ def test_sizing_picks_the_option_closest_to_each_target_and_lets_new_mechanisms_
         assert state_bytes(model, s.length)[0] / s.n_layers == p["state_bytes_per_layer"]
     (linear,) = [p for p in planned if p["mechanism"] == "linear"]
     assert linear["size_option"] is None and linear["targets"] == [2048, 8192] and not skipped
-    # a mechanism the sizing table does not know: its defaults when its state is fixed in size,
-    # else skipped with the reason
-    monkeypatch.delitem(STATE_SIZE_OPTION, "abc-mlp")
-    monkeypatch.delitem(STATE_SIZE_OPTION, "softmax")
+    (softmax,) = [p for p in planned if p["mechanism"] == "softmax"]  # grows, and no option sizes it
+    assert softmax["size_option"] is None and "the ceiling" in softmax["sizing"]
+    # a mechanism whose registration declares no size option: one row at its default options
+    monkeypatch.setitem(_REGISTRY, "abc-mlp", dataclasses.replace(_REGISTRY["abc-mlp"], state_size=None))
     planned, skipped = plan(s)
     (mlp,) = [p for p in planned if p["mechanism"] == "abc-mlp"]
-    assert mlp["options"] == {} and "no size option known" in mlp["sizing"]
-    assert [k["mechanism"] for k in skipped] == ["softmax"] and "grows" in skipped[0]["reason"]
+    assert mlp["options"] == {} and "no option sizes its state" in mlp["sizing"] and not skipped
 
 
 @pytest.mark.slow

@@ -6,7 +6,10 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 from memattn.errors import ConfigError  # noqa: E402
-from memattn.integrations.convert import convert, load_converted, save_converted  # noqa: E402
+from memattn.integrations.convert import (ConvertedAttention, convert, load_converted, save_converted,  # noqa: E402
+                                          targets)
+from memattn.layers import get_mechanism, mechanisms  # noqa: E402
+from memattn.layers.base import mechanism_of  # noqa: E402
 
 COMMON = dict(hidden_size=32, num_attention_heads=4, num_hidden_layers=2, intermediate_size=64,
               vocab_size=50, max_position_embeddings=128)
@@ -119,6 +122,26 @@ def test_encoder_conversion_and_round_trip(tmp_path):
 def test_what_cannot_be_converted_is_refused(change, message):
     with pytest.raises(ConfigError, match=message):
         change(tiny("llama"))
+
+
+@pytest.mark.parametrize("name", sorted(mechanisms()))
+def test_what_the_registry_declares_convertible_converts_and_the_rest_is_refused(name):
+    """Each mechanism with its test options, in a decoder (an encoder when it is bidirectional
+    only): its layers take the model's attention, or the conversion is refused untouched."""
+    mech = get_mechanism(name)
+    family = "llama" if mech.causal else "bert"
+    model = tiny(family)
+    if not mech.convertible:
+        with pytest.raises(ConfigError, match="cannot replace one attention module: it needs memattn's own models"):
+            convert(model, name, mech.test_options)
+        assert name not in targets() and not any(isinstance(m, ConvertedAttention) for m in model.modules())
+        return
+    assert name in targets()
+    convert(model, name, mech.test_options)
+    layers = [m.layer for m in model.modules() if isinstance(m, ConvertedAttention)]
+    assert len(layers) == 2 and all(mechanism_of(layer) is mech for layer in layers)
+    ids, _ = batch(family)
+    assert torch.isfinite(model(ids).logits).all()
 
 
 def test_rotary_scaling_and_sliding_windows_are_refused():

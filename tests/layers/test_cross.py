@@ -1,4 +1,5 @@
-"""Cross attention (memattn.layers.cross) against hand-written memories and softmax reads."""
+"""Cross attention (memattn.layers.cross and each mechanism's cross layer) against hand-written
+memories and softmax reads."""
 
 from __future__ import annotations
 
@@ -8,8 +9,9 @@ import torch
 from memattn.errors import ConfigError, ShapeError
 from memattn.layers import LayerSpec, mechanisms
 from memattn.layers.abc import random_slots
-from memattn.layers.cross import (ABCCrossAttention, SoftmaxCrossAttention,
-                                  build_cross_attention, cross_mechanisms)
+from memattn.layers.abc.mlp import ABCCrossAttention
+from memattn.layers.cross import build_cross_attention, cross_mechanisms
+from memattn.layers.softmax import SoftmaxCrossAttention
 
 F64 = torch.float64
 D_MODEL, HEADS = 16, 2

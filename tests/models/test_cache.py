@@ -3,19 +3,20 @@ batch_select, to, crop, nbytes and fixed_size, each checked against full forward
 
 import pytest
 import torch
+from conftest import registered
 
 from memattn.config import AttentionConfig, ModelConfig
 from memattn.errors import ConfigError
-from memattn.layers import mechanisms
+from memattn.layers.base import get_mechanism, parse_options
 from memattn.models import CausalLM
 
-CAUSAL = [name for name, m in mechanisms().items() if m.causal]
+CAUSAL = registered("causal")
 
 
 def small(name):
     torch.manual_seed(0)
     cfg = ModelConfig(vocab_size=31, d_model=32, n_layers=2, n_heads=4, ff_mult=2, max_len=64,
-                      attention=AttentionConfig(name))
+                      attention=AttentionConfig(name, get_mechanism(name).test_options))
     return CausalLM(cfg).double().eval()
 
 
@@ -72,21 +73,31 @@ def test_crop_undoes_the_last_tokens_or_refuses_untouched(name):
             assert torch.equal(a, b)
 
 
-# The mechanisms whose decoding state grows with the tokens read: every past key and value,
-# 2 layers x (key + value) x 4 heads x 8 dims x 8 bytes (float64) a token. All others are bounded.
-GROWING = {"softmax": 2 * 2 * 4 * 8 * 8, "persistent": 2 * 2 * 4 * 8 * 8}
+# A state that grows keeps every past key and value: 2 layers x (key + value) x 4 heads x 8
+# dims x 8 bytes (float64) a token.
+KV_PER_TOKEN = 2 * 2 * 4 * 8 * 8
 
 
 @pytest.mark.parametrize("name", CAUSAL)
-def test_a_fixed_size_state_keeps_its_bytes(name):
+def test_the_state_keeps_its_bytes_as_its_registration_declares(name):
+    mech = get_mechanism(name)
+    fixed = mech.fixed_size(parse_options(name, mech.test_options))
     model = small(name)
     cache = model.init_cache(1)
     model(torch.randint(0, 31, (1, 10)), cache=cache)
     early = cache.nbytes()
     for _ in range(30):
         model(torch.randint(0, 31, (1, 1)), cache=cache)
-    per_token = GROWING.get(name, 0)
+    per_token = 0 if fixed else KV_PER_TOKEN
     if per_token:
         assert early == 10 * per_token
     assert early > 0 and cache.nbytes() == early + 30 * per_token
-    assert cache.fixed_size is (per_token == 0)
+    assert cache.fixed_size is fixed
+
+
+def test_a_declared_fixed_state_follows_its_options():
+    """persistent memory's context cache grows unless a window or an adaptive span bounds it."""
+    mech = get_mechanism("persistent")
+    assert not mech.fixed_size(parse_options("persistent", {}))
+    assert mech.fixed_size(parse_options("persistent", {"context": "window", "window": 4}))
+    assert mech.fixed_size(parse_options("persistent", {"adaptive_span": True, "span_max": 8}))

@@ -2,12 +2,12 @@
 
 import pytest
 import torch
+from conftest import registered
 
 from memattn.config import AttentionConfig, ModelConfig
-from memattn.layers import mechanisms
 from memattn.models import Encoder
 
-BIDIRECTIONAL = [name for name, m in mechanisms().items() if m.bidirectional]
+BIDIRECTIONAL = registered("bidirectional")  # at their default options, which reach 12 tokens
 
 
 def encoder(name="softmax", n_tags=0):

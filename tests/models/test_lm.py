@@ -3,22 +3,24 @@
 
 import pytest
 import torch
+from conftest import registered
 
 from memattn.config import AttentionConfig, ModelConfig
 from memattn.errors import ConfigError, ShapeError
 from memattn.generate import generate
-from memattn.layers import mechanisms
+from memattn.layers import get_mechanism
 from memattn.models import CausalLM, Compressor
 
 
 def small(name="softmax", **kw):
+    """A small float64 LM of mechanism `name` with its registration's test options."""
     base = dict(vocab_size=37, d_model=32, n_layers=2, n_heads=4, ff_mult=2, max_len=64,
-                attention=AttentionConfig(name))
+                attention=AttentionConfig(name, get_mechanism(name).test_options))
     base.update(kw)
     return CausalLM(ModelConfig(**base)).double().eval()
 
 
-CAUSAL = [name for name, m in mechanisms().items() if m.causal]
+CAUSAL = registered("causal")
 
 
 @pytest.mark.parametrize("name", CAUSAL)

@@ -4,27 +4,22 @@ cannot serve that way it refuses."""
 
 import pytest
 import torch
+from conftest import registered
 
 from memattn.config import AttentionConfig, ModelConfig
 from memattn.errors import ConfigError
-from memattn.layers import mechanisms
+from memattn.layers import get_mechanism
 from memattn.models import CausalLM
 
-CAUSAL = [name for name, m in mechanisms().items() if m.causal]
-# sizes small enough that windows, pools, global tokens and slots see the positions
-OPTIONS = {"abc-window": {"window": 4}, "abc-dilated": {"window": 3, "dilation": 3},
-           "abc-meanpool": {"num_slots": 16, "pool": 2}, "abc-l2g": {"num_slots": 16, "every": 3},
-           "abc-linformer": {"num_slots": 8}, "abc-random": {"num_slots": 8}, "abc-mlp": {"num_slots": 8},
-           "abc-cluster": {"num_clusters": 8}, "gmat": {"num_memory": 2, "chunk_size": 4, "window": 4},
-           "gsa": {"num_slots": 8}}
-REFUSED = {"gmat": "cannot read left-padded rows",  # one layout of memory blocks per batch
-           "abc-dilated": "multiple of attention.dilation"}  # unless padded by multiples of d
+# each with its registration's test options: windows, pools, global tokens and slots small
+# enough to see the positions
+CAUSAL = registered("causal")
 
 
 def small(name, positions):
     torch.manual_seed(0)
     cfg = ModelConfig(vocab_size=31, d_model=32, n_layers=2, n_heads=4, ff_mult=2, max_len=64,
-                      positions=positions, attention=AttentionConfig(name, OPTIONS.get(name, {})))
+                      positions=positions, attention=AttentionConfig(name, get_mechanism(name).test_options))
     return CausalLM(cfg).double().eval()
 
 
@@ -53,8 +48,8 @@ def test_left_padded_rows_decode_as_each_row_alone(name, positions):
     rows = [torch.randint(1, 31, (n,)) for n in (11, 6, 9)]  # padded by 0, 5 and 2
     idx, mask = padded_batch(rows)
     steps = torch.randint(1, 31, (3, 5))
-    if name in REFUSED:
-        with pytest.raises(ConfigError, match=REFUSED[name]):
+    if not get_mechanism(name).left_padding:  # declared: some padding is refused, saying how to pad
+        with pytest.raises(ConfigError, match="left-pad"):
             decode(model, idx, mask, steps)
         return
     full = model(idx, attention_mask=mask)

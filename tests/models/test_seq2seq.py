@@ -5,9 +5,11 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from conftest import registered
 
 from memattn.config import AttentionConfig, ModelConfig
 from memattn.errors import ShapeError
+from memattn.layers import get_mechanism
 from memattn.models import EncoderDecoder
 from memattn.models.seq2seq import memory_nbytes
 
@@ -85,21 +87,12 @@ def test_abc_encoder_decoder_learns_to_reverse_a_sequence():
     assert accuracy > 0.95, accuracy
 
 
-def cross_cases():
-    """Every mechanism that serves as cross attention, with small memories."""
-    from memattn.layers.cross import cross_mechanisms
-
-    small = {"abc-mlp": {"cross_slots": 3}, "abc-window": {"window": 4}, "abc-linformer": {"num_slots": 3},
-             "abc-random": {"num_slots": 3}, "abc-meanpool": {"num_slots": 8, "pool": 2},
-             "abc-l2g": {"num_slots": 8, "every": 2}, "abc-cluster": {"num_clusters": 3}}
-    return [(name, small.get(name, {})) for name in cross_mechanisms()]
-
-
-@pytest.mark.parametrize("name,options", cross_cases())
-def test_every_cross_mechanism_decodes_as_the_full_pass_and_ignores_source_padding(name, options):
+@pytest.mark.parametrize("name", registered("cross"))
+def test_every_cross_mechanism_decodes_as_the_full_pass_and_ignores_source_padding(name):
     """With a softmax encoder and a bounded decoder (abc-mlp), each cross mechanism from the
-    registry: token-by-token decoding equals the full forward pass, and a source padded on
-    the left decodes as the same source alone."""
+    registry with its test options: token-by-token decoding equals the full forward pass, and
+    a source padded on the left decodes as the same source alone."""
+    options = get_mechanism(name).test_options
     torch.manual_seed(0)
     cfg = ModelConfig(vocab_size=12, d_model=32, n_layers=2, n_heads=4, max_len=64,
                       attention=AttentionConfig("abc-mlp", {"num_slots": 4}),

@@ -19,8 +19,9 @@ import torch.nn.functional as F
 
 from memattn.errors import ConfigError
 from memattn.layers.abc.common import PAD_LOGIT, ABCLayer, ABCMemoryState, check_positive
-from memattn.layers.base import LayerSpec, register
-from memattn.ops.abc import bounded_memory_attention
+from memattn.layers.base import Cross, LayerSpec, StateSize, register
+from memattn.layers.cross import SlotCrossAttention
+from memattn.ops.abc import BoundedMemoryState, bounded_memory_attention
 from memattn.ops.abc.cluster import nearest_centre, sequence_kmeans, update_centres
 from memattn.ops.contract import compute_dtype
 
@@ -49,7 +50,24 @@ class ABCClusterOptions:
             raise ConfigError(f"attention.decay: expected a number in [0, 1), got {self.decay!r}")
 
 
-@register("abc-cluster", options=ABCClusterOptions)
+class ClusterCrossAttention(SlotCrossAttention):
+    """abc-cluster cross attention: the source keys grouped by k-means (`sequence_kmeans`);
+    slot j holds the mean key / value of cluster j (an empty cluster holds zeros)."""
+
+    def memory(self, src: torch.Tensor, src_mask: torch.Tensor | None = None) -> BoundedMemoryState:
+        k, v = self.source_kv(src, src_mask)
+        n = self.options.num_clusters
+        member = F.one_hot(sequence_kmeans(k, n, self.options.iters, src_mask), n).to(compute_dtype(k))
+        if src_mask is not None:
+            member = member * src_mask[:, :, None, None]
+        return self.given_phi(k, v, member / member.sum(1, keepdim=True).clamp(min=1))
+
+
+@register("abc-cluster", options=ABCClusterOptions, state_size=StateSize("num_clusters"),
+          cross=Cross(ClusterCrossAttention, "one slot per cluster of the source keys (k-means "
+                      "over the source): slot j the mean key and value of cluster j "
+                      "(BoundedMemoryState)"),
+          test_options={"num_clusters": 8})
 class ABCClusterAttention(ABCLayer):
     """ABC with clustering control: slot j holds the mean of the keys / values in cluster j.
 

@@ -28,8 +28,10 @@ from torch import nn
 
 from memattn.errors import ConfigError
 from memattn.layers.abc.common import ABCLayer, ABCMemoryState, check_positive, state_dtype
-from memattn.layers.base import LayerSpec, register
-from memattn.ops.gsa import GSAState, gated_slot_attention
+from memattn.layers.base import Cross, LayerSpec, StateSize, register
+from memattn.layers.cross import SlotCrossAttention
+from memattn.ops.contract import compute_dtype
+from memattn.ops.gsa import GSAState, gated_slot_attention, gsa_memory
 from memattn.ops.gsa.recurrent import gsa_step_
 
 
@@ -39,7 +41,7 @@ class GSAOptions:
 
     num_slots: M, memory slots per head in self-attention.
     cross_slots: memory slots per head of cross attention (None: num_slots), used by
-        models that attend to another sequence (`memattn.layers.cross`).
+        models that attend to another sequence (`GSACrossAttention`).
     bias: biases on the q/k/v, output and forget-gate projections.
     gate_logit_normalizer: τ in g = log σ(W_g x) / τ, i.e. α = σ(W_g x)^(1/τ); a larger τ
         puts the gates nearer 1 (longer memories). 8, as flash-linear-attention's GSA.
@@ -76,9 +78,31 @@ def forget_gates(gate: nn.Linear, x: torch.Tensor, heads: int, normalizer: float
     return g
 
 
+class GSACrossAttention(SlotCrossAttention):
+    """gsa cross attention: `cross_slots` slots per head written by the source through its
+    forget gates, in order; fixed size."""
+
+    def __init__(self, spec: LayerSpec, options: GSAOptions) -> None:
+        super().__init__(spec, options)
+        self.gate = nn.Linear(spec.d_model, spec.n_heads * options.cross_slots, bias=options.bias)
+
+    def memory(self, src: torch.Tensor, src_mask: torch.Tensor | None = None) -> GSAState:
+        """src [B, S, d] -> GSAState (k [B, H, M, D], v [B, H, M, D]): the memory after the
+        source. Padding (src_mask False) has α = 1 and writes nothing; fp32 for fp16 / bf16."""
+        k, v = self.source_kv(src, src_mask)
+        g = forget_gates(self.gate, src, self.spec.n_heads, self.options.gate_logit_normalizer,
+                         src_mask)
+        dt = compute_dtype(src)
+        return gsa_memory(k.to(dt), v.to(dt), g.to(dt))
+
+
 # streams: read at 16x and 64x its training length, 0.8 % and 0.6 % below the same text read in
 # windows of it, where softmax loses 88 % (results/long-stream-300)
-@register("gsa", options=GSAOptions, streaming=True)
+@register("gsa", options=GSAOptions, streaming=True, state_size=StateSize("num_slots"),
+          cross=Cross(GSACrossAttention, "cross_slots slots per head written in source order, each "
+                      "keeping α_s = σ(W_g h_s)^(1/τ) of what it holds and taking the rest from token s "
+                      "(GSAState)"),
+          test_options={"num_slots": 8, "cross_slots": 3})
 class GatedSlotAttention(ABCLayer):
     """Gated slot attention: M slots per head that forget at rates α = σ(W_g x)^(1/τ); fixed-size state.
 

@@ -9,7 +9,8 @@ abc-meanpool and abc-l2g.
 
 Each is a `GivenPhiLayer` with its own `write_weights`; the layer zeroes φ on padding and
 reads the memory with `bounded_memory_attention` (no normalisation), so decoding keeps the
-op's BoundedMemoryState (k, v [B, H, M, D]).
+op's BoundedMemoryState (k, v [B, H, M, D]). Each has a cross layer, a `GivenPhiCrossAttention`
+writing the source by the same rule at the source's positions.
 """
 
 from __future__ import annotations
@@ -22,8 +23,10 @@ from torch import nn
 
 from memattn.errors import ShapeError
 from memattn.layers.abc.common import ABCLayer, ABCMemoryState, check_positive, state_dtype
-from memattn.layers.base import LayerSpec, register
+from memattn.layers.base import Cross, LayerSpec, StateSize, register
+from memattn.layers.cross import SlotCrossAttention, source_positions
 from memattn.ops.abc import BoundedMemoryState, bounded_memory_attention
+from memattn.ops.contract import compute_dtype
 
 
 class GivenPhiLayer(ABCLayer):
@@ -69,6 +72,24 @@ class GivenPhiLayer(ABCLayer):
         return self.finish(o), memory_state
 
 
+class GivenPhiCrossAttention(SlotCrossAttention):
+    """The position-given strategies: φ from the positions of the real source tokens, by
+    the strategy's own write rule (`phi`)."""
+
+    def phi(self, pos: torch.Tensor, last: int) -> torch.Tensor:
+        """pos [1 or B, S] int64, the largest `last` -> φ [1 or B, S, 1 or H, M]."""
+        raise NotImplementedError
+
+    def memory(self, src: torch.Tensor, src_mask: torch.Tensor | None = None) -> BoundedMemoryState:
+        k, v = self.source_kv(src, src_mask)
+        B, S, _ = src.shape
+        pos, last = source_positions(src_mask, B, S, src.device)
+        phi = self.phi(pos, last).to(compute_dtype(k)).expand(B, S, self.spec.n_heads, -1)
+        if src_mask is not None:
+            phi = phi * src_mask[:, :, None, None]  # padding writes nothing
+        return self.given_phi(k, v, phi)
+
+
 # --------------------------------------------------------------------------- abc-linformer
 
 
@@ -87,7 +108,21 @@ class ABCLinformerOptions:
         check_positive("num_slots", self.num_slots)
 
 
-@register("abc-linformer", options=ABCLinformerOptions)
+class LinformerCrossAttention(GivenPhiCrossAttention):
+    """abc-linformer: φ_s = softplus(W^LF[s]), its own W^LF [max_len, M]."""
+
+    def __init__(self, spec: LayerSpec, options: ABCLinformerOptions) -> None:
+        super().__init__(spec, options)
+        self.columns = nn.Parameter(torch.randn(spec.max_len, options.num_slots))
+
+    def phi(self, pos, last):
+        return linformer_phi(self.columns, pos, last)
+
+
+@register("abc-linformer", options=ABCLinformerOptions, state_size=StateSize("num_slots"),
+          cross=Cross(LinformerCrossAttention, "M slots, φ_s = softplus(W^LF[s]) at the source's "
+                      "positions s, with W^LF of its own (BoundedMemoryState)"),
+          test_options={"num_slots": 8})
 class ABCLinformerAttention(GivenPhiLayer):
     """ABC with Linformer control: learned per-position φ_t = softplus(W^LF[t]); fixed-size state.
 
@@ -148,7 +183,17 @@ def random_slots(positions: torch.Tensor, heads: int, slots: int, seed: int) -> 
     return torch.remainder(z, slots)
 
 
-@register("abc-random", options=ABCRandomOptions)
+class RandomCrossAttention(GivenPhiCrossAttention):
+    """abc-random: φ_s = e_{i_s}, a fixed pseudo-random slot per source position and head."""
+
+    def phi(self, pos, last):
+        return random_phi(pos, self.spec.n_heads, self.options.num_slots, self.options.seed)
+
+
+@register("abc-random", options=ABCRandomOptions, state_size=StateSize("num_slots"),
+          cross=Cross(RandomCrossAttention, "M slots, φ_s = e_{i_s}: a fixed pseudo-random slot per "
+                      "source position and head (BoundedMemoryState)"),
+          test_options={"num_slots": 8})
 class ABCRandomAttention(GivenPhiLayer):
     """ABC_RD: every token writes, one-hot, to a pseudo-random slot (φ_t = e_{i_t}); fixed-size state.
 
@@ -192,7 +237,18 @@ class ABCMeanPoolOptions:
         check_positive("pool", self.pool)
 
 
-@register("abc-meanpool", options=ABCMeanPoolOptions)
+class MeanPoolCrossAttention(GivenPhiCrossAttention):
+    """abc-meanpool: φ_s = e_{⌊s/c⌋} / c."""
+
+    def phi(self, pos, last):
+        return meanpool_phi(pos, last, self.options.pool, self.options.num_slots, torch.float32)
+
+
+@register("abc-meanpool", options=ABCMeanPoolOptions,
+          state_size=StateSize("num_slots", cover=lambda slots, length: {"pool": -(-length // slots)}),
+          cross=Cross(MeanPoolCrossAttention, "M slots, φ_s = e_{⌊s/c⌋} / c: slot j the mean of "
+                      "source tokens jc .. jc+c-1 (BoundedMemoryState)"),
+          test_options={"num_slots": 16, "pool": 4})
 class ABCMeanPoolAttention(GivenPhiLayer):
     """ABC with compressive mean-pool control: φ_t = e_{⌊t/c⌋} / c; fixed-size state.
 
@@ -241,7 +297,18 @@ class ABCL2GOptions:
         check_positive("every", self.every)
 
 
-@register("abc-l2g", options=ABCL2GOptions, bidirectional=False)
+class L2GCrossAttention(GivenPhiCrossAttention):
+    """abc-l2g: φ_s = e_{s/c} on every c-th source token."""
+
+    def phi(self, pos, last):
+        return l2g_phi(pos, last, self.options.every, self.options.num_slots)
+
+
+@register("abc-l2g", options=ABCL2GOptions, bidirectional=False,
+          state_size=StateSize("num_slots", cover=lambda slots, length: {"every": -(-length // slots)}),
+          cross=Cross(L2GCrossAttention, "M slots, φ_s = e_{s/c} on every c-th source token "
+                      "(BoundedMemoryState)"),
+          test_options={"num_slots": 16, "every": 4})
 class ABCL2GAttention(GivenPhiLayer):
     """ABC with local-to-global control: global token j (position jc) writes e_j; fixed-size state.
 

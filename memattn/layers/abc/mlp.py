@@ -3,7 +3,7 @@
 α = act(W_φ x) [H, M] per token, normalised per slot over the prefix (causal) or the
 sequence (bidirectional): φ_i = α_i / Σ_j α_j. The layer hands slot logits s = log α to
 `abc_attention`, which does the normalisation in log space. Its cross attention
-(`memattn.layers.cross`) writes a memory of `cross_slots` slots the same way.
+(`ABCCrossAttention`) writes a memory of `cross_slots` slots the same way.
 """
 
 from __future__ import annotations
@@ -17,8 +17,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from memattn.errors import ConfigError
-from memattn.layers.abc.common import ABCLayer, ABCMemoryState, check_positive
-from memattn.layers.base import LayerSpec, register
+from memattn.layers.abc.common import PAD_LOGIT, ABCLayer, ABCMemoryState, check_positive
+from memattn.layers.base import Cross, LayerSpec, StateSize, register
+from memattn.layers.cross import SlotCrossAttention
+from memattn.ops.abc import ABCState
+from memattn.ops.abc.chunked import abc_memory
+from memattn.ops.contract import compute_dtype
 
 # activation=relu: α = 0 becomes log(RELU_FLOOR) as a logit, so a slot whose prefix has only
 # zero α averages those tokens uniformly instead of dividing 0 by 0.
@@ -37,7 +41,7 @@ class ABCMLPOptions:
 
     num_slots: M, memory slots per head in self-attention.
     cross_slots: memory slots per head of cross attention (None: num_slots), used by
-        models that attend to another sequence (`memattn.layers.cross`).
+        models that attend to another sequence (`ABCCrossAttention`).
     activation: α = act(W_φ x). "exp" (the op's own control, α = exp(s)), "relu" or
         "sigmoid"; α is normalised per slot over the prefix (causal) or the sequence.
     tie_phi: one W_φ shared by every layer of the model (through spec.shared).
@@ -100,11 +104,42 @@ def activation_logits(z: torch.Tensor, activation: str) -> torch.Tensor:
     return z
 
 
+class ABCCrossAttention(SlotCrossAttention):
+    """ABC_MLP cross attention: `cross_slots` slots per head written by the source, fixed size."""
+
+    def __init__(self, spec: LayerSpec, options: ABCMLPOptions) -> None:
+        super().__init__(spec, options)
+        self.phi = nn.Linear(spec.d_model, spec.n_heads * options.cross_slots, bias=options.bias)
+        self.reset_own_parameters()
+
+    def reset_own_parameters(self) -> None:
+        """W_φ from attention.phi_init_std, as abc-mlp's self-attention."""
+        reset_phi(self.phi, self.options.phi_init_std)
+
+    def memory(self, src: torch.Tensor, src_mask: torch.Tensor | None = None) -> ABCState:
+        """src [B, S, d] -> ABCState (log_z [B, H, M], k [B, H, M, D], v [B, H, M, D]).
+
+        Padding (src_mask False) writes nothing; the memory is fp32 for fp16 / bf16 inputs.
+        """
+        k, v = self.source_kv(src, src_mask)
+        B, S, _ = src.shape
+        s = activation_logits(self.phi(src).view(B, S, self.spec.n_heads, -1),
+                              self.options.activation)
+        if src_mask is not None:
+            s = s.masked_fill(~src_mask[:, :, None, None], PAD_LOGIT)
+        dt = compute_dtype(src)
+        return abc_memory(k.to(dt), v.to(dt), s.to(dt))
+
+
 # streams with a write rule that forgets: recency at 2,048 and 16,384 characters of a model
 # trained on 256: 2.34 bpc, 2.36 at 256 (the paper's rule 2.69 -> 3.57 at 2,048); forget at
 # 16x and 64x its training length 0.9 % and 0.8 % below the same text read in windows of it
 # (results/long-stream-300)
-@register("abc-mlp", options=ABCMLPOptions, streaming=lambda o: o.recency or o.forget)
+@register("abc-mlp", options=ABCMLPOptions, streaming=lambda o: o.recency or o.forget,
+          state_size=StateSize("num_slots"),
+          cross=Cross(ABCCrossAttention, "cross_slots slots per head written with φ = act(W_φ h) "
+                      "normalised over the source (ABCState)"),
+          test_options={"num_slots": 8, "cross_slots": 3})
 class ABCMLPAttention(ABCLayer):
     """ABC_MLP: slot weights α = act(W_φ x) per head, normalised over the prefix; fixed-size state.
 

@@ -15,7 +15,9 @@ import torch
 
 from memattn.errors import ConfigError
 from memattn.layers.abc.common import ABCLayer, check_positive
-from memattn.layers.base import AttentionState, LayerSpec, register
+from memattn.layers.base import AttentionState, Cross, LayerSpec, StateSize, register
+from memattn.layers.cross import SourceKV
+from memattn.layers.softmax import SoftmaxCrossAttention
 from memattn.ops.softmax import softmax_attention
 from memattn.ops.window import (WindowState, counted_softmax, in_strided_queue, in_window,
                                 local_window_attention)
@@ -110,8 +112,25 @@ class QueueState(AttentionState):
             queue.map_tensors(fn)
 
 
+class WindowCrossAttention(SoftmaxCrossAttention):
+    """abc-window: the FIFO queue after the whole source holds its last n real tokens."""
+
+    def memory(self, src: torch.Tensor, src_mask: torch.Tensor | None = None) -> SourceKV:
+        k, v = self.source_kv(src, src_mask)
+        B, S, _ = src.shape
+        n = min(self.options.window, S)
+        real = src_mask if src_mask is not None else torch.ones(B, S, dtype=torch.bool, device=src.device)
+        rank = torch.where(real, torch.arange(S, device=src.device), -1)  # [B, S], -1: padding
+        last = rank.topk(n, dim=1).values.flip(1)  # [B, n] the n latest, in order
+        idx = last.clamp_min(0)[:, :, None, None].expand(B, n, *k.shape[2:])
+        return SourceKV(k.gather(1, idx), v.gather(1, idx), last >= 0)
+
+
 # streams: a model trained on 256 characters reads 2.30 bpc at 256, 2.28 at 2,048 and 16,384
-@register("abc-window", options=ABCWindowOptions, streaming=True)
+@register("abc-window", options=ABCWindowOptions, streaming=True, state_size=StateSize("window"),
+          cross=Cross(WindowCrossAttention, "the queue after the whole source: its last n real tokens, "
+                      "read by softmax (SourceKV of at most n tokens)"),
+          test_options={"window": 4})
 class ABCWindowAttention(ABCLayer):
     """ABC with sliding-window control: a FIFO memory of the last n tokens; n-slot ring buffer.
 
@@ -241,7 +260,8 @@ class ABCWindowAttention(ABCLayer):
         return o
 
 
-@register("abc-dilated", options=ABCDilatedOptions, bidirectional=False)
+@register("abc-dilated", options=ABCDilatedOptions, bidirectional=False, state_size=StateSize("window"),
+          left_padding=False, test_options={"window": 3, "dilation": 3})
 class ABCDilatedAttention(ABCWindowAttention):
     """ABC with dilated-window control: two FIFO queues of n slots each; fixed-size state.
 

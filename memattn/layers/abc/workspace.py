@@ -14,7 +14,7 @@ from torch import nn
 
 from memattn.errors import ConfigError, ShapeError
 from memattn.layers.abc.common import PAD_LOGIT, ABCLayer, check_positive
-from memattn.layers.base import LayerSpec, register
+from memattn.layers.base import LayerSpec, StateSize, register
 from memattn.ops.abc import abc_attention
 
 
@@ -45,7 +45,8 @@ class Workspace(nn.Module):
         self.initial = nn.Parameter(torch.randn(heads, slots, head_dim))
 
 
-@register("abc-workspace", options=ABCWorkspaceOptions, causal=False)
+@register("abc-workspace", options=ABCWorkspaceOptions, causal=False, reads_layer_outputs=True,
+          convertible=False, state_size=StateSize("num_slots"), test_options={"num_slots": 4})
 class ABCWorkspaceAttention(ABCLayer):
     """ABC with shared-workspace (Luna-style) control: φ from the previous layer's memory.
 
@@ -68,8 +69,6 @@ class ABCWorkspaceAttention(ABCLayer):
     def init_state(self, batch_size: int, device=None, dtype=None):
         raise ConfigError("attention: 'abc-workspace' is bidirectional only and has no "
                           "decoding state")
-
-    reads_layer_outputs = True  # a model passes this forward pass's `layer_outputs`
 
     def forward(self, x: torch.Tensor, *, memory_state=None,
                 attention_mask: torch.Tensor | None = None, positions: torch.Tensor | None = None,
