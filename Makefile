@@ -45,7 +45,7 @@ demo: setup
 	$(VENV)/bin/memattn demo --attention $(DEMO_ATTENTION)
 
 test: setup
-	$(PY) -m ruff check memattn tests benchmarks
+	$(PY) -m ruff check memattn research tests benchmarks
 	$(PY) -m pytest -q -n 2 --durations=15
 
 # The pins beyond torch and Triton, for set-ups elsewhere: `pins` for the GPU machine's wheels

@@ -13,7 +13,7 @@ fp32, B=4, H=8, D=64 (K = V), M=32 slots.
   Median of many steps.
 
 The script re-runs itself with OMP_WAIT_POLICY=PASSIVE and glibc malloc tunables that keep
-freed memory in the process (`memattn.bench.timing.ENV`), unless --no-env-tuning: on a machine whose
+freed memory in the process (`research.bench.timing.ENV`), unless --no-env-tuning: on a machine whose
 vCPUs share one core, spinning OpenMP workers stall each other on every small parallel
 region, and large tensors returned to the kernel are page-faulted in again on each call.
 Both settings apply to softmax and ABC alike. The op's tests run first; a failure stops the
@@ -33,7 +33,7 @@ import sys
 import time
 from pathlib import Path
 
-from memattn.bench.timing import ENV, median_times, reexec_tuned
+from research.bench.timing import ENV, median_times, reexec_tuned
 
 B, H, D, M = 4, 8, 64, 32
 NOTES = [

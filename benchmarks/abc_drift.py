@@ -31,7 +31,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 import memattn.ops.abc.chunked as chunked  # noqa: E402
-from memattn.bench.timing import median_times  # noqa: E402
+from research.bench.timing import median_times  # noqa: E402
 from memattn.ops.abc import abc_attention  # noqa: E402
 
 B, H, D, M = 4, 8, 64, 32

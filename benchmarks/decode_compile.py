@@ -23,8 +23,8 @@ from pathlib import Path
 
 import torch
 
-from memattn.bench.common import Choice, parse_choice
-from memattn.bench.report import BASELINE
+from research.bench.common import Choice, parse_choice
+from research.bench.report import BASELINE
 from memattn.config import AttentionConfig, ModelConfig
 from memattn.generate import decoding_step
 from memattn.layers import mechanisms

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from memattn.bench.timing import median_time, peak_allocated
+from research.bench.timing import median_time, peak_allocated
 from memattn.layers import LayerSpec, build_attention
 from memattn.layers.base import memory_layout
 

@@ -326,7 +326,7 @@ def measure(c: dict, args: argparse.Namespace, peers: dict, peaks: tuple[float, 
     """The configuration's row: status ok / oom / error / skipped, ms, rates."""
     import torch
 
-    from memattn.bench.timing import failure, release
+    from research.bench.timing import failure, release
 
     row = dict(c)
     try:
@@ -355,7 +355,7 @@ def measure(c: dict, args: argparse.Namespace, peers: dict, peaks: tuple[float, 
 def peer_ops() -> dict:
     import torch
 
-    from memattn.bench.peers import fla_chunk_abc
+    from research.bench.peers import fla_chunk_abc
 
     peers = {}
     try:
@@ -497,7 +497,7 @@ def main(argv: list[str] | None = None) -> None:
         run_tests()
     import triton
 
-    from memattn.bench.settings import device_slug
+    from research.bench.settings import device_slug
 
     device = torch.device("cuda")
     if args.scan_stages is not None:

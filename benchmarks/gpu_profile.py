@@ -47,8 +47,8 @@ if str(ROOT) not in sys.path:
 
 from benchmarks.gpu_kernels import cuda_ms  # noqa: E402  (the same timing as there)
 from benchmarks.kernel_model import GPUS, bound_us, chunked, gpu_of, op_bytes  # noqa: E402
-from memattn.bench.peers import fla_chunk_abc  # noqa: E402
-from memattn.bench.settings import device_slug  # noqa: E402
+from research.bench.peers import fla_chunk_abc  # noqa: E402
+from research.bench.settings import device_slug  # noqa: E402
 from memattn.ops.abc import abc_attention  # noqa: E402
 
 

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # A virtual environment with memattn and every peer library `memattn bench` measures beside it
-# (memattn/bench/peers.py). `make setup` puts the pure-Python ones in .venv too; this one adds
+# (research/bench/peers.py). `make setup` puts the pure-Python ones in .venv too; this one adds
 # pytorch-fast-transformers, which only builds from source.
 #
 #     benchmarks/peers_setup.sh [VENV]        # default .venv-peers; or `make bench-peers`
@@ -56,8 +56,8 @@ fi
 "$PY" -m pip check
 "$PY" - <<'EOF'
 import torch
-from memattn.bench import peers
-from memattn.bench.settings import LMShape
+from research.bench import peers
+from research.bench.settings import LMShape
 from memattn.layers.base import LayerSpec
 
 print(f"torch {torch.__version__}")

@@ -1,4 +1,4 @@
-"""`memattn bench` (memattn.bench): state bytes against their closed forms, ratios to softmax,
+"""`memattn bench` (research.bench): state bytes against their closed forms, ratios to softmax,
 the files and metadata written, failures recorded, peers skipped, one-line errors."""
 
 import json
@@ -6,11 +6,11 @@ import json
 import pytest
 import torch
 
-from memattn.bench import report
-from memattn.bench.peers import fla_chunk_abc
-from memattn.bench.report import Row, add_ratios
-from memattn.bench.settings import sizes_for
-from memattn.bench.timing import failure
+from research.bench import report
+from research.bench.peers import fla_chunk_abc
+from research.bench.report import Row, add_ratios
+from research.bench.settings import sizes_for
+from research.bench.timing import failure
 from memattn.cli import main
 from memattn.layers.linear import LinearAttention
 

@@ -1,4 +1,4 @@
-"""memattn.bench.peers: peer libraries skipped with their reasons where missing, their rows
+"""research.bench.peers: peer libraries skipped with their reasons where missing, their rows
 and memattn/peer ratios in the benchmark tables, and each installed peer computing memattn's
 function (`make setup` installs all but pytorch-fast-transformers; benchmarks/peers_setup.sh
 builds that one too)."""
@@ -9,9 +9,9 @@ import sys
 import pytest
 import torch
 
-from memattn.bench import peers
-from memattn.bench.report import Metric, Result, Row, Section, add_ratios, fmt_rate, markdown
-from memattn.bench.settings import LMShape
+from research.bench import peers
+from research.bench.report import Metric, Result, Row, Section, add_ratios, fmt_rate, markdown
+from research.bench.settings import LMShape
 from memattn.cli import main
 from memattn.layers.base import LayerSpec, build_attention
 from memattn.ops import abc_attention

@@ -191,7 +191,7 @@ class World:
         """A translation run trained one step (a few seconds, made once)."""
         if self._translation is None:
             pytest.importorskip("tokenizers")
-            from memattn.experiments.abc_mt import quick_pairs
+            from research.experiments.abc_mt import quick_pairs
 
             root = self.root / "mt"
             data = quick_pairs(root / "pairs")

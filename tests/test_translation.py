@@ -19,7 +19,7 @@ from conftest import train_crashing_at
 from memattn.cli import main
 from memattn.config import load_config
 from memattn.errors import ConfigError
-from memattn.experiments.abc_mt import quick_pairs
+from research.experiments.abc_mt import quick_pairs
 from memattn.train import model_from_checkpoint, train
 from memattn.translation import pair_batch, score_translations, smoothed_loss
 

@@ -1,11 +1,11 @@
-"""`memattn bench`: every mechanism measured against softmax in one run (memattn.bench)."""
+"""`memattn bench`: every mechanism measured against softmax in one run (research.bench)."""
 
 from __future__ import annotations
 
 import sys
 import time
 
-from memattn.cli.common import non_negative_int, positive_int
+from memattn.cli.common import non_negative_int, positive_int, research
 from memattn.errors import ConfigError
 
 
@@ -14,8 +14,9 @@ def cmd_bench(args) -> int:
 
     import torch
 
-    from memattn.bench import make_settings, run_benchmarks
-    from memattn.bench.timing import reexec_tuned
+    research()
+    from research.bench import make_settings, run_benchmarks
+    from research.bench.timing import reexec_tuned
 
     names, settings = make_settings(
         args.targets, attention=args.attention or [], device=args.device, dtype=args.dtype,
@@ -73,6 +74,6 @@ def add_commands(sub) -> None:
     b.add_argument("--threads", type=non_negative_int, default=0, help="torch threads on CPU (default: torch's choice)")
     b.add_argument("--no-env-tuning", action="store_true",
                    help="on CPU, do not re-run with OMP_WAIT_POLICY=PASSIVE and the glibc malloc settings "
-                   "of memattn.bench.timing.ENV (measure the environment as it is)")
+                   "of research.bench.timing.ENV (measure the environment as it is)")
     b.add_argument("--quiet", action="store_true", help="no progress bar")
     b.set_defaults(fn=cmd_bench)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
+import sys
 from pathlib import Path
 
 from memattn.errors import ConfigError, MemattnError, UsageError
@@ -254,3 +255,21 @@ def progress_bar(label: str, unit: str, *, quiet: bool = False, delay: float = 2
     finally:
         if bar is not None:
             bar.close()
+
+
+def research():
+    """The research harness beside memattn in a clone of its repository (research/: the
+    experiments, the benchmark drivers), made importable; ConfigError where this memattn is
+    installed without one."""
+    import importlib
+
+    import memattn
+
+    root = Path(memattn.__file__).resolve().parent.parent
+    if (root / "research" / "__init__.py").is_file() and str(root) not in sys.path:
+        sys.path.insert(0, str(root))
+    try:
+        return importlib.import_module("research")
+    except ModuleNotFoundError:
+        raise ConfigError("the experiments and benchmark drivers run from a clone of memattn's repository "
+                          "(research/ beside memattn/); this installation has none") from None

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from memattn.cli.common import OVERRIDES_HELP, int_at_least, with_config
+from memattn.cli.common import OVERRIDES_HELP, int_at_least, research, with_config
 from memattn.errors import ConfigError, MemattnError
 
 
@@ -18,9 +18,11 @@ def cmd_demo(args) -> int:
 
 
 def cmd_experiment(args) -> int:
-    from memattn.experiments import get_experiment
-    from memattn.experiments._common import running
     from memattn.fileio import output_lock
+
+    research()
+    from research.experiments import get_experiment
+    from research.experiments._common import running
 
     module = get_experiment(args.name)
     out_dir = Path(args.out_dir or f"results/{args.name}")
@@ -54,7 +56,11 @@ def holds_full_results(out_dir: Path) -> bool:
 
 
 def _experiment_list() -> str:
-    from memattn.experiments import experiments
+    try:
+        research()
+    except ConfigError:
+        return "none in this installation (they run from a clone of the repository)"
+    from research.experiments import experiments
 
     return "; ".join(f"{name}: {m.DESCRIPTION}" for name, m in experiments().items()) or "none yet"
 

@@ -1,4 +1,4 @@
-"""Tests of memattn.data.bible: parse_diatheke, align, split_by_book, prepare_bible and the
+"""Tests of research.data.bible: parse_diatheke, align, split_by_book, prepare_bible and the
 installation of its Debian packages.
 
 Nothing here runs diatheke or apt-get: the texts below are written in the form diatheke
@@ -13,8 +13,8 @@ import subprocess
 
 import pytest
 
-from memattn.data import bible
-from memattn.data.bible import (
+from research.data import bible
+from research.data.bible import (
     BOOKS,
     OLD_TESTAMENT,
     PACKAGES,

@@ -8,11 +8,11 @@ import pytest
 import torch
 from conftest import run_quick_lm_experiment
 
-from memattn.experiments import get_experiment
-from memattn.experiments._lm_common import (by_position_buckets, by_position_lines, jobs_of,
+from research.experiments import get_experiment
+from research.experiments._lm_common import (by_position_buckets, by_position_lines, jobs_of,
                                              summarise)
-from memattn.experiments._runner import SPEED_FILE, Job
-from memattn.experiments.abc_lm import (FULL, MEASURE, MODELS, QUICK, QUICK_MODELS, findings,
+from research.experiments._runner import SPEED_FILE, Job
+from research.experiments.abc_lm import (FULL, MEASURE, MODELS, QUICK, QUICK_MODELS, findings,
                                         markdown)
 from memattn.train import load_run_corpus, model_from_checkpoint
 
@@ -88,7 +88,7 @@ def test_the_table_holds_each_models_figures_against_softmax():
 
 
 def test_speeds_are_measured_again_only_when_the_runs_change(text_file, tmp_path, monkeypatch):
-    import memattn.experiments._lm_common as lm
+    import research.experiments._lm_common as lm
 
     out, _ = run_quick_lm_experiment("abc-lm", text_file, tmp_path)
     calls = []

@@ -5,9 +5,9 @@ import json
 
 import pytest
 
-from memattn.experiments import get_experiment
-from memattn.experiments._runner import SPEED_FILE
-from memattn.experiments.abc_mt import (FIGURE_1, FULL, MODELS, QUICK_MODELS, findings, grid_cells, grid_note,
+from research.experiments import get_experiment
+from research.experiments._runner import SPEED_FILE
+from research.experiments.abc_mt import (FIGURE_1, FULL, MODELS, QUICK_MODELS, findings, grid_cells, grid_note,
                                         jobs_of, quick_pairs)
 
 pytest.importorskip("sacrebleu")

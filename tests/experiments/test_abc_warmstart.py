@@ -7,9 +7,9 @@ import pytest
 import torch
 from conftest import run_quick_lm_experiment
 
-from memattn.experiments._lm_common import jobs_of
-from memattn.experiments._runner import run_dir_of
-from memattn.experiments.abc_warmstart import ON_STEPS, TRUNK, findings, models_of
+from research.experiments._lm_common import jobs_of
+from research.experiments._runner import run_dir_of
+from research.experiments.abc_warmstart import ON_STEPS, TRUNK, findings, models_of
 from memattn.masked import mask_tokens
 from memattn.train import load_run_corpus, model_from_checkpoint
 

@@ -1,4 +1,4 @@
-"""memattn.experiments.gmat_majority and gmat_mlm: the task generator, settings, and a
+"""research.experiments.gmat_majority and gmat_mlm: the task generator, settings, and a
 quick run of each end to end."""
 
 from __future__ import annotations
@@ -9,9 +9,9 @@ import pytest
 import torch
 
 from memattn.errors import ConfigError
-from memattn.experiments import get_experiment
+from research.experiments import get_experiment
 from memattn.typed import parse_settings
-from memattn.experiments.gmat_majority import Settings, majority_batch
+from research.experiments.gmat_majority import Settings, majority_batch
 
 
 def test_both_are_registered_experiments():

@@ -1,4 +1,4 @@
-"""memattn.experiments.gmat_majority: chaining a MAJORITY(512, 1) model to longer
+"""research.experiments.gmat_majority: chaining a MAJORITY(512, 1) model to longer
 sequences, and the curriculum settings."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import torch
 
 from memattn.errors import ConfigError
 from memattn.typed import parse_settings
-from memattn.experiments.gmat_majority import Settings, build_model, start_from
+from research.experiments.gmat_majority import Settings, build_model, start_from
 
 
 def test_chaining_copies_the_trained_block_row_to_every_new_block():

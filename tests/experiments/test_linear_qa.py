@@ -1,4 +1,4 @@
-"""memattn.experiments.linear_qa: settings, and a quick run end to end."""
+"""research.experiments.linear_qa: settings, and a quick run end to end."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ import json
 import pytest
 
 from memattn.errors import ConfigError
-from memattn.experiments import get_experiment
-from memattn.experiments.linear_qa import QUICK, Settings, parse_settings
+from research.experiments import get_experiment
+from research.experiments.linear_qa import QUICK, Settings, parse_settings
 
 
 def test_is_registered_as_an_experiment():
@@ -71,8 +71,8 @@ def test_quick_run_trains_to_convergence_resumably_and_writes_its_results(tmp_pa
 
 def test_an_interrupted_run_resumes_to_the_same_figures(tmp_path, monkeypatch):
     import memattn.checkpoint
-    from memattn.experiments._runner import Job
-    from memattn.experiments.linear_qa import train_job
+    from research.experiments._runner import Job
+    from research.experiments.linear_qa import train_job
 
     settings = tuple(f"{k}={list(v) if isinstance(v, tuple) else v}" for k, v in QUICK.items()) + (
         "steps=30", "patience=5", "test_docs=16", "variants=[linear]", "seed=0")
@@ -102,7 +102,7 @@ def test_an_interrupted_run_resumes_to_the_same_figures(tmp_path, monkeypatch):
 
 
 def test_findings_rank_the_variants_and_weigh_gaps_against_the_seeds_spread():
-    from memattn.experiments.linear_qa import findings
+    from research.experiments.linear_qa import findings
 
     def variant(accuracy, spread, **extra):
         return {"accuracy": accuracy, "accuracy_spread": spread, "accuracy_long": accuracy / 2,

@@ -6,8 +6,8 @@ import pytest
 from conftest import run_quick_lm_experiment
 
 from memattn.evaluate import as_tensor, evaluate_by_length
-from memattn.experiments._lm_common import LENGTH_FACTORS
-from memattn.experiments._runner import Job
+from research.experiments._lm_common import LENGTH_FACTORS
+from research.experiments._runner import Job
 from memattn.train import load_run_corpus, model_from_checkpoint
 
 

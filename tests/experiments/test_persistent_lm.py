@@ -8,8 +8,8 @@ import pytest
 from conftest import run_quick_lm_experiment
 
 from memattn.analysis import learned_spans
-from memattn.experiments import _lm_common, get_experiment
-from memattn.experiments._runner import CHECKPOINT_FILE, STAND_IN, Job
+from research.experiments import _lm_common, get_experiment
+from research.experiments._runner import CHECKPOINT_FILE, STAND_IN, Job
 from memattn.train import model_from_checkpoint
 
 

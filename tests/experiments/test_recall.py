@@ -1,5 +1,5 @@
 """memattn.data.recall (MQAR and passkey generators, answer scoring) and
-memattn.experiments.recall (sizing, settings, a quick run end to end)."""
+research.experiments.recall (sizing, settings, a quick run end to end)."""
 
 from __future__ import annotations
 
@@ -13,8 +13,8 @@ import torch
 from memattn.config import AttentionConfig
 from memattn.data.recall import RecallVocab, answer_hits, answer_loss, mqar_batch, passkey_batch
 from memattn.errors import ConfigError
-from memattn.experiments import get_experiment
-from memattn.experiments.recall import (
+from research.experiments import get_experiment
+from research.experiments.recall import (
     NAME,
     QUICK,
     Settings,
@@ -179,7 +179,7 @@ def test_quick_run_writes_the_table_plot_and_command_and_reuses_finished_models(
 
 
 def test_an_interrupted_model_resumes_from_its_checkpoint_to_the_same_row(tmp_path, monkeypatch):
-    import memattn.experiments.recall as recall
+    import research.experiments.recall as recall
 
     s = parse_settings(Settings, ["mechanisms=[abc-window]"], QUICK, name=NAME)
     (planned,), _ = plan(s)

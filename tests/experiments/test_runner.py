@@ -1,4 +1,4 @@
-"""memattn.experiments._runner: experiments continue across sittings (killed, then run again),
+"""research.experiments._runner: experiments continue across sittings (killed, then run again),
 reuse finished models, refuse folders made with other settings; through `memattn experiment`."""
 
 import io
@@ -14,8 +14,8 @@ import pytest
 
 from memattn.errors import ConfigError
 from memattn.config import load_config
-from memattn.experiments import _runner as runner
-from memattn.experiments._runner import (CHECKPOINT_FILE, STAND_IN, Job, Progress, finished_row,
+from research.experiments import _runner as runner
+from research.experiments._runner import (CHECKPOINT_FILE, STAND_IN, Job, Progress, finished_row,
                                          measured_side_by_side, run_dir_of, run_jobs)
 from memattn.train import model_from_checkpoint
 
@@ -153,7 +153,7 @@ def test_a_partial_table_that_fails_stops_no_model(tmp_path, capsys):
 def test_a_row_without_its_log_is_tabled_without_a_curve(tmp_path, capsys):
     """A finished row whose log is in neither its run folder nor logs/ (e.g. copied from
     another experiment) is tabled; its learning curve is left out, and said so."""
-    from memattn.experiments._runner import run_experiment
+    from research.experiments._runner import run_experiment
 
     jobs = [Job("logged", ("train.seed=0",)), Job("copied", ("train.seed=1",))]
     for job in jobs:
@@ -195,7 +195,7 @@ def test_jobs_is_refused_by_single_process_experiments(tmp_path, capsys):
 
 
 def test_the_setup_line_gives_each_key_once_with_the_value_that_holds():
-    from memattn.experiments._common import setup_line
+    from research.experiments._common import setup_line
 
     line = setup_line(["model.d_model=128", "train.steps=1500", "attention=softmax", "train.steps=500"])
     assert line.endswith("`model.d_model=128 train.steps=500 attention=softmax`")

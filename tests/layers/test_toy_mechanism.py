@@ -163,10 +163,10 @@ def test_cross_attention_of_the_toy_comes_from_its_registration(toy):
 
 
 def test_the_benchmarks_and_the_recall_experiment_take_the_toy(toy, tmp_path):
-    from memattn.bench import encode
-    from memattn.bench.common import chosen_mechanisms
-    from memattn.bench.settings import BenchSettings, sizes_for
-    from memattn.experiments.recall import NAME as RECALL, QUICK, Settings, plan
+    from research.bench import encode
+    from research.bench.common import chosen_mechanisms
+    from research.bench.settings import BenchSettings, sizes_for
+    from research.experiments.recall import NAME as RECALL, QUICK, Settings, plan
     from memattn.typed import parse_settings
 
     cpu = torch.device("cpu")

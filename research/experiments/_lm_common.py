@@ -12,7 +12,7 @@ from typing import Any, Callable
 
 import torch
 
-from memattn.experiments._runner import (STAND_IN, Job, finished_row, measured_side_by_side, run_experiment, side_by_side_note)
+from research.experiments._runner import (STAND_IN, Job, finished_row, measured_side_by_side, run_experiment, side_by_side_note)
 
 # (row, mechanism, options, seeds); an option whose key has a dot is a setting of the run
 # itself (e.g. "train.segments"), the others are the mechanism's (attention.KEY)
@@ -139,7 +139,7 @@ def train_speed(model, cfg, ids: torch.Tensor, steps: int = SPEED_STEPS) -> floa
     terms, on a batch of the run's shape from ids."""
     import torch.nn.functional as F
 
-    from memattn.experiments._common import training_tokens_per_s
+    from research.experiments._common import training_tokens_per_s
 
     tc = cfg.train
     window = ids[:tc.batch_size * (tc.seq_len + 1)].view(tc.batch_size, tc.seq_len + 1)

@@ -3,7 +3,7 @@ decoder's causal and cross attention replaced by bounded memories of separate si
 
 Encoder-decoders on English → Spanish verse pairs of the Bible (World English Bible and
 Reina-Valera 1909, Debian's sword-text-web and sword-text-sparv read with diatheke; split by
-book, `memattn.data.bible`), a joint BPE vocabulary, label smoothing. Every model has the same
+book, `research.data.bible`), a joint BPE vocabulary, label smoothing. Every model has the same
 trunk and trains the same steps on the same batches; the encoder is softmax except in
 MLP-exp-all. Rows (cross / causal memory sizes): softmax BASE; ABC_MLP 32/32 and 32/8;
 Linformer, ABC_RD, window and cluster at 32/32; ABC_MLP with relu and sigmoid control at 32/8;
@@ -16,7 +16,7 @@ and chrF of beam-search translations. Once every model is trained, all are timed
 (training tokens/s) and, for BASE and ABC_MLP 32/8 (Figure 1), the time to decode a sentence
 and the bytes of the decoding state (self and cross memories) against the output length.
 
-Each model is a run folder under out_dir/runs/ (`memattn.experiments._runner`): running the
+Each model is a run folder under out_dir/runs/ (`research.experiments._runner`): running the
 experiment again reuses finished models and resumes the others; `--jobs N` trains N at once.
 `--quick` uses a small generated language pair instead of the Bible. Written to out_dir:
 results.json, results.md, learning_curves.png, decoding.png, logs/.
@@ -31,8 +31,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from memattn.experiments._common import save_figure, setup_line
-from memattn.experiments._runner import Job, measured_side_by_side, run_experiment, side_by_side_note
+from research.experiments._common import save_figure, setup_line
+from research.experiments._runner import Job, measured_side_by_side, run_experiment, side_by_side_note
 
 DESCRIPTION = ("bounded-memory control (Peng et al. 2022) in translation: bounded cross and causal "
                "memories of separate sizes against softmax, with BLEU, on English-Spanish Bible verses")
@@ -163,7 +163,7 @@ def side_by_side(out_dir: Path, jobs: list[Job], *, profiled: tuple[str, ...], l
     weights, so runs whose checkpoint is gone are measured on stand-ins)."""
     import torch
 
-    from memattn.experiments._common import training_tokens_per_s
+    from research.experiments._common import training_tokens_per_s
     from memattn.train import model_from_checkpoint
     from memattn.translation import TranslationTask
 
@@ -223,12 +223,12 @@ def quick_pairs(folder: Path, seed: int = 0) -> Path:
 
 def data_settings(out_dir: Path, quick: bool, overrides: list[str]) -> list[str]:
     """The data of the experiment: what the overrides name, else (quick) a generated pair, else
-    the Bible (prepared and cached by `memattn.data.bible`, installing its packages)."""
+    the Bible (prepared and cached by `research.data.bible`, installing its packages)."""
     if any(o.split("=", 1)[0] in ("data.path", "data.source", "data.name") for o in overrides):
         return []
     if quick:
         return [f"data.path={quick_pairs(Path(out_dir) / 'data')}"]
-    from memattn.data.bible import prepare_bible
+    from research.data.bible import prepare_bible
 
     return [f"data.path={prepare_bible('.cache/memattn')}"]
 

@@ -16,10 +16,10 @@ import math
 
 import torch
 
-from memattn.bench.common import Progress
-from memattn.bench.report import BASELINE, Metric, Result, Row, Section, fmt_bytes, fmt_ms, fmt_us
-from memattn.bench.settings import BenchSettings
-from memattn.bench.timing import failure, median_time, median_times, release
+from research.bench.common import Progress
+from research.bench.report import BASELINE, Metric, Result, Row, Section, fmt_bytes, fmt_ms, fmt_us
+from research.bench.settings import BenchSettings
+from research.bench.timing import failure, median_time, median_times, release
 from memattn.ops import softmax_attention
 from memattn.representations import encode, lookup
 

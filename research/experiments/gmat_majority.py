@@ -56,8 +56,8 @@ import torch.nn.functional as F
 
 from memattn.config import AttentionConfig, ModelConfig
 from memattn.errors import ConfigError
-from memattn.experiments import single_process
-from memattn.experiments._common import command_of, plot_curves, train_steps, write_results
+from research.experiments import single_process
+from research.experiments._common import command_of, plot_curves, train_steps, write_results
 from memattn.models import Encoder
 from memattn.typed import parse_settings
 

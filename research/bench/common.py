@@ -13,9 +13,9 @@ import torch
 import yaml
 
 import memattn
-from memattn.bench.report import BASELINE, Row
-from memattn.bench.settings import BenchSettings, LMShape
-from memattn.bench.timing import ENV, failure, release
+from research.bench.report import BASELINE, Row
+from research.bench.settings import BenchSettings, LMShape
+from research.bench.timing import ENV, failure, release
 from memattn.config import AttentionConfig, ModelConfig
 from memattn.errors import ConfigError
 from memattn.layers.base import Mechanism, get_mechanism, mechanisms, parse_options

@@ -17,10 +17,10 @@ from __future__ import annotations
 
 import torch
 
-from memattn.bench.common import Progress, choice_label, chosen_mechanisms, measure, model_config
-from memattn.bench.report import Metric, Result, Row, Section, fmt_bytes, fmt_ms, fmt_rate
-from memattn.bench.settings import BenchSettings
-from memattn.bench.timing import median_time, peak_allocated
+from research.bench.common import Progress, choice_label, chosen_mechanisms, measure, model_config
+from research.bench.report import Metric, Result, Row, Section, fmt_bytes, fmt_ms, fmt_rate
+from research.bench.settings import BenchSettings
+from research.bench.timing import median_time, peak_allocated
 from memattn.models import Encoder
 
 NAME = "encode"

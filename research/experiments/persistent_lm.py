@@ -24,12 +24,12 @@ import statistics
 from pathlib import Path
 
 from memattn.config import AttentionConfig, RunConfig, load_config
-from memattn.experiments._common import compare, held_settings, setup_line
-from memattn.experiments._lm_common import (Model, bpc_cell, by_length_lines, copied_note, progress_note,
+from research.experiments._common import compare, held_settings, setup_line
+from research.experiments._lm_common import (Model, bpc_cell, by_length_lines, copied_note, progress_note,
                                             run_lm_experiment, speed_note)
 # abc-lm's trunk and budget, so that its softmax rows are this experiment's transformer rows;
 # `overrides` from the command line replace the defaults they name, as there
-from memattn.experiments.abc_lm import FULL, MEASURE, QUICK
+from research.experiments.abc_lm import FULL, MEASURE, QUICK
 from memattn.models import CausalLM
 
 DESCRIPTION = ("persistent memory vs feed-forward (Sukhbaatar et al. 2019): transformer, "

@@ -10,15 +10,15 @@ Four benchmarks, one module each (its docstring says exactly what it measures):
 
 Mechanisms join from the registry (`memattn.layers.mechanisms()`); only softmax, the
 baseline, is named. Peer libraries, where installed, join decode and train as rows
-marked "(peer)" beside the mechanism they compute (`memattn.bench.peers`), with memattn's
+marked "(peer)" beside the mechanism they compute (`research.bench.peers`), with memattn's
 figure over theirs. Each benchmark writes <name>.json, <name>.md and <name>.png under the
 output folder; every figure is also given as its ratio to softmax measured in the same run.
 A configuration that runs out of memory or fails is recorded ("oom" / "error") and the run
-goes on. Sizes: presets per device and for --quick (`memattn.bench.settings`), changed with
+goes on. Sizes: presets per device and for --quick (`research.bench.settings`), changed with
 SECTION.FIELD=VALUE overrides.
 
-Shared instruments: `memattn.bench.timing` (environment, medians, peak memory),
-`memattn.bench.report` (ratios, tables, plots).
+Shared instruments: `research.bench.timing` (environment, medians, peak memory),
+`research.bench.report` (ratios, tables, plots).
 """
 
 from __future__ import annotations
@@ -27,9 +27,9 @@ import time
 from pathlib import Path
 from types import ModuleType
 
-from memattn.bench import decode, encode, lookup, report, train
-from memattn.bench.common import Progress, chosen_mechanisms, run_metadata
-from memattn.bench.settings import DTYPES, BenchSettings, device_slug, parse_device, sizes_for
+from research.bench import decode, encode, lookup, report, train
+from research.bench.common import Progress, chosen_mechanisms, run_metadata
+from research.bench.settings import DTYPES, BenchSettings, device_slug, parse_device, sizes_for
 from memattn.errors import ConfigError
 
 BENCHMARKS: dict[str, ModuleType] = {"decode": decode, "encode": encode, "train": train, "lookup": lookup}

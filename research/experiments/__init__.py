@@ -10,7 +10,7 @@ Each module here is one experiment, named like the module with '-' for '_' (abc_
 markdown, plots where useful, and the command that made them) under `out_dir`, and returns
 the table. `quick` shrinks it to a smoke test that finishes in about a minute on a CPU.
 `jobs`: models trained at once. Experiments whose models are run folders
-(`memattn.experiments._runner`) continue across sittings and take any `jobs`; the others
+(`research.experiments._runner`) continue across sittings and take any `jobs`; the others
 train in one process and refuse jobs > 1 (`single_process`).
 """
 
@@ -30,7 +30,7 @@ def experiments() -> dict[str, ModuleType]:
     for info in pkgutil.iter_modules([str(Path(__file__).parent)]):
         if info.name.startswith("_"):
             continue
-        module = importlib.import_module(f"memattn.experiments.{info.name}")
+        module = importlib.import_module(f"research.experiments.{info.name}")
         if hasattr(module, "run"):
             found[info.name.replace("_", "-")] = module
     return dict(sorted(found.items()))

@@ -12,7 +12,7 @@ tokens a step):
   (CUDA) and its pure-PyTorch `naive_recurrent_abc`, on the same q, k, v [B, T, H, D] and
   slot logits s [B, T, H, M].
 
-Peers (`memattn.bench.peers`), where installed: after each mechanism that has one, the
+Peers (`research.bench.peers`), where installed: after each mechanism that has one, the
 peer's layer in the layer rows, and in the LM rows memattn's LM with every attention layer
 replaced by the peer's (x-transformers' memory tokens: its own LM of the same shape).
 
@@ -25,12 +25,12 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from memattn.bench.common import Choice, Progress, chosen_mechanisms, describe_lm, measure, model_config
-from memattn.bench.peers import (FLA_ABC, FLA_NAIVE_ABC, Peer, PeerUnavailable, fla_chunk_abc,
+from research.bench.common import Choice, Progress, chosen_mechanisms, describe_lm, measure, model_config
+from research.bench.peers import (FLA_ABC, FLA_NAIVE_ABC, Peer, PeerUnavailable, fla_chunk_abc,
                                  fla_naive_abc, peer_lm, peer_reason, peers_of)
-from memattn.bench.report import BASELINE, Metric, Result, Row, Section, fmt_bytes, fmt_rate
-from memattn.bench.settings import BenchSettings
-from memattn.bench.timing import median_time, peak_allocated
+from research.bench.report import BASELINE, Metric, Result, Row, Section, fmt_bytes, fmt_rate
+from research.bench.settings import BenchSettings
+from research.bench.timing import median_time, peak_allocated
 from memattn.layers.base import LayerSpec, build_attention
 from memattn.models import CausalLM
 from memattn.ops import abc_attention, softmax_attention

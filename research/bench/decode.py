@@ -11,7 +11,7 @@ context c, the bytes of the state tensors every layer holds (softmax: the keys a
 used so far; bounded mechanisms: their fixed-size memory), divided by B. On CUDA also the
 peak of `torch.cuda.max_memory_allocated` over the timed steps, above the model's weights.
 
-Peers (`memattn.bench.peers`), where installed: after each mechanism that has one, the same
+Peers (`research.bench.peers`), where installed: after each mechanism that has one, the same
 LM with every attention layer replaced by the peer's, decoding through the peer's own cache
 (x-transformers' memory tokens: its own LM, which has no cache and runs the prefix again);
 state: the bytes of the tensors that cache holds.
@@ -25,11 +25,11 @@ import time
 
 import torch
 
-from memattn.bench.common import Choice, Progress, chosen_mechanisms, describe_lm, measure, model_config
-from memattn.bench.peers import Peer, PeerUnavailable, peer_lm, peer_reason, peers_of
-from memattn.bench.report import Metric, Result, Row, Section, fmt_bytes, fmt_ms
-from memattn.bench.settings import BenchSettings
-from memattn.bench.timing import failure, synchronize
+from research.bench.common import Choice, Progress, chosen_mechanisms, describe_lm, measure, model_config
+from research.bench.peers import Peer, PeerUnavailable, peer_lm, peer_reason, peers_of
+from research.bench.report import Metric, Result, Row, Section, fmt_bytes, fmt_ms
+from research.bench.settings import BenchSettings
+from research.bench.timing import failure, synchronize
 from memattn.models import CausalLM
 
 NAME = "decode"

@@ -27,13 +27,13 @@ from __future__ import annotations
 import functools
 from pathlib import Path
 
-from memattn.experiments._common import command_of, compare, setup_line
-from memattn.experiments._lm_common import (Model, bpc_cell, jobs_of, measure, progress_note,
+from research.experiments._common import command_of, compare, setup_line
+from research.experiments._lm_common import (Model, bpc_cell, jobs_of, measure, progress_note,
                                             run_lm_experiment, speed_note)
-from memattn.experiments._runner import finished_row, run_dir_of, run_experiment, source_run
-from memattn.experiments.abc_lm import FULL as ABC_LM_FULL
-from memattn.experiments.abc_lm import MEASURE
-from memattn.experiments.abc_lm import QUICK as ABC_LM_QUICK
+from research.experiments._runner import finished_row, run_dir_of, run_experiment, source_run
+from research.experiments.abc_lm import FULL as ABC_LM_FULL
+from research.experiments.abc_lm import MEASURE
+from research.experiments.abc_lm import QUICK as ABC_LM_QUICK
 
 DESCRIPTION = ("warm start (Peng et al. 2022 §5.3): a pretrained softmax LM converted to ABC_MLP, "
                "Linformer, random control and gated linear attention and trained on, against the "

@@ -35,8 +35,8 @@ import torch.nn.functional as F
 from memattn.config import TrainConfig, to_dict
 from memattn.data.reading import ReadingBatch, ReadingConfig, ReadingTask
 from memattn.errors import ConfigError
-from memattn.experiments._common import command_of, compare, save_figure, write_results
-from memattn.experiments._runner import ROW_FILE, Job, finished_row, run_jobs
+from research.experiments._common import command_of, compare, save_figure, write_results
+from research.experiments._runner import ROW_FILE, Job, finished_row, run_jobs
 from memattn.fileio import atomic_write
 from memattn.models.qa import ATTENTIONS, QAConfig, ReadingQA
 from memattn.ops.softmax import softmax_attention

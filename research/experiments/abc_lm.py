@@ -25,8 +25,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from memattn.experiments._common import compare, held_settings, save_figure, setup_line
-from memattn.experiments._lm_common import (Model, bpc_cell, by_length_lines, by_position_lines,
+from research.experiments._common import compare, held_settings, save_figure, setup_line
+from research.experiments._lm_common import (Model, bpc_cell, by_length_lines, by_position_lines,
                                             progress_note, run_lm_experiment, speed_note)
 
 DESCRIPTION = ("bounded-memory control (Peng et al. 2022): softmax against ABC_MLP, Linformer, "

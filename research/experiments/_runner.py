@@ -370,7 +370,7 @@ def run_experiment(out_dir: Path, name: str, pairs: list[tuple[str, Job]], share
     finished, side_by_side(out_dir, jobs) gives figures measured for all models in one pass
     (e.g. speeds, which depend on what ran beside a worker), by job name: they replace the
     rows' own, and the result says so (`side_by_side`: true); None where it cannot be measured."""
-    from memattn.experiments._common import command_of, plot_curves, write_results
+    from research.experiments._common import command_of, plot_curves, write_results
 
     out_dir = Path(out_dir)
 

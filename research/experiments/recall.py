@@ -54,8 +54,8 @@ import torch
 from memattn.config import AttentionConfig, ModelConfig, TrainConfig
 from memattn.data.recall import RecallVocab, answer_hits, answer_loss, mqar_batch, passkey_batch
 from memattn.errors import ConfigError, ShapeError
-from memattn.experiments._common import command_of, save_figure, write_results
-from memattn.experiments._runner import CHECKPOINT_FILE, ROW_FILE, Job, finished_row, run_jobs
+from research.experiments._common import command_of, save_figure, write_results
+from research.experiments._runner import CHECKPOINT_FILE, ROW_FILE, Job, finished_row, run_jobs
 from memattn.fileio import atomic_write
 from memattn.layers.base import StateSize, get_mechanism, mechanisms
 from memattn.models.lm import CausalLM

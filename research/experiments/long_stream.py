@@ -23,10 +23,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from memattn.experiments._common import held_settings, save_figure, setup_line
-from memattn.experiments._lm_common import (Model, bpc_cell, by_length_lines, progress_note,
+from research.experiments._common import held_settings, save_figure, setup_line
+from research.experiments._lm_common import (Model, bpc_cell, by_length_lines, progress_note,
                                             run_lm_experiment, speed_note)
-from memattn.experiments.abc_lm import FULL, MEASURE, PLAIN, QUICK
+from research.experiments.abc_lm import FULL, MEASURE, PLAIN, QUICK
 
 DESCRIPTION = ("long streams: softmax against write rules that forget (recency, forget rates, gated "
                "slots) and the paper's ABC_MLP, read to 64x the training length, with seeds")

@@ -45,8 +45,8 @@ from memattn.config import AttentionConfig, ModelConfig
 from memattn.data import load_corpus
 from memattn.errors import ConfigError
 from memattn.masked import mask_tokens, windows
-from memattn.experiments import single_process
-from memattn.experiments._common import command_of, plot_curves, train_steps, write_results
+from research.experiments import single_process
+from research.experiments._common import command_of, plot_curves, train_steps, write_results
 from memattn.models import Compressor, Encoder
 from memattn.models.compressor import compress_ids, decompress_ids, save_compressor
 from memattn.typed import parse_settings

@@ -1,0 +1,1 @@
+"""Corpora the experiments build for themselves (the Bible pairs of abc-mt)."""
