@@ -21,7 +21,7 @@ import torch.nn.functional as F
 
 from memattn.config import RunConfig
 from memattn.errors import ConfigError
-from memattn.tasks import EvalOptions, StepLoss, Task
+from memattn.tasks import EvalOptions, StepLoss, Task, refuse_label_smoothing, refuse_transfer
 
 MASK_RATE = 0.15
 
@@ -76,13 +76,8 @@ class MaskedLMTask(Task):
         if cfg.data.corpus == "parallel":
             raise ConfigError("task=mlm: translation reads parallel data (data.corpus=parallel) and only it "
                               "does; a masked LM reads a corpus")
-        if tc.label_smoothing:
-            raise ConfigError(f"train.label_smoothing: smooths the targets of translation runs "
-                              f"(task=translation); a task=mlm run trains on the plain cross-entropy, so "
-                              f"leave it at 0 (got {tc.label_smoothing})")
-        if tc.transfer_steps or tc.lora_rank:
-            raise ConfigError("task=mlm: train.transfer_steps and train.lora_rank are for causal "
-                              "language models (task=lm)")
+        refuse_label_smoothing(cfg)
+        refuse_transfer(cfg)
 
     @classmethod
     def build_model(cls, cfg: RunConfig) -> torch.nn.Module:
@@ -92,16 +87,12 @@ class MaskedLMTask(Task):
 
     @classmethod
     def prepare(cls, cfg: RunConfig, ddp, resume: bool, source) -> "MaskedLMTask":
-        from memattn.data import Vocab
-        from memattn.train import load_run_corpus, read_with_vocab, with_vocab_size
+        from memattn.train import load_task_corpus, with_vocab_size
 
         if source is not None and source.converted:
             raise ConfigError("train.init_from: a converted transformers model trains as a causal LM "
                               "(task=lm); a masked-LM run starts from a memattn masked-LM run")
-        corpus = load_run_corpus(cfg, ddp)
-        if source is not None and source.vocab is not None:
-            corpus = read_with_vocab(corpus, Vocab.from_json(source.vocab), f"the vocabulary of "
-                                     f"train.init_from {cfg.train.init_from}", say=ddp.main)
+        corpus = load_task_corpus(cfg, ddp, source)
         return cls(with_vocab_size(cfg, corpus.vocab.size + cls.extra_symbols), corpus, source)
 
     def __init__(self, cfg: RunConfig, corpus, source=None) -> None:

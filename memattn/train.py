@@ -252,6 +252,18 @@ def load_run_corpus(cfg: RunConfig, ddp: Distributed | None = None):
     return main_rank_first(load, ddp)
 
 
+def load_task_corpus(cfg: RunConfig, ddp: Distributed, source):
+    """The run's corpus, read with the vocabulary of the train.init_from model `source` when it
+    has one (a note on stderr of the characters that vocabulary lacks)."""
+    corpus = load_run_corpus(cfg, ddp)
+    if source is not None and source.vocab is not None:
+        from memattn.data import Vocab
+
+        corpus = read_with_vocab(corpus, Vocab.from_json(source.vocab), f"the vocabulary of "
+                                 f"train.init_from {cfg.train.init_from}", say=ddp.main)
+    return corpus
+
+
 def main_rank_first(load: Callable[[], Any], ddp: Distributed | None) -> Any:
     """load() in this process; under torchrun rank 0 first (it writes the data cache) and the
     other ranks after it, reading that cache."""

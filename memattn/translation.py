@@ -23,7 +23,7 @@ import torch.nn.functional as F
 
 from memattn.config import RunConfig
 from memattn.errors import ConfigError
-from memattn.tasks import EvalOptions, StepLoss, Task
+from memattn.tasks import EvalOptions, StepLoss, Task, refuse_transfer
 
 
 class PairBatch(NamedTuple):
@@ -106,9 +106,7 @@ class TranslationTask(Task):
                               f"and only it does; got data.corpus={cfg.data.corpus!r}")
         if tc.segments or tc.init_from:
             raise ConfigError("task=translation: train.segments and train.init_from are for language models")
-        if tc.transfer_steps or tc.lora_rank:
-            raise ConfigError("task=translation: train.transfer_steps and train.lora_rank are for causal "
-                              "language models (task=lm)")
+        refuse_transfer(cfg)
         if cfg.model.attention_layers:
             raise ConfigError("model.attention_layers: the layers of an encoder-decoder take model.attention "
                               "and model.encoder_attention")

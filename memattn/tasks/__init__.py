@@ -127,6 +127,21 @@ class Task:
         return {}, None
 
 
+def refuse_label_smoothing(cfg) -> None:
+    """ConfigError for train.label_smoothing in a task that trains on the plain cross-entropy."""
+    if cfg.train.label_smoothing:
+        raise ConfigError(f"train.label_smoothing: smooths the targets of translation runs "
+                          f"(task=translation); a task={cfg.task} run trains on the plain cross-entropy, "
+                          f"so leave it at 0 (got {cfg.train.label_smoothing})")
+
+
+def refuse_transfer(cfg) -> None:
+    """ConfigError for the attention transfer and LoRA settings outside causal language models."""
+    if cfg.train.transfer_steps or cfg.train.lora_rank:
+        raise ConfigError(f"task={cfg.task}: train.transfer_steps and train.lora_rank are for causal "
+                          "language models (task=lm)")
+
+
 @dataclass(frozen=True)
 class TaskEntry:
     name: str

@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from memattn.errors import ConfigError
-from memattn.tasks import EvalOptions, StepLoss, Task
+from memattn.tasks import EvalOptions, StepLoss, Task, refuse_label_smoothing
 
 
 class Windows(NamedTuple):
@@ -35,10 +35,7 @@ class LanguageModelTask(Task):
         if cfg.data.corpus == "parallel":
             raise ConfigError("task=lm: translation reads parallel data (data.corpus=parallel) and only it "
                               "does; a language model reads a corpus")
-        if cfg.train.label_smoothing:
-            raise ConfigError(f"train.label_smoothing: smooths the targets of translation runs "
-                              f"(task=translation); a task=lm run trains on the plain cross-entropy, so "
-                              f"leave it at 0 (got {cfg.train.label_smoothing})")
+        refuse_label_smoothing(cfg)
 
     @classmethod
     def build_model(cls, cfg) -> torch.nn.Module:
@@ -55,17 +52,13 @@ class LanguageModelTask(Task):
 
     @classmethod
     def prepare(cls, cfg, ddp, resume: bool, source) -> "LanguageModelTask":
-        from memattn.data import Vocab
         from memattn.evaluate import as_tensor
-        from memattn.train import converted_run, load_run_corpus, read_with_vocab, with_vocab_size
+        from memattn.train import converted_run, load_task_corpus, with_vocab_size
 
         tc = cfg.train
         if source is not None and source.converted:
             cfg = converted_run(cfg, source)
-        corpus = load_run_corpus(cfg, ddp)
-        if source is not None and source.vocab is not None:
-            corpus = read_with_vocab(corpus, Vocab.from_json(source.vocab), f"the vocabulary of "
-                                     f"train.init_from {tc.init_from}", say=ddp.main)
+        corpus = load_task_corpus(cfg, ddp, source)
         cfg = with_vocab_size(cfg, corpus.vocab.size)
         train_ids, val_ids = as_tensor(corpus.train), as_tensor(corpus.val)
         for split, ids in (("training", train_ids), ("validation", val_ids)):
