@@ -733,6 +733,8 @@ CASES = [
          "attention.num_slots=1000000000000"], phrase="GiB of memory available here"),
     Case("cache.reorder out of range", call=lambda w, t, p: small_cache().reorder(torch.tensor([0, 7])),
          status=ShapeError, phrase="row numbers must lie in [0, 2)"),
+    Case("cache.reorder with a negative row", call=lambda w, t, p: small_cache().reorder(torch.tensor([-1, 0])),
+         status=ShapeError, phrase="got -1 to 0"),
     Case("EncoderDecoder.generate(max_new_tokens=0)", call=generate_no_tokens, status=None),
     *[Case(f"{op.__name__} with an int64 query", call=lambda w, t, p, op=op, extra=extra: op(
         torch.ones(1, 3, 2, 4, dtype=torch.long), *[torch.randn(1, 3, 2, 4)] * 2, *extra),

@@ -195,19 +195,21 @@ class ModelCache:
     def reorder(self, indices: torch.Tensor) -> ModelCache:
         """Row b of every state becomes row indices[b] of before (indices [B'] int64, values may
         repeat, B' may differ from B): beams follow their parents. In place; returns self.
-        Row numbers must be integers in [0, B) (checked on the host for indices on the CPU; a
-        GPU's are not read back, which would stall it)."""
+        Row numbers must be integers in [0, B): checked on every device (on a GPU, one small read
+        back per call, as beam search reads its scores anyway), and by a device-side assertion while
+        a CUDA graph is being captured, where nothing can be read back."""
         indices = torch.as_tensor(indices)
         if indices.is_floating_point() or indices.is_complex() or indices.dtype == torch.bool:
             raise ShapeError(f"indices: expected integer row numbers, got dtype {indices.dtype}")
         indices = indices.long()
         if indices.dim() != 1:
             raise ShapeError(f"indices: expected row numbers [B'], got shape {tuple(indices.shape)}")
-        if self.batch is not None and indices.device.type == "cpu" and indices.numel():
-            low, high = int(indices.min()), int(indices.max())
-            if low < 0 or high >= self.batch:
+        if self.batch is not None and indices.numel():
+            if indices.is_cuda and torch.cuda.is_current_stream_capturing():
+                torch._assert_async(((indices >= 0) & (indices < self.batch)).all())
+            elif (bounds := (int(indices.min()), int(indices.max())))[0] < 0 or bounds[1] >= self.batch:
                 raise ShapeError(f"indices: row numbers must lie in [0, {self.batch}) (the rows the cache holds), "
-                                 f"got {low} to {high}")
+                                 f"got {bounds[0]} to {bounds[1]}")
         if self.real is not None:
             self.real = self.real.index_select(0, indices.to(self.real.device))
         for state in self.states:
