@@ -31,23 +31,26 @@ CONTEXTS = (256, 1024, 4096, 16384)  # decoding cost and state measured after th
 SHOWN = (256, 16384)  # the two the table prints
 
 
-def decoding_cost(model, context: int, steps: int = 8, chunk: int = 2048) -> dict[str, float]:
-    """Median ms per decoded token and bytes of the decoding state of `model` (batch 1) after
-    `context` tokens (read in chunks with its cache)."""
+def decoding_costs(models: list, context: int, steps: int = 32, chunk: int = 2048) -> list[dict[str, float]]:
+    """Median ms per decoded token and bytes of the decoding state of each of `models` (batch 1)
+    after `context` tokens (read in chunks with its cache). The models decode side by side, one
+    step of each in turn, so that a change in the machine's load falls on all of them alike."""
     gen = torch.Generator().manual_seed(0)
-    vocab = model.cfg.vocab_size
-    cache = model.init_cache(1)
+    caches, logits, times = [m.init_cache(1) for m in models], [], [[] for _ in models]
     with torch.inference_mode():
-        for start in range(0, context, chunk):
-            logits = model(torch.randint(0, vocab, (1, min(chunk, context - start)), generator=gen), cache=cache)
-        state = cache.nbytes()
-        times = []
+        for model, cache in zip(models, caches):
+            vocab = model.cfg.vocab_size
+            for start in range(0, context, chunk):
+                out = model(torch.randint(0, vocab, (1, min(chunk, context - start)), generator=gen), cache=cache)
+            logits.append(out)
+        states = [cache.nbytes() for cache in caches]
         for _ in range(steps + 1):  # the first step warms up
-            token = logits[:, -1].argmax(-1, keepdim=True)
-            start = time.perf_counter()
-            logits = model(token, cache=cache)
-            times.append(time.perf_counter() - start)
-    return {"ms_per_token": 1e3 * statistics.median(times[1:]), "state_bytes": state}
+            for i, (model, cache) in enumerate(zip(models, caches)):
+                token = logits[i][:, -1].argmax(-1, keepdim=True)
+                start = time.perf_counter()
+                logits[i] = model(token, cache=cache)
+                times[i].append(time.perf_counter() - start)
+    return [{"ms_per_token": 1e3 * statistics.median(t[1:]), "state_bytes": n} for t, n in zip(times, states)]
 
 
 def bpc_at(model, ids, length: int, train_len: int, chars_per_token: float) -> dict:
@@ -87,7 +90,7 @@ def run_demo(preset: str, overrides: list[str], mechanisms: list[str], out_dir: 
 
 def _run_demo(preset: str, overrides: list[str], mechanisms: list[str], out_dir: str,
               warm_steps: int, contexts: tuple[int, ...], overwrite: bool) -> list[dict]:
-    rows = []
+    rows, models = [], []
     base_dir = f"{out_dir}/{mechanisms[0]}"
     shown = [c for c in SHOWN if c in contexts] or list(contexts[-1:])
     for name in mechanisms:
@@ -113,11 +116,14 @@ def _run_demo(preset: str, overrides: list[str], mechanisms: list[str], out_dir:
         prompt = torch.as_tensor(vocab.encode(PROMPT), dtype=torch.long)[None]
         tokens = [t.item() for t in generate(model, prompt, 300, temperature=0.8, seed=0)]
         print(f"\n--- sample ({name}) ---\n{PROMPT}{vocab.decode(tokens)}\n---")
-        cost = {c: decoding_cost(model, c) for c in contexts}
+        models.append(model)
         rows.append({"attention": name, "trained": how, "params": summary["params"],
                      "val_bpc": summary["val"]["bpc"], "test_bpc": test["bpc"], "long_bpc": long,
                      "train_tokens_per_s": summary["tokens_per_s"], "train_s": summary["wall_s"],
-                     "decoding": {str(c): v for c, v in cost.items()}})
+                     "decoding": {}})
+    for c in contexts:
+        for row, cost in zip(rows, decoding_costs(models, c)):
+            row["decoding"][str(c)] = cost
     print_table(rows, shown)
     out = Path(out_dir)
     atomic_write_text(out / "summary.json", json.dumps(rows, indent=2))

@@ -12,6 +12,7 @@ so every slot stays a convex mix of what was written: nothing grows over a long 
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 from memattn.ops.abc.common import check_inplace_state, check_step_inputs
 from memattn.ops.contract import compute_dtype, default_scale
@@ -20,9 +21,8 @@ from memattn.ops.gsa.common import GSAState, check_gates, check_gsa_inputs
 
 def _read(q: torch.Tensor, mem_k: torch.Tensor, mem_v: torch.Tensor, scale: float) -> torch.Tensor:
     """q [B, H, K], mem_k [B, H, M, K], mem_v [B, H, M, V] -> o [B, H, V]: softmax over the
-    slots, as row-times-matrix products (faster on the CPU than einsum at these sizes)."""
-    scores = torch.matmul(q.unsqueeze(-2), mem_k.transpose(-1, -2)) * scale  # [B, H, 1, M]
-    return torch.matmul(torch.softmax(scores, dim=-1), mem_v).squeeze(-2)
+    slots, in one fused call (a query of one token reading M keys and values)."""
+    return F.scaled_dot_product_attention(q.unsqueeze(-2), mem_k, mem_v, scale=scale).squeeze(-2)
 
 
 def _update(state: GSAState, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
