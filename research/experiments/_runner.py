@@ -18,6 +18,7 @@ import concurrent.futures as futures
 import json
 import multiprocessing
 import shutil
+import statistics
 import sys
 import time
 from dataclasses import dataclass
@@ -30,6 +31,7 @@ from memattn.fileio import atomic_write
 ROW_FILE = "row.json"
 CHECKPOINT_FILE = "checkpoint.safetensors"
 SPEED_FILE = "speeds.json"  # timings of every model, taken side by side once all are trained
+SPEED_ROUNDS = 3  # rounds of those timings, every model once in each
 STAND_IN = "stand-in"  # a run folder's model trained one step, timed where the checkpoint is gone
 
 
@@ -282,9 +284,11 @@ def measured_side_by_side(out_dir: Path, jobs: list[Job],
                           measure_one: Callable[[Job, Path], dict[str, Any]], *,
                           stand_ins: bool = False) -> dict[str, dict[str, Any]] | None:
     """measure_one(job, run folder) of every job (from the checkpoint there), by job name,
-    taken one after another in this process on one thread, so that rows compare (a worker's own
-    timings depend on what ran beside it). Kept in out_dir/SPEED_FILE with the jobs' settings
-    and the machine, and taken again only when those change.
+    taken in this process on one thread, so that rows compare (a worker's own timings depend on
+    what ran beside it): SPEED_ROUNDS rounds, each measuring every job in turn, and each figure
+    the median of its rounds, so that a change in the machine's load falls on every job alike.
+    Kept in out_dir/SPEED_FILE with the jobs' settings and the machine, and taken again only
+    when those change.
 
     A fresh clone keeps only the finished runs' rows, not their checkpoints. Where some job's
     checkpoint is not there: with `stand_ins` (the figures are costs that do not depend on the
@@ -299,7 +303,7 @@ def measured_side_by_side(out_dir: Path, jobs: list[Job],
 
     path = Path(out_dir) / SPEED_FILE
     how = {"torch": torch.__version__, "machine": platform.machine(), "cpus": os.cpu_count(), "threads": 1,
-           "settings": {job.name: list(job.settings) for job in jobs}}
+           "rounds": SPEED_ROUNDS, "settings": {job.name: list(job.settings) for job in jobs}}
     if path.exists():
         saved = json.loads(path.read_text())
         if {k: saved.get(k) for k in how} == how:
@@ -313,13 +317,28 @@ def measured_side_by_side(out_dir: Path, jobs: list[Job],
         folders = {job.name: stand_in(run_dir_of(out_dir, job), job) if job.name in missing
                    else run_dir_of(out_dir, job) for job in jobs}
         torch.set_num_threads(1)
-        figures = {job.name: {**measure_one(job, folders[job.name]), "stand_in": job.name in missing}
+        rounds = [{job.name: measure_one(job, folders[job.name]) for job in jobs} for _ in range(SPEED_ROUNDS)]
+        figures = {job.name: {**median_figure([r[job.name] for r in rounds]), "stand_in": job.name in missing}
                    for job in jobs}
     finally:
         torch.set_num_threads(threads)
     text = json.dumps({**how, "speeds": figures}, indent=2) + "\n"
     atomic_write(path, lambda tmp: tmp.write_text(text))
     return figures
+
+
+def median_figure(values: list[Any]) -> Any:
+    """The median of the same figure taken in several rounds: numbers directly, mappings key by
+    key and lists item by item (e.g. a profile over lengths); anything else as the first round
+    took it."""
+    first = values[0]
+    if all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in values):
+        return statistics.median(values)
+    if isinstance(first, dict):
+        return {key: median_figure([v[key] for v in values]) for key in first}
+    if isinstance(first, list) and all(isinstance(v, list) and len(v) == len(first) for v in values):
+        return [median_figure(list(items)) for items in zip(*values)]
+    return first
 
 
 def stand_in(run_dir: Path, job: Job) -> Path:
@@ -342,8 +361,8 @@ def side_by_side_note(result: dict, figures: str, how: str) -> str:
     each run's own."""
     if result.get("side_by_side"):
         stood = [run for run in result["runs"] if run.get("stand_in")]
-        return (f"{figures} were measured once every model was trained, one model after another in one "
-                f"process on one thread (`{SPEED_FILE}`): {how}." + (
+        return (f"{figures} were measured once every model was trained, in one process on one thread, "
+                f"{SPEED_ROUNDS} rounds of every model in turn, the median of each (`{SPEED_FILE}`): {how}." + (
                     f" The trained weights of {len(stood)} of the {result['runs_planned']} runs were no "
                     "longer there (a fresh clone keeps the rows, not the checkpoints); each was measured "
                     "on its model trained one step (with the trained model's learned spans, where it has "

@@ -56,7 +56,7 @@ def test_quick_run_writes_the_table_sweep_and_slot_usage(text_file, tmp_path):
     assert (out / "learning_curves.png").stat().st_size > 1000
     # tokens/s of every run come from one pass once all were trained, kept in speeds.json
     speeds = json.loads((out / SPEED_FILE).read_text())["speeds"]
-    assert result["side_by_side"] and "one model after another in one process" in table
+    assert result["side_by_side"] and "3 rounds of every model in turn" in table
     assert sorted(speeds) == sorted(run["model"] for run in result["runs"])
     for run in result["runs"]:
         assert run["train_tokens_per_s"] == speeds[run["model"]]["train_tokens_per_s"] > 0

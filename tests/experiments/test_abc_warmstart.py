@@ -61,7 +61,7 @@ def test_quick_run_pretrains_then_starts_every_conversion_from_it(text_file, tmp
     table = (out / "results.md").read_text()
     assert "| abc-random, M=8, from scratch |" in table and "The paper found / we measured" in table
     assert "| abc-mlp, M=4, from softmax, transfer, distilled |" in table and "Attention transfer first" in table
-    assert result["side_by_side"] and "measured once every model was trained, one model after another" in table
+    assert result["side_by_side"] and "measured once every model was trained, in one process on one thread, 3 rounds" in table
 
     # the masked-LM half: encoders, started from a pretrained softmax encoder or from scratch
     masked = json.loads((out / "mlm" / "results.json").read_text())

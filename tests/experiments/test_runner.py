@@ -199,3 +199,24 @@ def test_the_setup_line_gives_each_key_once_with_the_value_that_holds():
 
     line = setup_line(["model.d_model=128", "train.steps=1500", "attention=softmax", "train.steps=500"])
     assert line.endswith("`model.d_model=128 train.steps=500 attention=softmax`")
+
+
+def test_side_by_side_figures_are_medians_of_rounds_taking_every_job_in_turn(tmp_path):
+    """Each round measures every job once, in order; each figure is the median of the rounds:
+    a spell of load that slows one round moves no model's figure."""
+    jobs = [Job("a", ("attention=softmax",)), Job("b", ("attention=softmax", "train.seed=1"))]
+    for job in jobs:
+        (run_dir_of(tmp_path, job)).mkdir(parents=True)
+        (run_dir_of(tmp_path, job) / CHECKPOINT_FILE).write_bytes(b"")
+    order, slow = [], {("a", 1): 100.0, ("b", 2): 0.5}  # one spell of load in a's 2nd and b's 3rd round
+
+    def measure(job, folder):
+        order.append(job.name)
+        turn = order.count(job.name) - 1
+        return {"tokens_per_s": slow.get((job.name, turn), 10.0 if job.name == "a" else 20.0),
+                "profile": [{"ms": turn}], "mode": f"round {turn}"}
+
+    figures = measured_side_by_side(tmp_path, jobs, measure)
+    assert order == ["a", "b"] * runner.SPEED_ROUNDS
+    assert figures["a"]["tokens_per_s"] == 10.0 and figures["b"]["tokens_per_s"] == 20.0
+    assert figures["a"]["profile"] == [{"ms": 1}] and figures["a"]["mode"] == "round 0"
