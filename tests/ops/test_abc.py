@@ -377,11 +377,11 @@ def test_abc_one_jump_among_calm_chunks(where, value):
 
 @pytest.mark.parametrize("drift, exact", [(1.5, False), (5.0, True)])
 def test_drifting_logits_halve_the_chunks(monkeypatch, drift, exact):
-    """Logits growing `drift` a token, as a trained recency rate makes them: in a chunk of 64
-    or 32 the normaliser jumps by more than 40 (the exact path's threshold), in one of 16 it
-    does not at 1.5 a token and still does at 5. The op halves its chunks to 16 and takes the
-    exact path only where that is not enough; both match the float64 reference (outputs,
-    final state, gradients)."""
+    """Logits growing `drift` a token, as a trained recency rate makes them: in a half chunk of
+    32 tokens the normaliser grows by more than 40 (the exact path's threshold), in one of 16
+    it does not at 1.5 a token, and in one of 8 it still does at 5. The op halves its chunks
+    (down to 16) and takes the exact path only where that is not enough; both match the
+    float64 reference (outputs, final state, gradients)."""
     import memattn.ops.abc.chunked as chunked
 
     taken, real_exact = [], chunked._Exact

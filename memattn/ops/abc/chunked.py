@@ -14,12 +14,13 @@ General ABC (`bounded_memory_chunked`): w[t, i, m] = φ[i, m] does not depend on
 chunk is two masked matmuls and the boundary memories are a cumulative sum.
 
 ABC_MLP (`abc_chunked`): w[t, i, m] = exp(s[i, m] - log_z[t, m]), log_z = logcumsumexp(s).
-Relative to the end e of the chunk, write_i = exp(s_i - log_z_e) ≤ 1 and
-z_t = exp(log_z_t - log_z_e) ∈ (0, 1] (a cumulative sum of write), so w[t, i] = write_i / z_t:
-one masked matmul per pass, rows scaled by 1 / z_t. That is exact while 1 / z_t stays far
-from overflow, i.e. while log_z grows by less than 40 inside the chunk, the usual case. A
-chunk where it grows more (a logit jumping by 40 or more, as with s of ±1e4) is computed
-again by `_Exact`: each pair i < t is split through a boundary b with i ≤ b ≤ t,
+Relative to the normaliser r at the middle of the chunk (log_z after its first half),
+write_i = exp(s_i - r) and z_t = exp(log_z_t - r) (a cumulative sum of write), so
+w[t, i] = write_i / z_t: one masked matmul per pass, rows scaled by 1 / z_t. That is exact
+while z_t and write_i stay far from overflow and 1 / z_t too, i.e. while log_z grows by less
+than 40 in each half of the chunk, the usual case (logits that drift, as trained forget rates
+make them, grow it by up to 80 over the chunk). A chunk where it grows more (a logit jumping
+by 40 or more, as with s of ±1e4) is computed again by `_Exact`: each pair i < t is split through a boundary b with i ≤ b ≤ t,
 w[t, i] = exp(s_i - log_z_b) · exp(log_z_b - log_z_t), both factors ≤ 1 however large |s|;
 halving the chunk gives the boundaries, log2(C) levels of small matmuls, no [C, C, M] tensor.
 The boundary memories are a cumulative sum relative to the final normaliser while log_z
@@ -40,8 +41,9 @@ from memattn.ops.contract import compute_dtype, default_scale
 
 # Logit of the padding tokens after the end: exp(pad - log_z) = 0, logaddexp(log_z, pad) = log_z.
 _PAD_LOGIT = -1e30
-# Smallest exp(log_z_t - log_z_end) read by the fast path: its inverse, e^40, stays far from
-# overflow, and a write weight lost to underflow (< 1e-38 in float32) weighs < e^40 · 1e-38.
+# Smallest exp(log_z_t - r) read by the fast path (r: log_z at the chunk's middle), and the
+# inverse of the largest: e^±40 stay far from overflow, and a write weight exp(s_i - r) lost to
+# underflow (< 1e-38 in float32) weighs < e^40 · 1e-38 in any w[t, i].
 _MIN_Z = math.exp(-40.0)
 # Chunks are halved (not below _HALVE_DOWN_TO tokens) while more than 1 in _HALVE_AT would
 # take the exact path: with abc-mlp's recency trained (rates up to 0.9 a token) a small LM's
@@ -122,20 +124,22 @@ def abc_chunked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, s: torch.Tens
     while True:
         N = -(-T // C)
         sc = _chunks(s, N, C, _PAD_LOGIT)  # [B, H, N, C, M]
-        log_z_end, log_z_prev, write, keep, inv_z, bad = _normalisers(sc, log_z0)
+        log_z_end, log_z_prev, log_z_mid, write, inv_z, bad = _normalisers(sc, log_z0)
         if C <= _HALVE_DOWN_TO or bad.numel() * _HALVE_AT <= B * H * N:
             break
         C //= 2
     qc = _chunks(q * scale, N, C)  # [B, H, N, C, K]
     kc, vc = _chunks(k, N, C), _chunks(v, N, C)  # [B, H, N, C, K], [B, H, N, C, V]
 
-    # Memories before each chunk, keys and values side by side: [K̃ | Ṽ], and those
-    # memories times keep, [B, H, N, M, K + V] each; mem: the memory after the last token.
-    write_t = write.transpose(-1, -2)  # [B, H, N, M, C]
-    local = torch.cat((write_t @ kc, write_t @ vc), dim=-1)  # [B, H, N, M, K + V], chunk adds
+    # Memories before each chunk, keys and values side by side: [K̃ | Ṽ] [B, H, N, M, K + V],
+    # mem: the memory after the last token. What a chunk adds is weighted relative to its end
+    # (every weight ≤ 1, in every chunk, the exact path's included).
+    write_end = torch.exp(sc - log_z_end[:, :, :, None, :]).transpose(-1, -2)  # [B, H, N, M, C]
+    local = torch.cat((write_end @ kc, write_end @ vc), dim=-1)  # [B, H, N, M, K + V]
     mem0 = torch.cat((k0, v0), dim=-1) if k0 is not None else local.new_zeros(B, H, M, K + V)
-    mem_prev, mem_kept, mem = _boundary_memories(mem0, local, keep, log_z_prev, log_z_end,
-                                                 need_prev=bad.numel() > 0)
+    keep = torch.exp(log_z_prev - log_z_end)  # [B, H, N, M]
+    mem_prev, mem = _boundary_memories(mem0, local, keep, log_z_prev, log_z_end)
+    mem_kept = torch.exp(log_z_prev - log_z_mid)[..., None] * mem_prev  # relative to the middle
     causal_mask = torch.ones(C, C, dtype=torch.bool, device=q.device).tril()  # i ≤ t
 
     # Pass 1, keys -> slots.
@@ -163,33 +167,35 @@ def abc_chunked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, s: torch.Tens
 
 def _normalisers(sc: torch.Tensor, log_z0: torch.Tensor | None):
     """Chunked logits sc [B, H, N, C, M] (and the initial log-normaliser [B, H, M] or None) ->
-    log_z after each chunk and before it [B, H, N, M], the write weights relative to the
-    chunk's end [B, H, N, C, M], keep [B, H, N, M], 1 / z [B, H, N, C, M] and the ids of
-    the chunks (flat over B, H, N) that the fast path cannot take."""
+    log_z after each chunk, before it and at its middle r [B, H, N, M], the write weights
+    relative to r [B, H, N, C, M], 1 / z [B, H, N, C, M] and the ids of the chunks (flat over
+    B, H, N) that the fast path cannot take."""
     log_z_end = torch.logcumsumexp(torch.logsumexp(sc, dim=3), dim=2)
     if log_z0 is not None:
         log_z_end = torch.logaddexp(log_z0[:, :, None], log_z_end)
     start = log_z0 if log_z0 is not None else torch.full_like(log_z_end[:, :, 0], -torch.inf)
     log_z_prev = torch.cat((start[:, :, None], log_z_end[:, :, :-1]), dim=2)
-    # Weights relative to the chunk's end, all ≤ 1: token i writes exp(s_i - log_z_end),
-    # the memory before the chunk is kept with exp(log_z_prev - log_z_end).
-    write = torch.exp(sc - log_z_end[:, :, :, None, :])  # [B, H, N, C, M]
-    keep = torch.exp(log_z_prev - log_z_end)  # [B, H, N, M]
-    # z_t = exp(log_z_t - log_z_end) ∈ (0, 1] and w[t, i] = write_i / z_t, exact while
-    # z_t ≥ _MIN_Z; the chunks where it is not (`bad`) are computed again by _Exact.
-    z = keep[:, :, :, None, :] + torch.cumsum(write, dim=3)  # [B, H, N, C, M]
-    bad = (z[:, :, :, 0, :] < _MIN_Z).any(-1).flatten().nonzero().squeeze(1)
-    return log_z_end, log_z_prev, write, keep, 1.0 / z.clamp_min(_MIN_Z), bad
+    # r: log_z after the chunk's first half (its first token when C = 1)
+    log_z_mid = torch.logaddexp(log_z_prev, torch.logsumexp(sc[:, :, :, :max(1, sc.shape[3] // 2)], dim=3))
+    # Token i writes exp(s_i - r) ≤ exp(log_z_end - r); the memory before the chunk is kept
+    # with exp(log_z_prev - r) ≤ 1. Capped at 1 / _MIN_Z so that no weight of a chunk the exact
+    # path redoes overflows (nor its gradient): a chunk the fast path takes never reaches it.
+    write = torch.exp((sc - log_z_mid[:, :, :, None, :]).clamp_max(-math.log(_MIN_Z)))
+    # z_t = exp(log_z_t - r) and w[t, i] = write_i / z_t, exact while _MIN_Z ≤ z_t ≤ 1 / _MIN_Z
+    # (z grows along the chunk: its first and last tokens tell); the chunks where it is not
+    # (`bad`) are computed again by _Exact.
+    z = torch.exp(log_z_prev - log_z_mid)[:, :, :, None, :] + torch.cumsum(write, dim=3)  # [B, H, N, C, M]
+    bad = ((z[:, :, :, 0, :] < _MIN_Z) | (z[:, :, :, -1, :] > 1.0 / _MIN_Z)).any(-1).flatten().nonzero().squeeze(1)
+    return log_z_end, log_z_prev, log_z_mid, write, 1.0 / z.clamp(_MIN_Z, 1.0 / _MIN_Z), bad
 
 
 def _boundary_memories(mem0: torch.Tensor, local: torch.Tensor, keep: torch.Tensor,
-                       log_z_prev: torch.Tensor, log_z_end: torch.Tensor, need_prev: bool):
+                       log_z_prev: torch.Tensor, log_z_end: torch.Tensor):
     """Memories at the chunk boundaries: mem_n = keep_n · mem_{n-1} + local_n.
 
     mem0 [B, H, M, D] (before the first chunk), local [B, H, N, M, D], keep, log_z_prev,
-    log_z_end [B, H, N, M]. Returns the memories before each chunk (None unless need_prev)
-    and those times keep, [B, H, N, M, D] each, and the memory after the last chunk
-    [B, H, M, D].
+    log_z_end [B, H, N, M]. Returns the memories before each chunk [B, H, N, M, D] and the
+    memory after the last chunk [B, H, M, D].
 
     Relative to r = the final log_z, mem_n = exp(r - log_z_end_n) · U_n with U a cumulative
     sum of terms scaled by factors ≤ 1: a cumsum instead of a loop over the chunks, exact
@@ -200,17 +206,13 @@ def _boundary_memories(mem0: torch.Tensor, local: torch.Tensor, keep: torch.Tens
     if bool((up[:, :, 0] <= 1.0 / _MIN_Z).all()):
         u0 = torch.exp(log_z_prev[:, :, :1] - r)[..., None] * mem0[:, :, None]  # [B, H, 1, M, D]
         u = u0 + torch.cumsum(torch.exp(log_z_end - r)[..., None] * local, dim=2)
-        u_prev = torch.cat((u0, u[:, :, :-1]), dim=2)  # [B, H, N, M, D]
-        mem_prev = None
-        if need_prev:
-            mem_prev = torch.cat((mem0[:, :, None], up[:, :, :-1, :, None] * u[:, :, :-1]), dim=2)
-        return mem_prev, up[..., None] * u_prev, u[:, :, -1]
+        mem_prev = torch.cat((mem0[:, :, None], up[:, :, :-1, :, None] * u[:, :, :-1]), dim=2)
+        return mem_prev, u[:, :, -1]
     mem, before = mem0, []
     for keep_n, local_n in zip(keep[..., None].unbind(2), local.unbind(2)):
         before.append(mem)
         mem = torch.addcmul(local_n, keep_n, mem)
-    mem_prev = torch.stack(before, dim=2)
-    return mem_prev, keep[..., None] * mem_prev, mem
+    return torch.stack(before, dim=2), mem
 
 
 class _Exact:
