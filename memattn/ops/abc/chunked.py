@@ -103,8 +103,8 @@ def abc_chunked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, s: torch.Tens
 
     Returns o [B, Tq, H, V] in q's dtype and, if asked, the ABCState after the last token.
     Causal inputs are processed in chunks of `chunk_size` (a power of two) tokens, memory
-    O(T · (K + V + C + M)) per head; chunks whose normaliser jumps inside (logits that differ
-    by 40 or more) take the slower exact path, and where many would, the chunks are halved
+    O(T · (K + V + C + M)) per head; chunks whose normaliser grows by 40 or more in one of
+    their halves (a logit jumping by that much) take the slower exact path, and where many would, the chunks are halved
     first (down to 16 tokens). Not causal, the closed form over the sequence.
     """
     _check_chunk_size(chunk_size)
