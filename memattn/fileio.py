@@ -32,20 +32,16 @@ def atomic_write(path: str | os.PathLike, write: Callable[[Path], None]) -> None
         raise IsADirectoryError(errno.EISDIR, "is a folder; give the path of a file to write", str(path))
     tmp = None
     try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fd, name = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-        os.close(fd)
-        tmp = Path(name)
-        write(tmp)
-        with open(tmp, "rb+") as f:
-            os.fsync(f.fileno())
-        os.chmod(tmp, 0o644)  # mkstemp makes files readable by their owner only
-        os.replace(tmp, path)
-    except Exception as e:
-        error = as_os_error(e, path)
-        if error is None:
-            raise
-        raise error from e
+        with os_errors_naming(path):
+            path.parent.mkdir(parents=True, exist_ok=True)
+            fd, name = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+            os.close(fd)
+            tmp = Path(name)
+            write(tmp)
+            with open(tmp, "rb+") as f:
+                os.fsync(f.fileno())
+            os.chmod(tmp, 0o644)  # mkstemp makes files readable by their owner only
+            os.replace(tmp, path)
     finally:
         if tmp is not None:
             with contextlib.suppress(OSError):
@@ -55,6 +51,20 @@ def atomic_write(path: str | os.PathLike, write: Callable[[Path], None]) -> None
 def atomic_write_text(path: str | os.PathLike, text: str) -> None:
     """`text` written to `path` as UTF-8, atomically (`atomic_write`)."""
     atomic_write(path, lambda tmp: tmp.write_text(text, encoding="utf-8"))
+
+
+@contextlib.contextmanager
+def os_errors_naming(path: str | os.PathLike) -> Iterator[None]:
+    """Within: a failure of the file system while writing `path` (through a temporary beside
+    it, file or folder) raises OSError naming `path` itself (`as_os_error`); any other error
+    passes as it is."""
+    try:
+        yield
+    except Exception as e:
+        error = as_os_error(e, path)
+        if error is None:
+            raise
+        raise error from e
 
 
 def as_os_error(e: BaseException, path: str | os.PathLike) -> OSError | None:
@@ -196,19 +206,15 @@ def atomic_folder(out: str | os.PathLike) -> Iterator[Path]:
     out = Path(out)
     holder = None
     try:
-        out.parent.mkdir(parents=True, exist_ok=True)
-        holder = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}.", suffix=".tmp"))
-        work = holder / out.name
-        work.mkdir()
-        yield work
-        if out.is_dir() and not any(out.iterdir()):
-            out.rmdir()
-        os.rename(work, out)
-    except Exception as e:
-        error = as_os_error(e, out)
-        if error is None:
-            raise
-        raise error from e
+        with os_errors_naming(out):
+            out.parent.mkdir(parents=True, exist_ok=True)
+            holder = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}.", suffix=".tmp"))
+            work = holder / out.name
+            work.mkdir()
+            yield work
+            if out.is_dir() and not any(out.iterdir()):
+                out.rmdir()
+            os.rename(work, out)
     finally:
         if holder is not None:
             shutil.rmtree(holder, ignore_errors=True)

@@ -565,7 +565,6 @@ def _train_loop(task, ddp: Distributed, resume: bool, progress: bool, on_step, d
     log = JsonlLog(out / "log.jsonl", ddp.main)
     torch.manual_seed(tc.seed)
     model = build_model(cfg)
-    task.check_model(model)
     own = None  # train.transfer_steps / lora_rank: the names of the mechanism's own parameters
     if tc.transfer_steps or tc.lora_rank:
         from memattn.transfer import check_transfer, own_parameters
@@ -577,12 +576,12 @@ def _train_loop(task, ddp: Distributed, resume: bool, progress: bool, on_step, d
         own = own_parameters(model, source)
         if tc.transfer_steps:
             check_transfer(model, source, own)
-    source_net = None  # the init_from model, frozen (distillation, transfer)
-    if tc.distill_weight > 0 or tc.transfer_steps:
+    task.setup(model, device)
+    softmax_model = None  # train.transfer_steps: the init_from model, frozen
+    if tc.transfer_steps:
         from memattn.warmstart import teacher_model
 
-        source_net = teacher_model(source).to(device)
-        task.teacher = source_net if tc.distill_weight > 0 else None
+        softmax_model = teacher_model(source).to(device)
     if source is not None and not source.converted and not resume:
         from memattn.warmstart import warm_start
 
@@ -648,7 +647,7 @@ def _train_loop(task, ddp: Distributed, resume: bool, progress: bool, on_step, d
         from memattn.transfer import AttentionTransfer
 
         seconds_before += transfer_attention(
-            cfg, ddp, AttentionTransfer(model, source_net, own), transfer_optimizer, task.train_ids, device, log,
+            cfg, ddp, AttentionTransfer(model, softmax_model, own), transfer_optimizer, task.train_ids, device, log,
             ckpt_path, meta, transferred, seconds_before, progress, on_step)
     if lora is not None:  # the ordinary steps train the adapters and the mechanism's own parameters
         model.requires_grad_(False)

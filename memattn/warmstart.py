@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -37,6 +37,9 @@ class Source:
     # a transformers model converted by `memattn convert`: the run trains that model itself
     # (built from the folder), read with its tokenizer
     converted: bool = False
+    frozen: nn.Module | None = field(default=None, repr=False)  # teacher_model's, built once
+
+
 
 
 # The config key under which `memattn convert` records a conversion (here, not in
@@ -83,18 +86,23 @@ def read_source(path: str | os.PathLike) -> Source:
 
 
 def teacher_model(source: Source) -> nn.Module:
-    """The source as a frozen CausalLM in eval mode (the teacher of a distillation term)."""
+    """The source as a frozen CausalLM in eval mode (the teacher of a distillation term, the
+    softmax model of attention transfer), built once a source: both read the same model."""
     from memattn.config import ModelConfig, from_dict
     from memattn.models import CausalLM
 
+    if source.frozen is not None:
+        return source.frozen
     if source.converted:
-        return converted_teacher(source)
+        source.frozen = converted_teacher(source)
+        return source.frozen
     if not isinstance(source.model, dict):
         raise CheckpointError(f"train.distill_weight: {source.path} records no memattn model config to "
                               "rebuild the teacher from")
     teacher = CausalLM(from_dict(ModelConfig, source.model, "model"))
     teacher.load_state_dict(warm_start_weights(teacher, source))
-    return teacher.eval().requires_grad_(False)
+    source.frozen = teacher.eval().requires_grad_(False)
+    return source.frozen
 
 
 def converted_teacher(source: Source) -> nn.Module:

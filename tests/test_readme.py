@@ -100,3 +100,43 @@ def test_readme_lists_every_mechanism_and_what_the_registry_says_of_its_state_an
     # a state that an option bounds says so beside "grows"
     bounded = [key for key, mech in mechanisms().items() if callable(mech.fixed_state)]
     assert all("(fixed with" in section.split(f"| `{key}` |", 1)[1].split("\n", 1)[0] for key in bounded)
+
+
+def test_the_mechanisms_page_lists_every_mechanism_with_its_state_and_options():
+    """docs/mechanisms.md's table: each registered mechanism in one row, every name of a row
+    registered; the decoding-state column says what the registry declares (grows, fixed size, a
+    bound by an option beside "grows", — with "encoders only" for a mechanism that is not
+    causal); every `attention.OPTION` a row names is an option of each of its mechanisms, with
+    the choices its type allows where it lists them (`=a|b`)."""
+    import dataclasses
+    import typing
+
+    from memattn.layers.base import mechanisms
+
+    page = ROOT / "docs" / "mechanisms.md"
+    table = page.read_text().split("| config string |", 1)[1].split("\n\n", 1)[0]
+    rows = {}
+    for line in table.splitlines():
+        if not line.startswith("| `"):
+            continue
+        cells = [c.strip() for c in re.split(r"(?<!\\)\|", line.strip().strip("|"))]
+        for key in re.findall(r"`([^`]+)`", cells[0]):
+            assert key not in rows, f"{key}: two rows"
+            rows[key] = cells[1].replace("\\|", "|"), cells[-1]
+    registered = mechanisms()
+    assert set(rows) == set(registered)
+    for key, (what, state) in rows.items():
+        mech = registered[key]
+        if not mech.causal:
+            assert state == "—" and "encoders only" in what, key
+        elif mech.fixed_size(mech.options()):
+            assert "fixed size" in state and "grows" not in state, key
+        else:
+            assert "grows" in state, key
+            assert ("(fixed size with" in state) == callable(mech.fixed_state), key
+        fields = {f.name: f for f in dataclasses.fields(mech.options())}
+        types = typing.get_type_hints(type(mech.options()))
+        for option, choices in re.findall(r"`attention\.(\w+)(?:=([\w|+-]+))?", what):
+            assert option in fields, f"{key}: attention.{option} is not one of its options"
+            if choices and "|" in choices:
+                assert set(choices.split("|")) == set(typing.get_args(types[option])), (key, option)

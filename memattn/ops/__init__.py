@@ -4,7 +4,7 @@ Op signature shared by the mechanisms (memattn.ops.contract):
     op(q, k, v, ..., causal, scale=None, initial_state=None, output_final_state=False,
        backend="auto") -> (o, state)
 state: None unless output_final_state, else the op's NamedTuple (ABCState, KVState, ...).
-`OP_BACKENDS` says which backends exist for which op.
+`OP_BACKENDS` says which backends exist for which op (each op declares its own: `public_op`).
 """
 
 from memattn.ops.abc import ABCState, BoundedMemoryState, abc_attention, bounded_memory_attention

@@ -19,7 +19,9 @@ values) and ConfigError (an option), each naming the argument at fault.
     triton   the Triton kernel, on CPU tensors only under Triton's interpreter
              (TRITON_INTERPRET=1); a ConfigError for an op without one
 
-`OP_BACKENDS` says which backends exist for which op ("auto" is accepted by all).
+An op declares its backends where it is defined, `@public_op("torch", ...)`, which lists it in
+`OP_BACKENDS` (which backends exist for which op; "auto" is accepted by all) and refuses a
+backend it does not have before it runs.
 """
 
 from __future__ import annotations
@@ -32,16 +34,29 @@ from memattn.errors import ConfigError, ShapeError, check_devices, check_float, 
 
 BACKENDS = ("auto", "torch", "triton")
 
-OP_BACKENDS: dict[str, tuple[str, ...]] = {
-    "abc_attention": ("torch", "triton"),
-    "bounded_memory_attention": ("torch",),
-    "gated_slot_attention": ("torch",),
-    "gmat_attention": ("torch",),
-    "linear_attention": ("torch", "triton"),
-    "local_window_attention": ("torch",),
-    "persistent_attention": ("torch",),
-    "softmax_attention": ("torch",),
-}
+OP_BACKENDS: dict[str, tuple[str, ...]] = {}  # op name -> its backends, each declared by `public_op`
+
+
+def public_op(*backends: str):
+    """Decorator of a public op that has `backends` (the torch forms and any others, not
+    "auto"): lists it in OP_BACKENDS under its name, and checks its `backend` argument
+    (`check_backend`) before it runs."""
+    if "torch" not in backends or not set(backends) <= set(BACKENDS) - {"auto"}:
+        raise ValueError(f"public_op: expected 'torch' and any of 'triton', got {backends}")
+
+    def declare(op):
+        if op.__name__ in OP_BACKENDS:
+            raise ValueError(f"public_op: {op.__name__} is declared already")
+        OP_BACKENDS[op.__name__] = tuple(backends)
+
+        @functools.wraps(op)
+        def run(*args, backend: str = "auto", **kwargs):
+            check_backend(op.__name__, backend)
+            return op(*args, backend=backend, **kwargs)
+
+        return run
+
+    return declare
 
 
 def check_backend(op: str, backend: str) -> None:

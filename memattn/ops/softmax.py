@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from memattn.errors import ShapeError, check_devices, check_tensor
-from memattn.ops.contract import check_backend, check_mask, check_qkv, check_state_type
+from memattn.ops.contract import check_mask, check_qkv, check_state_type, public_op
 
 
 class KVState(NamedTuple):
@@ -26,6 +26,7 @@ class KVState(NamedTuple):
     v: torch.Tensor
 
 
+@public_op("torch")
 def softmax_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = True,
                       scale: float | None = None, attention_mask: torch.Tensor | None = None,
                       initial_state: KVState | None = None, output_final_state: bool = False,
@@ -45,7 +46,6 @@ def softmax_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, caus
     backend: "auto" or "torch", both SDPA, which picks its own kernels ("triton" is a
         ConfigError).
     """
-    check_backend("softmax_attention", backend)
     check_state_type(initial_state, KVState)
     if initial_state is not None:
         B, _, _, H, K, V = check_qkv(q, k, v, length="Tk")

@@ -28,8 +28,8 @@ import torch
 import torch.nn.functional as F
 
 from memattn.errors import ConfigError, ShapeError, check_devices, check_tensor
-from memattn.ops.contract import (accumulation_dtype, check_backend, check_mask, check_no_state,
-                                  check_qkv, check_state_type, default_scale)
+from memattn.ops.contract import (accumulation_dtype, check_mask, check_no_state, check_qkv, check_state_type,
+                                  default_scale, public_op)
 
 
 class WindowState(NamedTuple):
@@ -122,6 +122,7 @@ def _last(k: torch.Tensor, v: torch.Tensor, real: torch.Tensor, n: int) -> Windo
     return WindowState(k, v, last(real)[:, None].expand(-1, k.shape[1], -1))
 
 
+@public_op("torch")
 def local_window_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, window: int,
                            causal: bool = True, dilation: int = 0,
                            attention_mask: torch.Tensor | None = None,
@@ -146,7 +147,6 @@ def local_window_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
     reads ahead, and the dilated queue's state is kept by the abc-dilated layer.
     backend: "auto" or "torch" (no Triton kernel; "triton" is a ConfigError).
     """
-    check_backend("local_window_attention", backend)
     B, T = _check(q, k, v, window, causal, dilation, attention_mask)
     if not causal or dilation:
         check_no_state("local_window_attention", initial_state, output_final_state,

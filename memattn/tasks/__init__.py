@@ -17,7 +17,9 @@ and, on an instance,
     loss(model, batch)           StepLoss: the summed loss, the positions it scores, and any
                                  further weighted terms of the objective
     evaluate(model, device)      the validation figures
-    check_model(model)           ConfigError if the built model cannot serve the task's settings
+    setup(model, device)         once the model is built: ConfigError if it cannot serve the
+                                 task's settings; what the task holds beside it, on `device`
+                                 (the language model's distillation teacher)
     meta()                       what a checkpoint records of the data (its vocabulary, by
                                  default, which `memattn eval` and `generate` read with)
     resumed(ckpt, model, ddp, device), carried(ddp)
@@ -114,7 +116,7 @@ class Task:
         raise ConfigError(f"--lengths: {options.checkpoint}: a {cfg.task} run; its task has no evaluation by "
                           "length")
 
-    def check_model(self, model) -> None:
+    def setup(self, model, device) -> None:
         return None
 
     def meta(self) -> dict[str, Any]:

@@ -81,11 +81,17 @@ class LanguageModelTask(Task):
                 raise ConfigError(f"train.segments: {tc.batch_size} streams of the training split "
                                   f"({len(train_ids):,} tokens) are shorter than train.seq_len={tc.seq_len}")
 
-    def check_model(self, model) -> None:
+    def setup(self, model, device) -> None:
+        """Segments need a model whose memory can be carried; distillation (train.distill_weight)
+        reads the train.init_from model, frozen, on `device`."""
         if self.cfg.train.segments:
             from memattn.train import check_segments
 
             check_segments(model, self.cfg)
+        if self.cfg.train.distill_weight > 0:
+            from memattn.warmstart import teacher_model
+
+            self.teacher = teacher_model(self.source).to(device)
 
     def batch(self, step: int, rank: int, world: int) -> Windows:
         from memattn.evaluate import segment_window

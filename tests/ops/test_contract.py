@@ -11,7 +11,7 @@ import torch
 from memattn import ops
 from memattn.errors import ConfigError, ShapeError
 from memattn.kernels import kernels_supported
-from memattn.ops.contract import BACKENDS, OP_BACKENDS
+from memattn.ops.contract import BACKENDS, OP_BACKENDS, public_op
 
 B, T, H, K, V, M = 2, 5, 3, 4, 6, 2
 
@@ -46,6 +46,25 @@ def test_the_table_lists_every_op_and_only_known_backends():
     for name, backends in OP_BACKENDS.items():
         assert "torch" in backends and set(backends) <= set(BACKENDS) - {"auto"}, name
         inputs(name)  # every op of the table has inputs here
+
+
+def test_an_op_declares_its_backends_where_it_is_defined():
+    """public_op lists the op under its name and refuses what it does not have; a declaration
+    of a backend that does not exist, or without the torch forms, is refused."""
+    @public_op("torch")
+    def toy_attention(q, *, backend="auto"):
+        return q, backend
+
+    try:
+        assert OP_BACKENDS["toy_attention"] == ("torch",) and toy_attention.__name__ == "toy_attention"
+        assert toy_attention(1) == (1, "auto") and toy_attention(1, backend="torch") == (1, "torch")
+        with pytest.raises(ConfigError, match="^backend: no Triton kernel exists for toy_attention"):
+            toy_attention(1, backend="triton")
+    finally:
+        del OP_BACKENDS["toy_attention"]
+    for backends in [("triton",), ("torch", "cuda"), ("torch", "auto")]:
+        with pytest.raises(ValueError, match="^public_op: expected 'torch'"):
+            public_op(*backends)
 
 
 def check_state(state) -> None:

@@ -35,7 +35,7 @@ from memattn.errors import ConfigError
 from memattn.kernels import use_kernels
 from memattn.ops.abc.chunked import abc_chunked, bounded_memory_chunked
 from memattn.ops.abc.common import ABCState, BoundedMemoryState, check_inputs
-from memattn.ops.contract import check_backend, check_state_type, finite_or_off_cpu, outside_autocast
+from memattn.ops.contract import check_state_type, finite_or_off_cpu, outside_autocast, public_op
 from memattn.ops.abc.recurrent import (
     abc_attention_step,
     abc_recurrent,
@@ -58,6 +58,7 @@ def _pick(mode: str, causal: bool, T: int, initial_state) -> str:
     return mode
 
 
+@public_op("torch", "triton")
 @outside_autocast
 def abc_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, s: torch.Tensor, *,
                   causal: bool = True, scale: float | None = None,
@@ -88,7 +89,6 @@ def abc_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, s: torch.Te
     also on CPU tensors under Triton's interpreter (TRITON_INTERPRET=1). A single token
     continuing a state takes the decoding step, with the same choice of backend.
     """
-    check_backend("abc_attention", backend)
     T = k.shape[1] if isinstance(k, torch.Tensor) and k.dim() == 4 else 0
     if cu_seqlens is not None:
         if not causal:
@@ -124,6 +124,7 @@ def abc_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, s: torch.Te
     return abc_chunked(q, k, v, s, causal=causal, **kwargs)
 
 
+@public_op("torch")
 @outside_autocast
 def bounded_memory_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                              phi: torch.Tensor, *, causal: bool = True,
@@ -145,7 +146,6 @@ def bounded_memory_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     backend: "auto" or "torch", both the torch forms (no Triton kernel runs the whole op;
     "triton" is a ConfigError).
     """
-    check_backend("bounded_memory_attention", backend)
     T = k.shape[1] if isinstance(k, torch.Tensor) and k.dim() == 4 else 0
     check_state_type(initial_state, BoundedMemoryState)
     form = _pick(mode, causal, T, initial_state)

@@ -19,7 +19,7 @@ from __future__ import annotations
 import torch
 
 from memattn.errors import ShapeError
-from memattn.ops.contract import accumulation_dtype, check_backend, check_no_state, default_scale
+from memattn.ops.contract import accumulation_dtype, check_no_state, default_scale, public_op
 from memattn.ops.gmat.causal import gmat_causal
 from memattn.ops.gmat.common import CAUSAL_PATTERNS, PATTERNS, check_pattern, check_qkv, lsh_buckets
 from memattn.ops.gmat.reference import (bidirectional_mask, causal_mask,
@@ -27,6 +27,7 @@ from memattn.ops.gmat.reference import (bidirectional_mask, causal_mask,
 from memattn.ops.gmat.sparse import gmat_bidirectional
 
 
+@public_op("torch")
 def gmat_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, num_memory: int,
                    causal: bool, pattern: str = "chunked", chunk_size: int = 64, window: int = 64,
                    lsh_rotations: torch.Tensor | None = None,
@@ -63,7 +64,6 @@ def gmat_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, num_mem
     Memory and work: O(M·(M+L) + L·(M+C)) scores (C, 2C or 3·window local keys a row).
     backend: "auto" or "torch", both the torch forms ("triton" is a ConfigError).
     """
-    check_backend("gmat_attention", backend)
     check_no_state("gmat_attention", initial_state, output_final_state,
                    "pass the rows of the last blocks as k and v, as the gmat layer's GmatCache does")
     B, Tq, T, H, K, V = check_qkv(q, k, v, memory_k, memory_v, attention_mask)

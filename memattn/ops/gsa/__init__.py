@@ -47,7 +47,7 @@ from __future__ import annotations
 import torch
 
 from memattn.errors import ConfigError
-from memattn.ops.contract import check_backend, check_state_type, finite_or_off_cpu, outside_autocast
+from memattn.ops.contract import check_state_type, finite_or_off_cpu, outside_autocast, public_op
 from memattn.ops.gsa.chunked import DEFAULT_CHUNK_SIZE, gsa_chunked, gsa_memory
 from memattn.ops.gsa.common import GSAState, check_gsa_inputs
 from memattn.ops.gsa.recurrent import gated_slot_attention_step, gsa_recurrent
@@ -56,6 +56,7 @@ from memattn.ops.gsa.reference import gsa_reference
 MODES = ("auto", "chunked", "recurrent", "reference")
 
 
+@public_op("torch")
 @outside_autocast
 def gated_slot_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, *,
                          causal: bool = True, scale: float | None = None,
@@ -77,7 +78,6 @@ def gated_slot_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: t
     backend: "auto" or "torch", both the torch forms; there is no Triton kernel for this op
     yet, and "triton" is a ConfigError.
     """
-    check_backend("gated_slot_attention", backend)
     if mode not in MODES:
         raise ConfigError(f"mode: expected one of {', '.join(MODES)}, got {mode!r}")
     if mode == "recurrent" and not causal:

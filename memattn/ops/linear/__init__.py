@@ -22,7 +22,7 @@ import torch
 
 from memattn.errors import ConfigError
 from memattn.kernels import use_kernels
-from memattn.ops.contract import check_backend, check_state_type, finite_or_off_cpu
+from memattn.ops.contract import check_state_type, finite_or_off_cpu, public_op
 from memattn.ops.linear.backward import (ALPHA_MIN, MAX_AMPLIFICATION, choose_state_mode,
                                          linear_attention_autograd)
 from memattn.ops.linear.chunked import DEFAULT_CHUNK_SIZE, linear_attention_chunked
@@ -32,6 +32,7 @@ from memattn.ops.linear.recurrent import (linear_attention_read, linear_attentio
 from memattn.ops.linear.reference import linear_attention_reference
 
 
+@public_op("torch", "triton")
 def linear_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = True,
                      alpha: torch.Tensor | None = None, beta: torch.Tensor | None = None,
                      scale: float | None = None, initial_state: LinearAttentionState | None = None,
@@ -58,7 +59,6 @@ def linear_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causa
     "torch", or "triton" (causal only; memattn.kernels.linear, whose backward keeps only
     the inputs).
     """
-    check_backend("linear_attention", backend)
     check_state_type(initial_state, LinearAttentionState)
     inputs = (q, k, v, alpha, beta, *(initial_state or ()))
     if backend == "triton" and not causal:

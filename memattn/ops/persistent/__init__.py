@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import torch
 
-from memattn.ops.contract import check_backend
+from memattn.ops.contract import public_op
 from memattn.ops.persistent.common import (VARIANTS, DistanceTerms, distances, rel_index, span_mask,
                                            visible)
 from memattn.ops.persistent.reference import (persistent_attention_reference,
@@ -40,6 +40,7 @@ from memattn.ops.persistent.sdpa import context_mask, persistent_attention_sdpa
 from memattn.ops.softmax import KVState
 
 
+@public_op("torch")
 def persistent_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pk: torch.Tensor,
                          pv: torch.Tensor, *, causal: bool = True, scale: float | None = None,
                          variant: str = "joint", pq: torch.Tensor | None = None,
@@ -65,7 +66,6 @@ def persistent_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pk: 
     whole context (initial_state's tokens, then k, v), else None.
     backend: "auto" or "torch", both the SDPA form ("triton" is a ConfigError).
     """
-    check_backend("persistent_attention", backend)
     return persistent_attention_sdpa(q, k, v, pk, pv, causal=causal, scale=scale, variant=variant, pq=pq,
                                      pscale=pscale, distance=distance, attention_mask=attention_mask,
                                      initial_state=initial_state, output_final_state=output_final_state)
