@@ -303,13 +303,17 @@ class RunConfig:
     # a registered task (memattn.tasks): lm, a causal language model on a corpus; mlm, a
     # bidirectional encoder restoring masked tokens; translation, an encoder-decoder on parallel data
     task: str = "lm"
+    # the task's own settings (`task_options.KEY=VALUE`), read as its class's `Options`
+    # dataclass (`task_settings`, checked when the config is made); none for lm, mlm, translation
+    task_options: dict[str, Any] = field(default_factory=dict)
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
 
     def __post_init__(self) -> None:
-        from memattn.tasks import task_class
+        from memattn.tasks import read_task_options, task_class
 
+        self.task_settings = read_task_options(self.task, self.task_options)
         task_class(self.task).check_config(self)
 
 

@@ -167,7 +167,7 @@ def resolve_device(name: str, ddp: Distributed) -> torch.device:
 def check_resumable(saved: dict[str, Any], cfg: RunConfig) -> None:
     """Raise CheckpointError if `cfg` differs from the checkpoint's config in a way that matters."""
     now = to_dict(cfg)
-    for section in ("model", "data", "train"):
+    for section in ("task_options", "model", "data", "train"):
         for key, value in saved.get(section, {}).items():
             if section == "train" and key in RESUMABLE_CHANGES:
                 continue

@@ -2,6 +2,8 @@
 
 `cfg.task` names one. A task is a class with
 
+    Options                      None, or the dataclass of its own settings: cfg.task_options
+                                 (`task_options.KEY=VALUE`) read as it, cfg.task_settings
     check_config(cfg)            classmethod: ConfigError for settings the task cannot take
     build_model(cfg)             classmethod: the model as initialised
     extra_symbols                ids beyond the data's vocabulary (the masked LM's mask token)
@@ -95,6 +97,7 @@ class EvalOptions:
 class Task:
     """Defaults of the optional parts of a task (see the module docstring)."""
 
+    Options: type | None = None
     extra_symbols = 0
     source = None
     generates = False
@@ -127,6 +130,20 @@ class Task:
 
     def carried(self, ddp) -> tuple[dict[str, torch.Tensor], dict[str, Any] | None]:
         return {}, None
+
+
+def read_task_options(name: str, options: dict[str, Any]) -> Any:
+    """`options` (cfg.task_options) as task `name`'s Options dataclass, every key and type
+    checked (ConfigError naming `task_options.KEY`); None for a task without options."""
+    from memattn.typed import from_dict
+
+    cls = task_class(name)
+    if cls.Options is None:
+        if options:
+            raise ConfigError(f"task_options: task={name} has no options of its own, got "
+                              f"{', '.join(sorted(options))}")
+        return None
+    return from_dict(cls.Options, options, "task_options")
 
 
 def refuse_label_smoothing(cfg) -> None:

@@ -34,8 +34,9 @@ was sized, 4,000 steps each) takes about 70 minutes with
 
     memattn experiment recall [--quick] [--jobs N] [steps=4000 state_bytes=[4096,16384] ...]
 
-Each model is a run folder under runs/ (checkpoint, log.jsonl, row.json once evaluated): the
-command continues what is unfinished and reuses what is done. Writes results.json,
+Each model trains through `memattn train`'s loop as task=recall (`RecallTask`, registered
+here) in a run folder under runs/ (checkpoint, log.jsonl, row.json once evaluated): the command
+continues what is unfinished and reuses what is done. Writes results.json,
 results.md and recall.png to the output folder.
 """
 
@@ -48,35 +49,47 @@ import platform
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 
-from memattn.config import AttentionConfig, ModelConfig, TrainConfig
+from memattn.config import AttentionConfig, ModelConfig
 from memattn.data.recall import RecallVocab, answer_hits, answer_loss, mqar_batch, passkey_batch
 from memattn.errors import ConfigError, ShapeError
-from research.experiments._common import command_of, save_figure, write_results
-from research.experiments._runner import CHECKPOINT_FILE, ROW_FILE, Job, finished_row, run_jobs
-from memattn.fileio import atomic_write
 from memattn.layers.base import StateSize, get_mechanism, mechanisms
 from memattn.models.lm import CausalLM
-from memattn.train import lr_at, param_groups, project_parameters, step_seed
-from memattn.typed import apply_overrides, parse_settings
+from memattn.tasks import StepLoss, Task, refuse_label_smoothing, refuse_transfer, register_task
+from memattn.train import step_seed
+from memattn.typed import parse_settings
+from research.experiments._common import command_of, save_figure, write_results
+from research.experiments._runner import Job, run_jobs
 
 DESCRIPTION = ("recall at matched state size: MQAR and passkey (up to 64k tokens) accuracy of every "
                "causal mechanism")
 NAME = "recall"
 
 
-@dataclass
-class Settings:
-    """What the experiment runs; every field can be overridden as key=value."""
+def _check_values(obj, fields, zero_ok: tuple[str, ...] = ()) -> None:
+    """ConfigError naming the first of `fields` of `obj` with a value (or a list member) below
+    zero, or zero unless its name is in `zero_ok`."""
+    for f in fields:
+        value = getattr(obj, f.name)
+        values = value if isinstance(value, tuple) else (value,)
+        ok = f.name in zero_ok
+        if any(v < 0 or (v == 0 and not ok) for v in values):
+            raise ConfigError(f"{f.name}: expected {'non-negative' if ok else 'positive'} values, got {value!r}")
 
-    mechanisms: tuple[str, ...] = ("all",)  # registry names, or all: every causal mechanism
-    state_bytes: tuple[int, ...] = (4096, 16384)  # targets: decoding-state bytes per layer
-    d_model: int = 64
-    n_layers: int = 2
-    n_heads: int = 2
-    ff_mult: float = 2.0
+
+def check_rows(batch: int, mqar_share: float) -> None:
+    """ConfigError unless a batch of `batch` rows at `mqar_share` holds rows of both tasks."""
+    if not 1 <= round(batch * mqar_share) < batch:
+        raise ConfigError(f"batch: {batch} rows at mqar_share={mqar_share} leave no row to one of the two tasks")
+
+
+@dataclass
+class RecallOptions:
+    """task_options of task=recall: the rows it trains on and how its models are tested."""
+
     length: int = 64  # tokens of a training row (both tasks); MQAR is tested at this length
     pairs: int = 8  # MQAR key-value pairs a row; queries: (length - 2·pairs) / 2
     keys: int = 16  # MQAR key vocabulary
@@ -84,50 +97,21 @@ class Settings:
     digits: int = 5  # passkey digits
     filler: int = 16  # passkey filler vocabulary
     distances: tuple[int, ...] = (1024, 4096, 16384, 65536)  # passkey tests past training
-    steps: int = 4000
-    batch: int = 32  # rows a step: MQAR, then passkey
     mqar_share: float = 0.75  # share of a step's rows that are MQAR (the passkey is learned sooner)
-    lr: float = 3e-3  # AdamW, warm-up then cosine decay to a tenth
-    warmup: int = 100
-    weight_decay: float = 0.1
     mqar_test: int = 512  # MQAR test rows
     passkey_test: int = 16  # passkey test rows at each distance
     test_batch: int = 16  # rows read at once when streaming
     chunk: int = 512  # tokens read a call when streaming through a fixed-size state
     max_window: int = 65536  # longest window read at once by a growing state (softmax)
-    log_every: int = 50
-    save_every: int = 500
-    seed: int = 0
-    threads: int = 1  # torch threads of a model's worker
 
     def __post_init__(self) -> None:
-        for f in dataclasses.fields(self):
-            value = getattr(self, f.name)
-            if f.name == "mechanisms":
-                known = [n for n, m in mechanisms().items() if m.causal]
-                unknown = [n for n in value if n not in known and n != "all"]
-                if unknown or ("all" in value and len(value) > 1):
-                    raise ConfigError(f"mechanisms: expected [all] or causal mechanisms among "
-                                      f"{', '.join(known)}, got {list(value)}")
-                continue
-            if f.name == "mqar_share":
-                if not 0 < value < 1:
-                    raise ConfigError(f"mqar_share: expected a share strictly between 0 and 1, got {value!r}")
-                continue
-            values = value if isinstance(value, tuple) else (value,)
-            zero_ok = f.name in ("seed", "warmup", "weight_decay")
-            if any(v < 0 or (v == 0 and not zero_ok) for v in values):
-                raise ConfigError(f"{f.name}: expected {'non-negative' if zero_ok else 'positive'} "
-                                  f"values, got {value!r}")
-        if self.d_model % self.n_heads:
-            raise ConfigError(f"d_model: {self.d_model} is not divisible by n_heads={self.n_heads}")
+        if not 0 < self.mqar_share < 1:
+            raise ConfigError(f"mqar_share: expected a share strictly between 0 and 1, got {self.mqar_share!r}")
+        _check_values(self, [f for f in dataclasses.fields(RecallOptions) if f.name != "mqar_share"])
         queries, odd = divmod(self.length - 2 * self.pairs, 2)
         if self.pairs > self.keys or queries < 1 or odd:
             raise ConfigError(f"length: a row is {self.pairs} pairs (pairs <= keys = {self.keys}) and an "
                               f"even number >= 2 of query tokens; got length={self.length}, pairs={self.pairs}")
-        if not 1 <= round(self.batch * self.mqar_share) < self.batch:
-            raise ConfigError(f"batch: {self.batch} rows at mqar_share={self.mqar_share} leave no row to one "
-                              "of the two tasks")
         if self.train_distance < 0:
             raise ConfigError(f"length: a passkey of {self.digits} digits needs rows of at least "
                               f"{2 + 2 * self.digits} tokens, got {self.length}")
@@ -142,6 +126,46 @@ class Settings:
         return RecallVocab(digits=10, filler=self.filler, keys=self.keys, values=self.values)
 
 
+@dataclass
+class Settings(RecallOptions):
+    """What the experiment runs; every field can be overridden as key=value (those of
+    RecallOptions are each model's task_options)."""
+
+    mechanisms: tuple[str, ...] = ("all",)  # registry names, or all: every causal mechanism
+    state_bytes: tuple[int, ...] = (4096, 16384)  # targets: decoding-state bytes per layer
+    d_model: int = 64
+    n_layers: int = 2
+    n_heads: int = 2
+    ff_mult: float = 2.0
+    steps: int = 4000
+    batch: int = 32  # rows a step: MQAR, then passkey
+    lr: float = 3e-3  # AdamW, warm-up then cosine decay to a tenth
+    warmup: int = 100
+    weight_decay: float = 0.1
+    log_every: int = 50
+    save_every: int = 500
+    seed: int = 0
+    threads: int = 1  # torch threads of a model's worker
+
+    def __post_init__(self) -> None:
+        known = [n for n, m in mechanisms().items() if m.causal]
+        unknown = [n for n in self.mechanisms if n not in known and n != "all"]
+        if unknown or ("all" in self.mechanisms and len(self.mechanisms) > 1):
+            raise ConfigError(f"mechanisms: expected [all] or causal mechanisms among "
+                              f"{', '.join(known)}, got {list(self.mechanisms)}")
+        options = {f.name for f in dataclasses.fields(RecallOptions)}
+        own = [f for f in dataclasses.fields(self) if f.name not in options]
+        _check_values(self, [f for f in own if f.name != "mechanisms"], zero_ok=("seed", "warmup", "weight_decay"))
+        super().__post_init__()
+        if self.d_model % self.n_heads:
+            raise ConfigError(f"d_model: {self.d_model} is not divisible by n_heads={self.n_heads}")
+        check_rows(self.batch, self.mqar_share)
+
+    @property
+    def options(self) -> RecallOptions:
+        return RecallOptions(**{f.name: getattr(self, f.name) for f in dataclasses.fields(RecallOptions)})
+
+
 QUICK = {"state_bytes": (4096,), "d_model": 32, "length": 32, "pairs": 4,
          "digits": 3, "distances": (256,), "steps": 4, "batch": 8, "warmup": 2, "mqar_test": 16,
          "passkey_test": 4, "test_batch": 4, "chunk": 128, "log_every": 2, "save_every": 2}
@@ -149,6 +173,7 @@ QUICK = {"state_bytes": (4096,), "d_model": 32, "length": 32, "pairs": 4,
 # settings, so that a run folder is reused whichever targets and mechanisms a command names.
 PLANNING = ("mechanisms", "state_bytes")
 TEST_SEED = 1_000_003  # test rows: drawn from their own seeds, the same for every model
+VALIDATION_SEED = 2_000_003  # the rows of the evaluation at the end of training
 # values of a mechanism's state-size option (Mechanism.state_size) tried against the targets
 SIZE_VALUES = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512)
 FILL = 2 * SIZE_VALUES[-1]  # tokens read at most to fill a fixed-size state (the longest window)
@@ -160,10 +185,16 @@ FILL = 2 * SIZE_VALUES[-1]  # tokens read at most to fill a fixed-size state (th
 
 def build_model(s: Settings, attention: AttentionConfig) -> CausalLM:
     """The experiment's causal LM with `attention` (rotary positions; weights from torch's
-    global seed)."""
+    global seed): the model of `model_settings(s)`."""
     cfg = ModelConfig(vocab_size=s.vocab.size, d_model=s.d_model, n_layers=s.n_layers, n_heads=s.n_heads,
                       ff_mult=s.ff_mult, positions="rotary", max_len=s.length, attention=attention)
     return CausalLM(cfg)
+
+
+def model_settings(s: Settings) -> list[str]:
+    """`build_model`'s model as `memattn train` settings (its vocabulary comes from the task)."""
+    return [f"model.d_model={s.d_model}", f"model.n_layers={s.n_layers}", f"model.n_heads={s.n_heads}",
+            f"model.ff_mult={s.ff_mult}", "model.positions=rotary", f"model.max_len={s.length}"]
 
 
 @torch.no_grad()
@@ -259,110 +290,128 @@ def sizes_of(s: Settings, name: str, size: StateSize) -> dict[int, float]:
 
 
 # ---------------------------------------------------------------------------------------------
-# jobs: one run folder a model
+# the task and its jobs: one run folder a model
+
+
+class RecallBatch(NamedTuple):
+    """tokens, answers [b, length]: rows :mqar are MQAR, the rest passkeys."""
+
+    tokens: torch.Tensor
+    answers: torch.Tensor
+    mqar: int
+
+    def to(self, device) -> RecallBatch:
+        return RecallBatch(self.tokens.to(device), self.answers.to(device), self.mqar)
+
+
+def training_batch(o: RecallOptions, batch: int, seed: int, step: int) -> RecallBatch:
+    """Step `step`'s `batch` rows (the same for every model): rows :m are MQAR (m = batch ·
+    mqar_share, rounded), rows m: passkeys at distances uniform in 0 ... o.train_distance."""
+    g = torch.Generator().manual_seed(step_seed(seed, step))
+    m = round(batch * o.mqar_share)
+    a = mqar_batch(m, length=o.length, pairs=o.pairs, vocab=o.vocab, generator=g)
+    distance = torch.randint(0, o.train_distance + 1, (batch - m,), generator=g)
+    b = passkey_batch(batch - m, distance=distance, digits=o.digits, vocab=o.vocab, generator=g, length=o.length)
+    return RecallBatch(torch.cat([a[0], b[0]]), torch.cat([a[1], b[1]]), m)
+
+
+class RecallTask(Task):
+    """task=recall: a causal LM (`memattn.models.CausalLM`) on rows of MQAR and passkey
+    retrieval (task_options: `RecallOptions`). The loss of a step is the mean of the two
+    tasks' answer losses (each the mean over its answers), the rows of each rank on their
+    own; the evaluation, MQAR accuracy on train.eval_batches × test_batch rows of their own."""
+
+    Options = RecallOptions
+    logged = ("mqar_accuracy",)
+
+    @classmethod
+    def check_config(cls, cfg) -> None:
+        if cfg.train.segments or cfg.train.distill_weight:
+            raise ConfigError("task=recall: train.segments and train.distill_weight are for language models")
+        refuse_label_smoothing(cfg)
+        refuse_transfer(cfg)
+        check_rows(cfg.train.batch_size, cfg.task_settings.mqar_share)
+
+    @classmethod
+    def build_model(cls, cfg) -> CausalLM:
+        return CausalLM(cfg.model)
+
+    @classmethod
+    def prepare(cls, cfg, ddp, resume: bool, source) -> RecallTask:
+        from memattn.train import with_vocab_size
+
+        if source is not None:
+            raise ConfigError("train.init_from: task=recall trains its models from their initialisation")
+        return cls(with_vocab_size(cfg, cfg.task_settings.vocab.size))
+
+    def __init__(self, cfg) -> None:
+        self.cfg, self.options = cfg, cfg.task_settings
+
+    def batch(self, step: int, rank: int, world: int) -> RecallBatch:
+        tc = self.cfg.train
+        rows = training_batch(self.options, tc.batch_size, tc.seed, step)
+        share = tc.batch_size // world
+        mine = min(max(rows.mqar - rank * share, 0), share)  # this rank's MQAR rows
+        return RecallBatch(rows.tokens.chunk(world)[rank], rows.answers.chunk(world)[rank], mine)
+
+    def tokens(self, batch: RecallBatch) -> int:
+        return batch.tokens.numel()
+
+    def loss(self, model, batch: RecallBatch) -> StepLoss:
+        logits, m = model(batch.tokens), batch.mqar
+        parts = [answer_loss(logits[rows], batch.tokens[rows], batch.answers[rows])
+                 for rows in (slice(None, m), slice(m, None)) if len(batch.tokens[rows])]
+        return StepLoss(sum(parts) / len(parts), 1)  # a mean already: one "position"
+
+    def evaluate(self, model, device) -> dict[str, float]:
+        tc = self.cfg.train
+        was = model.training
+        model.eval()
+        accuracy = mqar_accuracy(model, self.options, VALIDATION_SEED + tc.seed,
+                                 (tc.eval_batches or 1) * self.options.test_batch, device)
+        model.train(was)
+        return {"mqar_accuracy": accuracy}
+
+    def meta(self) -> dict:
+        from memattn.data import Vocab
+
+        # the token ids, named by stand-in characters: what a checkpoint's vocabulary records
+        return {"vocab": Vocab("char", [chr(0x100 + i) for i in range(self.options.vocab.size)]).to_json(),
+                "corpus": NAME}
+
+
+register_task(NAME, "MQAR and passkey retrieval rows (research.experiments.recall)",
+              "research.experiments.recall:RecallTask")
 
 
 def job_of(s: Settings, planned: dict) -> Job:
-    """A model's job: every setting that decides what it computes, then its attention."""
-    values = dataclasses.asdict(s)
-    settings = [f"{k}={json.dumps(list(v) if isinstance(v, tuple) else v)}" for k, v in values.items()
-                if k not in PLANNING]
+    """A model's job: the `memattn train` settings of task=recall with s's options, model and
+    training, then its attention."""
+    options = [f"task_options.{k}={json.dumps(list(v) if isinstance(v, tuple) else v)}"
+               for k, v in dataclasses.asdict(s.options).items()]
+    train = [f"train.steps={s.steps}", f"train.batch_size={s.batch}", f"train.seq_len={s.length}",
+             f"train.lr={s.lr}", f"train.warmup={min(s.warmup, s.steps)}", "train.min_lr_ratio=0.1",
+             f"train.weight_decay={s.weight_decay}", "train.betas=[0.9,0.98]", "train.grad_clip=1.0",
+             f"train.log_every={s.log_every}", f"train.save_every={s.save_every}", f"train.eval_every={s.steps}",
+             "train.eval_batches=1", f"train.seed={s.seed}", f"train.threads={s.threads}"]
     attention = [f"attention.name={planned['mechanism']}",
                  *(f"attention.{k}={json.dumps(v)}" for k, v in planned["options"].items())]
-    return Job(planned["name"], (*settings, *attention))
+    return Job(planned["name"], (f"task={NAME}", *options, *model_settings(s), *train, *attention))
 
 
-def job_settings(job: Job) -> tuple[Settings, AttentionConfig]:
-    """(Settings, attention) of a job."""
-    attention = [text for text in job.settings if text.startswith("attention.")]
-    s = parse_settings(Settings, [text for text in job.settings if text not in attention], name=NAME)
-    data = apply_overrides({}, attention)["attention"]
-    return s, AttentionConfig.from_mapping(data, "attention")
-
-
-def training_batch(s: Settings, step: int) -> tuple[torch.Tensor, torch.Tensor, int]:
-    """Step `step`'s rows (the same for every model): (tokens [batch, length], answers
-    [batch, length], m): rows :m are MQAR (m = batch · mqar_share, rounded), rows m: passkeys at
-    distances uniform in 0 ... s.train_distance."""
-    g = torch.Generator().manual_seed(step_seed(s.seed, step))
-    m = round(s.batch * s.mqar_share)
-    a = mqar_batch(m, length=s.length, pairs=s.pairs, vocab=s.vocab, generator=g)
-    distance = torch.randint(0, s.train_distance + 1, (s.batch - m,), generator=g)
-    b = passkey_batch(s.batch - m, distance=distance, digits=s.digits, vocab=s.vocab, generator=g,
-                      length=s.length)
-    return torch.cat([a[0], b[0]]), torch.cat([a[1], b[1]]), m
-
-
-def train_job(run_dir: Path, job: Job, measure=None) -> dict:
-    """Train one model in run_dir (checkpoint.safetensors every save_every steps, log.jsonl;
-    resumed from the checkpoint when there is one), evaluate it, write row.json."""
-    from memattn.checkpoint import load_checkpoint, restore, save_checkpoint
-
-    row = finished_row(run_dir, job)
-    if row is not None:
-        return row
-    s, attention = job_settings(job)
-    torch.set_num_threads(s.threads)
-    run_dir.mkdir(parents=True, exist_ok=True)
-    atomic_write(run_dir / "settings.json", lambda tmp: tmp.write_text(json.dumps(list(job.settings))))
-    torch.manual_seed(s.seed)
-    model = build_model(s, attention)
-    optimizer = torch.optim.AdamW(param_groups(model, s.weight_decay), lr=s.lr, betas=(0.9, 0.98))
-    schedule = TrainConfig(steps=s.steps, lr=s.lr, warmup=min(s.warmup, s.steps), min_lr_ratio=0.1)
-    ckpt, log = run_dir / CHECKPOINT_FILE, run_dir / "log.jsonl"
-    state = {"step": 0, "seconds": 0.0}
-    if ckpt.exists():
-        saved = load_checkpoint(ckpt)
-        restore(saved, model, optimizer)
-        state = saved.meta["state"]
-        kept = [line for line in log.read_text().splitlines() if json.loads(line)["step"] <= state["step"]]
-        atomic_write(log, lambda tmp: tmp.write_text("".join(line + "\n" for line in kept)))
-    elif log.exists():
-        log.unlink()
-    model.train()
-    sums = {"loss": 0.0, "mqar_loss": 0.0, "passkey_loss": 0.0}
-    while state["step"] < s.steps:
-        step = state["step"]
-        start = time.perf_counter()
-        for group in optimizer.param_groups:
-            group["lr"] = lr_at(step, schedule)
-        tokens, answers, m = training_batch(s, step)
-        logits = model(tokens)
-        parts = answer_loss(logits[:m], tokens[:m], answers[:m]), answer_loss(logits[m:], tokens[m:], answers[m:])
-        loss = (parts[0] + parts[1]) / 2
-        aux = model.aux_loss()
-        optimizer.zero_grad(set_to_none=True)
-        (loss if aux is None else loss + aux).backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        optimizer.step()
-        project_parameters(model)
-        state["seconds"] += time.perf_counter() - start
-        state["step"] = step + 1
-        for key, value in zip(sums, (loss, *parts)):
-            sums[key] += value.item()
-        if state["step"] % s.log_every == 0 or state["step"] == s.steps:
-            n = state["step"] % s.log_every or s.log_every
-            record = {"step": state["step"], **{k: round(v / n, 4) for k, v in sums.items()},
-                      "seconds": round(state["seconds"], 1)}
-            sums = dict.fromkeys(sums, 0.0)
-            with open(log, "a") as f:
-                f.write(json.dumps(record) + "\n")
-        if state["step"] % s.save_every == 0 or state["step"] == s.steps:
-            save_checkpoint(ckpt, model, step=state["step"], optimizer=optimizer, meta={"state": state})
-    model.eval()
-    records = [json.loads(line) for line in log.read_text().splitlines() if line.strip()]
-    nbytes, fixed = state_bytes(model, s.length)
+def measure(model: CausalLM, cfg, run_dir: Path) -> dict:
+    """A trained model's figures (`_runner.Measure`): its state, MQAR accuracy on the test
+    rows, the passkey at the training distance and past it."""
+    o, seed = cfg.task_settings, cfg.train.seed
+    log = [json.loads(line) for line in (run_dir / "log.jsonl").read_text().splitlines() if line.strip()]
+    nbytes, fixed = state_bytes(model, o.length)
     start = time.perf_counter()
-    row = {"model": job.name, "mechanism": attention.name, "options": dict(attention.options),
-           "settings": list(job.settings), "params": sum(p.numel() for p in model.parameters()),
-           "steps": state["step"], "train_s": round(state["seconds"], 1),
-           "final_loss": records[-1] if records else None,
-           "state_bytes": nbytes, "state_bytes_per_layer": nbytes / s.n_layers, "fixed_size": fixed,
-           "mqar_accuracy": mqar_accuracy(model, s),
-           "passkey": [passkey_accuracy(model, s, d) for d in (s.train_distance, *s.distances)]}
+    row = {"mechanism": cfg.model.attention.name, "options": dict(cfg.model.attention.options),
+           "final_loss": log[-1] if log else None,
+           "state_bytes": nbytes, "state_bytes_per_layer": nbytes / cfg.model.n_layers, "fixed_size": fixed,
+           "mqar_accuracy": mqar_accuracy(model, o, TEST_SEED + seed, o.mqar_test),
+           "passkey": [passkey_accuracy(model, o, seed, d) for d in (o.train_distance, *o.distances)]}
     row["eval_s"] = round(time.perf_counter() - start, 1)
-    text = json.dumps(row, indent=2) + "\n"
-    atomic_write(run_dir / ROW_FILE, lambda tmp: tmp.write_text(text))
     return row
 
 
@@ -371,15 +420,15 @@ def train_job(run_dir: Path, job: Job, measure=None) -> dict:
 
 
 @torch.no_grad()
-def mqar_accuracy(model: CausalLM, s: Settings) -> float:
-    """Share of the answers of s.mqar_test fresh MQAR rows of the training length predicted
-    right (one forward pass a batch of rows)."""
-    g = torch.Generator().manual_seed(TEST_SEED + s.seed)
+def mqar_accuracy(model: CausalLM, o: RecallOptions, seed: int, rows: int, device="cpu") -> float:
+    """Share of the answers of `rows` fresh MQAR rows of the training length (drawn from
+    `seed`) predicted right (one forward pass a batch of o.test_batch rows)."""
+    g = torch.Generator().manual_seed(seed)
     hits = total = 0
-    for start in range(0, s.mqar_test, s.test_batch):
-        tokens, answers = mqar_batch(min(s.test_batch, s.mqar_test - start), length=s.length, pairs=s.pairs,
-                                     vocab=s.vocab, generator=g)
-        hits += int(answer_hits(model(tokens), tokens, answers).sum())
+    for start in range(0, rows, o.test_batch):
+        tokens, answers = mqar_batch(min(o.test_batch, rows - start), length=o.length, pairs=o.pairs,
+                                     vocab=o.vocab, generator=g)
+        hits += int(answer_hits(model(tokens.to(device)).cpu(), tokens, answers).sum())
         total += int(answers.sum())
     return hits / total
 
@@ -392,13 +441,13 @@ WINDOW_TOKENS = 131_072  # tokens a window read takes at once (rows × length), 
 
 
 @torch.no_grad()
-def read_tail(model: CausalLM, tokens: torch.Tensor, keep: int, s: Settings) -> tuple[torch.Tensor, str, int]:
+def read_tail(model: CausalLM, tokens: torch.Tensor, keep: int, o: RecallOptions) -> tuple[torch.Tensor, str, int]:
     """Logits [B, keep, V] of the last `keep` positions of tokens [B, T], how they were read
     ("stream" or "window") and the decoding state's bytes per row at the end.
 
-    stream (every layer's state fixed in size): the first T - keep tokens in calls of s.chunk
+    stream (every layer's state fixed in size): the first T - keep tokens in calls of o.chunk
     tokens through one cache, then the last `keep`. window (a growing state): each group of rows
-    in one call, if T <= s.max_window. Raises NotRead otherwise, or when the mechanism meets a
+    in one call, if T <= o.max_window. Raises NotRead otherwise, or when the mechanism meets a
     limit of its own (ShapeError) while reading.
     """
     B, T = tokens.shape
@@ -406,11 +455,11 @@ def read_tail(model: CausalLM, tokens: torch.Tensor, keep: int, s: Settings) -> 
     try:
         if stream:
             cache = model.init_cache(B)
-            for start in range(0, T - keep, s.chunk):
-                model.hidden(tokens[:, start:min(start + s.chunk, T - keep)], cache=cache)
+            for start in range(0, T - keep, o.chunk):
+                model.hidden(tokens[:, start:min(start + o.chunk, T - keep)], cache=cache)
             return model.head(model.hidden(tokens[:, T - keep:], cache=cache)), "stream", cache.nbytes() // B
-        if T > s.max_window:
-            raise NotRead(f"a window of {T:,} tokens exceeds max_window={s.max_window:,}")
+        if T > o.max_window:
+            raise NotRead(f"a window of {T:,} tokens exceeds max_window={o.max_window:,}")
         rows = max(1, WINDOW_TOKENS // T)
         out, nbytes = [], 0
         for start in range(0, B, rows):
@@ -423,27 +472,27 @@ def read_tail(model: CausalLM, tokens: torch.Tensor, keep: int, s: Settings) -> 
         raise NotRead(str(e)) from None
 
 
-def passkey_accuracy(model: CausalLM, s: Settings, distance: int) -> dict:
-    """{"distance", "tokens" (a row's length), "accuracy" (share of s.passkey_test rows with every
+def passkey_accuracy(model: CausalLM, o: RecallOptions, seed: int, distance: int) -> dict:
+    """{"distance", "tokens" (a row's length), "accuracy" (share of o.passkey_test rows with every
     digit right), "digit_accuracy", "read", "state_bytes" (per row, at the end), "note"}; a row
     that cannot be read gives accuracy None, read None and the reason in "note"."""
-    g = torch.Generator().manual_seed(TEST_SEED + s.seed + 7 * distance)
-    keep = s.digits + 1  # the query marker and the digits: the logits that predict the answers
-    result = {"distance": distance, "tokens": 2 + 2 * s.digits + distance, "accuracy": None,
+    g = torch.Generator().manual_seed(TEST_SEED + seed + 7 * distance)
+    keep = o.digits + 1  # the query marker and the digits: the logits that predict the answers
+    result = {"distance": distance, "tokens": 2 + 2 * o.digits + distance, "accuracy": None,
               "digit_accuracy": None, "read": None, "state_bytes": None, "note": ""}
     right = digits = 0
-    for start in range(0, s.passkey_test, s.test_batch):
-        tokens, answers = passkey_batch(min(s.test_batch, s.passkey_test - start), distance=distance,
-                                        digits=s.digits, vocab=s.vocab, generator=g)
+    for start in range(0, o.passkey_test, o.test_batch):
+        tokens, answers = passkey_batch(min(o.test_batch, o.passkey_test - start), distance=distance,
+                                        digits=o.digits, vocab=o.vocab, generator=g)
         try:
-            logits, read, nbytes = read_tail(model, tokens, keep, s)
+            logits, read, nbytes = read_tail(model, tokens, keep, o)
         except NotRead as e:
             return {**result, "note": f"not read: {e}"}
         hits = answer_hits(logits, tokens[:, -keep:], answers[:, -keep:])  # [b, keep]
-        right += int((hits.sum(1) == s.digits).sum())
+        right += int((hits.sum(1) == o.digits).sum())
         digits += int(hits.sum())
         result.update(read=read, state_bytes=nbytes)
-    return {**result, "accuracy": right / s.passkey_test, "digit_accuracy": digits / (s.passkey_test * s.digits)}
+    return {**result, "accuracy": right / o.passkey_test, "digit_accuracy": digits / (o.passkey_test * o.digits)}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -481,8 +530,7 @@ def run(out_dir: Path, *, quick: bool = False, overrides: list[str] = (), jobs: 
         plot(results, out_dir / "recall.png")
         return results
 
-    rows = run_jobs(out_dir, job_list, None, workers=jobs, label=NAME, work=train_job,
-                    steps_of=lambda job: job_settings(job)[0].steps, on_rows=report)
+    rows = run_jobs(out_dir, job_list, measure, workers=jobs, label=NAME, on_rows=report)
     return report({row["model"]: row for row in rows})
 
 

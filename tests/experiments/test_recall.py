@@ -179,26 +179,59 @@ def test_quick_run_writes_the_table_plot_and_command_and_reuses_finished_models(
 
 
 def test_an_interrupted_model_resumes_from_its_checkpoint_to_the_same_row(tmp_path, monkeypatch):
+    """A model trains through memattn train's loop as task=recall: cut after its checkpoint at
+    step 2 and run again, it resumes there and ends with the uninterrupted run's log and row."""
     import research.experiments.recall as recall
+    from research.experiments._runner import train_and_measure
 
     s = parse_settings(Settings, ["mechanisms=[abc-window]"], QUICK, name=NAME)
     (planned,), _ = plan(s)
     job = recall.job_of(s, planned)
-    whole = recall.train_job(tmp_path / "whole", job)
+    whole = train_and_measure(tmp_path / "whole", job, recall.measure)
     batch = recall.training_batch
 
-    def interrupted(s, step):
+    def interrupted(o, rows, seed, step):
         if step == 3:
             raise KeyboardInterrupt
-        return batch(s, step)
+        return batch(o, rows, seed, step)
 
     monkeypatch.setattr(recall, "training_batch", interrupted)
     with pytest.raises(KeyboardInterrupt):
-        recall.train_job(tmp_path / "cut", job)
+        train_and_measure(tmp_path / "cut", job, recall.measure)
     assert not (tmp_path / "cut" / "row.json").exists()
     monkeypatch.setattr(recall, "training_batch", batch)
-    resumed = recall.train_job(tmp_path / "cut", job)
+    resumed = train_and_measure(tmp_path / "cut", job, recall.measure)
     logs = [(tmp_path / d / "log.jsonl").read_text().splitlines() for d in ("whole", "cut")]
     assert [json.loads(line)["loss"] for line in logs[0]] == [json.loads(line)["loss"] for line in logs[1]]
     for key in ("mqar_accuracy", "passkey", "state_bytes", "steps"):
         assert resumed[key] == whole[key], key
+
+
+def test_the_task_trains_what_the_experiment_planned(tmp_path):
+    """A job's settings are memattn train's (task=recall with the settings' options): its model
+    is build_model's, its batches the experiment's rows, its loss the mean of the two tasks'."""
+    import research.experiments.recall as recall
+    from memattn.config import load_config
+    from memattn.tasks import task_class
+    from memattn.train import Distributed, build_model as train_model
+
+    s = parse_settings(Settings, ["mechanisms=[linear]"], QUICK, name=NAME)
+    (planned,), _ = plan(s)
+    cfg = load_config(None, [*recall.job_of(s, planned).settings, f"train.out_dir={tmp_path}"])
+    assert cfg.task_settings == s.options and cfg.train.betas == (0.9, 0.98)
+    task = task_class(NAME).prepare(cfg, Distributed("cpu"), False, None)
+    torch.manual_seed(0)
+    model = train_model(task.cfg)
+    torch.manual_seed(0)
+    assert str(model) == str(build_model(s, AttentionConfig("linear", planned["options"])))
+    batch = task.batch(5, 0, 1)
+    m = round(s.batch * s.mqar_share)
+    logits = model(batch.tokens)
+    want = (answer_loss(logits[:m], batch.tokens[:m], batch.answers[:m])
+            + answer_loss(logits[m:], batch.tokens[m:], batch.answers[m:])) / 2
+    total, scored, _ = task.loss(model, batch)
+    assert scored == 1 and torch.allclose(total, want)
+    # two ranks share the rows: the first holds MQAR rows only, the second the rest
+    halves = [task.batch(5, r, 2) for r in (0, 1)]
+    assert torch.equal(torch.cat([h.tokens for h in halves]), batch.tokens)
+    assert [h.mqar for h in halves] == [min(m, s.batch // 2), max(0, m - s.batch // 2)]
