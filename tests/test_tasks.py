@@ -141,3 +141,32 @@ def test_the_commands_ask_the_task_what_it_does(successor_task, tmp_path, capsys
     assert main(["eval", run, "--split", "val"]) == 0
     assert main(["eval", run, "--split", "val", "--json"]) == 0
     assert capsys.readouterr().out == 'val: evaluated\n{"split": "val"}\n'
+
+
+def test_a_task_reads_its_own_options_from_the_config(monkeypatch):
+    """task_options.KEY=VALUE is read as the task class's Options dataclass, each key and type
+    checked and named; a task without options refuses them; --resume holds them."""
+    import dataclasses
+
+    from memattn.config import to_dict
+    from memattn.errors import CheckpointError
+    from memattn.train import check_resumable
+
+    @dataclasses.dataclass
+    class Modulus:
+        modulus: int = 8
+
+    module = types.ModuleType("modulus_task")
+    module.ModulusTask = type("ModulusTask", (SuccessorTask,), {"Options": Modulus})
+    monkeypatch.setitem(sys.modules, "modulus_task", module)
+    monkeypatch.setitem(TASKS, "modulus", TASKS.get("lm").__class__("modulus", "ids mod n", "modulus_task:ModulusTask"))
+    cfg = load_config("tiny", ["task=modulus", "task_options.modulus=5"])
+    assert cfg.task_settings == Modulus(5) and load_config("tiny", ["task=modulus"]).task_settings == Modulus(8)
+    with pytest.raises(ConfigError, match=r"^task_options.nope: unknown key of task_options \(known: modulus\)"):
+        load_config("tiny", ["task=modulus", "task_options.nope=1"])
+    with pytest.raises(ConfigError, match="^task_options.modulus: expected an integer, got 'x'"):
+        load_config("tiny", ["task=modulus", "task_options.modulus=x"])
+    with pytest.raises(ConfigError, match="^task_options: task=lm has no options of its own, got modulus"):
+        load_config("tiny", ["task_options.modulus=5"])
+    with pytest.raises(CheckpointError, match="task_options.modulus=5, this run has 6"):
+        check_resumable(to_dict(cfg), load_config("tiny", ["task=modulus", "task_options.modulus=6"]))

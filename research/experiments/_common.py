@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import statistics
 import time
 from contextvars import ContextVar
 from pathlib import Path
@@ -120,6 +121,26 @@ def write_results(out_dir: Path, results: dict[str, Any], markdown: str) -> None
     atomic_write(out_dir / "results.md", lambda tmp: tmp.write_text(markdown))
     if _RUNNING.get() is not None:
         atomic_write_text(out_dir / "command.txt", _RUNNING.get() + "\n")
+
+
+def by_model(names: list[str], rows: list[dict]) -> dict[str, list[dict]]:
+    """The rows (one a seed) of each model, models in order of first appearance."""
+    runs: dict[str, list[dict]] = {}
+    for name, row in zip(names, rows):
+        runs.setdefault(name, []).append(row)
+    return runs
+
+
+def seed_figures(runs: list[dict], keys) -> dict[str, float]:
+    """For each of `keys` the runs have: the mean of the runs' figures and, as `key`_spread,
+    their spread (max − min)."""
+    out = {}
+    for key in keys:
+        if key in runs[0]:
+            values = [r[key] for r in runs]
+            out[key] = statistics.fmean(values)
+            out[f"{key}_spread"] = max(values) - min(values)
+    return out
 
 
 def plot_curves(path: Path, title: str, curves: dict[str, list[list[float]]], ylabel: str) -> None:

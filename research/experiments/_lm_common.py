@@ -12,6 +12,7 @@ from typing import Any, Callable
 
 import torch
 
+from research.experiments._common import by_model, seed_figures
 from research.experiments._runner import (STAND_IN, Job, finished_row, measured_side_by_side, run_experiment, side_by_side_note)
 
 # (row, mechanism, options, seeds); an option whose key has a dot is a setting of the run
@@ -177,18 +178,12 @@ def side_by_side_speeds(out_dir: Path, jobs: list[Job], *, decode_prompt: int, d
 def summarise(names: list[str], rows: list[dict]) -> list[dict]:
     """One entry per model (in order of first appearance): the mean of its seeds' figures and
     their spread (max − min)."""
-    by_model: dict[str, list[dict]] = {}
-    for name, row in zip(names, rows):
-        by_model.setdefault(name, []).append(row)
     models = []
-    for name, runs in by_model.items():
+    for name, runs in by_model(names, rows).items():
         entry = {"model": name, "seeds": len(runs)}
         for key in ("attention", "options", "params", "steps", "context", "test_tokens", "context_tokens"):
             entry[key] = runs[0][key]
-        for key in SEED_FIGURES:
-            values = [r[key] for r in runs]
-            entry[key] = statistics.fmean(values)
-            entry[f"{key}_spread"] = max(values) - min(values)
+        entry.update(seed_figures(runs, SEED_FIGURES))
         if runs[0].get("spans"):  # [seed][layer][head] -> the mean over seeds, [layer][head]
             entry["spans"] = [[statistics.fmean(h) for h in zip(*layers)]
                               for layers in zip(*(r["spans"] for r in runs))]

@@ -26,12 +26,11 @@ from __future__ import annotations
 
 import functools
 import random
-import statistics
 import time
 from pathlib import Path
 from typing import Any
 
-from research.experiments._common import save_figure, setup_line
+from research.experiments._common import by_model, save_figure, seed_figures, setup_line
 from research.experiments._runner import Job, measured_side_by_side, run_experiment, side_by_side_note
 
 DESCRIPTION = ("bounded-memory control (Peng et al. 2022) in translation: bounded cross and causal "
@@ -186,20 +185,10 @@ def side_by_side(out_dir: Path, jobs: list[Job], *, profiled: tuple[str, ...], l
 
 def summarise(names: list[str], rows: list[dict]) -> list[dict]:
     """One entry per model: the mean of its seeds' figures and their spread (max − min)."""
-    by_model: dict[str, list[dict]] = {}
-    for name, row in zip(names, rows):
-        by_model.setdefault(name, []).append(row)
-    models = []
-    for name, runs in by_model.items():
-        entry = {"model": name, "seeds": len(runs), **{k: runs[0][k] for k in (
-            "attention", "options", "params", "steps", "test_sentences", "beam", "bleu_signature",
-            "examples", "decoding")}}
-        for key in SEED_FIGURES:
-            values = [r[key] for r in runs]
-            entry[key] = statistics.fmean(values)
-            entry[f"{key}_spread"] = max(values) - min(values)
-        models.append(entry)
-    return models
+    return [{"model": name, "seeds": len(runs), **{k: runs[0][k] for k in (
+                "attention", "options", "params", "steps", "test_sentences", "beam", "bleu_signature",
+                "examples", "decoding")}, **seed_figures(runs, SEED_FIGURES)}
+            for name, runs in by_model(names, rows).items()]
 
 
 def quick_pairs(folder: Path, seed: int = 0) -> Path:

@@ -35,7 +35,7 @@ import torch.nn.functional as F
 from memattn.config import TrainConfig, to_dict
 from memattn.data.reading import ReadingBatch, ReadingConfig, ReadingTask
 from memattn.errors import ConfigError
-from research.experiments._common import command_of, compare, save_figure, write_results
+from research.experiments._common import by_model, command_of, compare, save_figure, seed_figures, write_results
 from research.experiments._runner import ROW_FILE, Job, finished_row, run_jobs
 from memattn.fileio import atomic_write
 from memattn.models.qa import ATTENTIONS, QAConfig, ReadingQA
@@ -253,19 +253,9 @@ FIGURES = ("accuracy", "accuracy_long", "accuracy_from_representations", "train_
 def summarise(variants: list[str], rows: list[dict]) -> dict[str, dict]:
     """Per variant: the mean of its seeds' figures, their spread (max − min), and whether
     every seed converged."""
-    out: dict[str, dict] = {}
-    for variant, row in zip(variants, rows):
-        out.setdefault(variant, {"seeds": 0, "runs": []})["runs"].append(row)
-    for variant, entry in out.items():
-        runs = entry.pop("runs")
-        entry.update(seeds=len(runs), parameters=runs[0]["parameters"],
-                     converged=all(r["converged"] for r in runs))
-        for key in FIGURES:
-            if key in runs[0]:
-                values = [r[key] for r in runs]
-                entry[key] = statistics.fmean(values)
-                entry[f"{key}_spread"] = max(values) - min(values)
-    return out
+    return {variant: {"seeds": len(runs), "parameters": runs[0]["parameters"],
+                      "converged": all(r["converged"] for r in runs), **seed_figures(runs, FIGURES)}
+            for variant, runs in by_model(variants, rows).items()}
 
 
 @torch.no_grad()
