@@ -250,14 +250,16 @@ class TrainConfig:
     # the init_from model, frozen (uptraining a converted model towards the original)
     distill_weight: float = 0.0
     # > 0: attention transfer (LoLCATs' first stage) before the ordinary steps of a run started
-    # from a softmax model (train.init_from): transfer_steps updates of the mechanism's own
-    # parameters only (those the warm start did not copy; all else frozen), each layer's
-    # attention trained to give the frozen softmax layer's output on that layer's input in the
-    # softmax model (mean squared error, summed over the layers); memattn.transfer
+    # from a softmax model (train.init_from: a memattn softmax run, or a folder of `memattn
+    # convert`, whose softmax model is the one it was converted from): transfer_steps updates of
+    # the mechanism's own parameters only (those the warm start or conversion did not copy; all
+    # else frozen), each layer's attention trained to give the frozen softmax layer's output on
+    # that layer's input in the softmax model (mean squared error, summed over the layers);
+    # memattn.transfer
     transfer_steps: int = 0
     transfer_lr: float = 0.0  # learning rate of the transfer steps (0: train.lr)
-    # > 0: the ordinary steps train rank-lora_rank adapters (LoRA) on the linear weights copied
-    # from train.init_from, and the mechanism's own parameters, with every copied weight frozen
+    # > 0: the ordinary steps train rank-lora_rank adapters (LoRA) on the layers' linear weights
+    # copied from train.init_from, and the mechanism's own parameters, with every copied weight frozen
     lora_rank: int = 0
     out_dir: str = "runs/default"
 

@@ -569,10 +569,6 @@ def _train_loop(task, ddp: Distributed, resume: bool, progress: bool, on_step, d
     if tc.transfer_steps or tc.lora_rank:
         from memattn.transfer import check_transfer, own_parameters
 
-        if source.converted:
-            raise ConfigError(f"train.{'transfer_steps' if tc.transfer_steps else 'lora_rank'}: for memattn's own "
-                              f"models; {source.path} is a converted transformers model (train it with "
-                              "train.distill_weight, or with PEFT's LoRA)")
         own = own_parameters(model, source)
         if tc.transfer_steps:
             check_transfer(model, source, own)
@@ -581,7 +577,7 @@ def _train_loop(task, ddp: Distributed, resume: bool, progress: bool, on_step, d
     if tc.transfer_steps:
         from memattn.warmstart import teacher_model
 
-        softmax_model = teacher_model(source).to(device)
+        softmax_model = teacher_model(source, "train.transfer_steps").to(device)
     if source is not None and not source.converted and not resume:
         from memattn.warmstart import warm_start
 
@@ -605,9 +601,8 @@ def _train_loop(task, ddp: Distributed, resume: bool, progress: bool, on_step, d
                                                    lr=tc.transfer_lr or tc.lr, betas=tc.betas)
         if tc.lora_rank:
             from memattn.transfer import LoRA
-            from memattn.warmstart import warm_start_weights
 
-            lora = LoRA(model, LoRA.targets_of(model, set(warm_start_weights(model, source))), tc.lora_rank)
+            lora = LoRA(model, LoRA.targets_of(model, own), tc.lora_rank)
             trainable = [named[n] for n in own] + list(lora.parameters())
     optimizer = torch.optim.AdamW(decay_groups(trainable, tc.weight_decay), lr=tc.lr, betas=tc.betas)
     transferred = tc.transfer_steps if resume else 0  # transfer steps done (a checkpoint may say fewer)
@@ -630,9 +625,9 @@ def _train_loop(task, ddp: Distributed, resume: bool, progress: bool, on_step, d
         else:
             restore(ckpt, model, optimizer)
         if lora is not None and not in_transfer:  # the checkpoint holds merged weights: the base is the source's
-            from memattn.warmstart import warm_start_weights
+            from memattn.transfer import start_weights
 
-            lora.load(ckpt.extra(), warm_start_weights(model, source))
+            lora.load(ckpt.extra(), start_weights(model, source))
         log.truncate_after(start)
         if in_transfer:
             drop_transfer_records_after(log, transferred)

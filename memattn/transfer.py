@@ -1,19 +1,22 @@
 """Keeping a softmax model's quality through a conversion: attention transfer and low-rank
-adapters, the recipe of LoLCATs (Zhang et al. 2024) and Liger (Lan et al. 2025) for memattn's
-own models.
+adapters, the recipe of LoLCATs (Zhang et al. 2024) and Liger (Lan et al. 2025), for memattn's
+own models and for transformers models converted by `memattn convert`.
 
-A run started from a softmax run (`train.init_from`) holds that model's weights everywhere but
-in the mechanism's own parameters (ABC's W_φ, gates, forget rates, ...: `own_parameters`),
-which start from their initialisation. Attention transfer (`train.transfer_steps`) trains
-those alone first: for each layer ℓ with parameters of its own,
+A run started from a softmax model (`train.init_from`: a memattn softmax run, or a folder of
+`memattn convert`) holds that model's weights everywhere but in the mechanism's own parameters
+(ABC's W_φ, gates, forget rates, ...: `own_parameters`), which start from their initialisation.
+Attention transfer (`train.transfer_steps`) trains those alone first: for each layer ℓ with
+parameters of its own,
 
-    u_ℓ = the input of softmax layer ℓ in the frozen softmax model (its norm applied)  # [B, T, d]
+    u_ℓ = the input of attention layer ℓ in the frozen softmax model (its norm applied)  # [B, T, d]
     loss = Σ_ℓ mean((attn_ℓ(u_ℓ) − softmax_attn_ℓ(u_ℓ))²)
 
-on windows of the training text, every other parameter frozen. Every layer reads the softmax
-model's own inputs, so the layers learn at once and independently. The ordinary steps then
-train end to end; with `train.lora_rank` they train, instead of every weight, rank-r adapters
-on the copied linear weights (`LoRA`) and the mechanism's own parameters.
+on windows of the training text, every other parameter frozen. The softmax model is the memattn
+run started from, or the transformers model a converted folder was converted from. Every layer
+reads the softmax model's own inputs, so the layers learn at once and independently. The
+ordinary steps then train end to end; with `train.lora_rank` they train, instead of every weight,
+rank-r adapters on the copied linear weights of the layers (`LoRA`) and the mechanism's own
+parameters.
 """
 
 from __future__ import annotations
@@ -28,29 +31,47 @@ from memattn.errors import ConfigError
 
 
 def own_parameters(model: nn.Module, source) -> list[str]:
-    """Names of the parameters of `model` that the warm start from `source` (memattn.warmstart)
-    does not copy: the mechanism's own, as initialised."""
+    """Names of the parameters of `model` that did not come from `source`: the mechanism's own,
+    as initialised. A memattn model: what the warm start (memattn.warmstart) does not copy; a
+    converted model (a `ConvertedLM`): what the conversion did not copy."""
+    if source.converted:
+        from memattn.integrations.convert import new_parameters
+
+        return new_parameters(model)
     from memattn.warmstart import warm_start_weights
 
     copied = warm_start_weights(model, source)
     return [name for name, _ in model.named_parameters() if name not in copied]
 
 
+def start_weights(model: nn.Module, source) -> dict[str, torch.Tensor]:
+    """The weights `model` started from, keyed as it holds them: the source's (a memattn model),
+    or the converted folder's (a converted model)."""
+    if source.converted:
+        from memattn.integrations.convert import load_converted
+
+        return {f"hf.{k}": t for k, t in load_converted(source.path).state_dict().items()}
+    from memattn.warmstart import warm_start_weights
+
+    return warm_start_weights(model, source)
+
+
 def check_transfer(model: nn.Module, source, own: list[str]) -> None:
-    """ConfigError (naming train.transfer_steps) unless `model` is a memattn causal LM started
-    from a memattn softmax model and holds parameters of its own to transfer."""
-    if source.converted or not hasattr(model, "blocks"):
-        raise ConfigError(f"train.transfer_steps: transfers to memattn's own models; {source.path} is a "
-                          "converted transformers model (train it with train.distill_weight instead)")
-    if not isinstance(source.model, dict):
-        raise ConfigError(f"train.transfer_steps: {source.path} records no memattn model config to rebuild "
-                          "the softmax model from")
-    teacher = softmax_mechanisms(source.model)
-    if teacher is not None:
-        raise ConfigError(f"train.transfer_steps: the train.init_from model {source.path} has {teacher} "
-                          "attention, not softmax; transfer teaches a mechanism to reproduce softmax layers")
+    """ConfigError (naming train.transfer_steps) unless `model` was started from a softmax model
+    (a memattn softmax model, or a converted folder: its source is a transformers model's own
+    attention) and holds parameters of its own to transfer."""
+    from memattn.layers.base import attention_layers
+
+    if not source.converted:
+        if not isinstance(source.model, dict):
+            raise ConfigError(f"train.transfer_steps: {source.path} records no memattn model config to rebuild "
+                              "the softmax model from")
+        teacher = softmax_mechanisms(source.model)
+        if teacher is not None:
+            raise ConfigError(f"train.transfer_steps: the train.init_from model {source.path} has {teacher} "
+                              "attention, not softmax; transfer teaches a mechanism to reproduce softmax layers")
     if not own:
-        names = sorted({model.cfg.layer_attention(i).name for i in range(model.cfg.n_layers)})
+        names = sorted({mech.name for _, mech in attention_layers(model)})
         raise ConfigError(f"train.transfer_steps: attention {', '.join(map(repr, names))} has no parameters of "
                           f"its own to transfer (every parameter was copied from {source.path}); train it with "
                           "the ordinary steps alone")
@@ -67,33 +88,49 @@ def softmax_mechanisms(model: dict) -> str | None:
     return ", ".join(map(repr, other)) if other else None
 
 
+def attention_modules(model: nn.Module) -> list[nn.Module]:
+    """The attention module of each layer, in layer order: a memattn CausalLM's blocks' `attn`,
+    or a transformers model's (a `ConvertedLM`, or the original it was converted from)
+    self-attention, converted or not. Each is called with the layer's normed input first and
+    returns (output [B, T, d], ...)."""
+    if hasattr(model, "blocks"):
+        return [block.attn for block in model.blocks]
+    from memattn.integrations.convert import attention_modules as transformers_attention
+
+    return transformers_attention(model)
+
+
 class AttentionTransfer:
-    """The transfer objective of `model` (a CausalLM) against `teacher` (the softmax CausalLM it
-    was started from, frozen): `loss(x)` for token ids x [B, T].
+    """The transfer objective of `model` (a CausalLM or a converted `ConvertedLM`) against
+    `teacher` (the softmax model it was started from, frozen: the memattn softmax CausalLM or
+    the original transformers model): `loss(x)` for token ids x [B, T].
 
     The layers transferred are those whose attention holds one of the parameters named in `own`.
     """
 
     def __init__(self, model: nn.Module, teacher: nn.Module, own: list[str]) -> None:
         self.model, self.teacher = model, teacher
+        self.attention, self.teacher_attention = attention_modules(model), attention_modules(teacher)
+        if len(self.attention) != len(self.teacher_attention):
+            raise ConfigError(f"train.transfer_steps: the model has {len(self.attention)} attention layers, "
+                              f"the softmax model it started from {len(self.teacher_attention)}")
         params = dict(model.named_parameters())
         mine = {id(params[name]) for name in own}
-        self.layers = [i for i, block in enumerate(model.blocks)
-                       if any(id(p) in mine for p in block.attn.parameters())]
+        self.layers = [i for i, attn in enumerate(self.attention) if any(id(p) in mine for p in attn.parameters())]
 
     def teacher_layers(self, x: torch.Tensor) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
         """{layer: (its input u [B, T, d], its softmax output [B, T, d])} in the teacher on x [B, T]."""
         seen: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
 
         def keep(i):
-            def hook(module, args, kwargs, output):
-                seen[i] = (args[0], output[0])
+            def hook(module, args, kwargs, output):  # transformers passes hidden_states by name
+                seen[i] = (args[0] if args else kwargs["hidden_states"], output[0])
             return hook
 
-        hooks = [self.teacher.blocks[i].attn.register_forward_hook(keep(i), with_kwargs=True) for i in self.layers]
+        hooks = [self.teacher_attention[i].register_forward_hook(keep(i), with_kwargs=True) for i in self.layers]
         try:
             with torch.no_grad():
-                self.teacher.hidden(x)
+                self.teacher(x)
         finally:
             for h in hooks:
                 h.remove()
@@ -104,7 +141,7 @@ class AttentionTransfer:
         output and the teacher's on the teacher's layer input, [that error per layer])."""
         losses = []
         for i, (u, want) in self.teacher_layers(x).items():
-            got, _ = self.model.blocks[i].attn(u)
+            got = self.attention[i](u)[0]
             losses.append(F.mse_loss(got.float(), want.float()))
         return torch.stack(losses).sum(), losses
 
@@ -116,7 +153,8 @@ class LoRA(nn.Module):
     caller); `merged_state()` gives its state dict with each W + scale·B A, a model that needs
     no adapters (what checkpoints hold).
 
-    Targets (`targets`): every nn.Linear inside the blocks whose weight is among `copied`.
+    Targets (`targets_of`): every linear layer inside the model's layers whose weight came from
+    the source: nn.Linear, and transformers' Conv1D (GPT-2; its weight is [in, out]).
     """
 
     def __init__(self, model: nn.Module, names: list[str], rank: int, scale: float = 1.0) -> None:
@@ -128,17 +166,23 @@ class LoRA(nn.Module):
         self.b = nn.ParameterList()
         for linear in self.targets:
             w = linear.weight
-            a = torch.empty(rank, linear.in_features, device=w.device, dtype=w.dtype)
+            size_in, size_out = w.shape[::-1] if isinstance(linear, nn.Linear) else w.shape
+            a = torch.empty(rank, size_in, device=w.device, dtype=w.dtype)
             nn.init.kaiming_uniform_(a, a=math.sqrt(5))  # as nn.Linear's own weights
             self.a.append(nn.Parameter(a))
-            self.b.append(nn.Parameter(torch.zeros(linear.out_features, rank, device=w.device, dtype=w.dtype)))
+            self.b.append(nn.Parameter(torch.zeros(size_out, rank, device=w.device, dtype=w.dtype)))
         self._hooks: list = []
 
     @staticmethod
-    def targets_of(model: nn.Module, copied: set[str]) -> list[str]:
-        """Names of the blocks' nn.Linear modules whose weight was copied from the source."""
+    def targets_of(model: nn.Module, own: list[str]) -> list[str]:
+        """Names of the linear modules inside the model's layers (each the module that holds an
+        attention module: memattn's blocks, a transformers model's decoder layers) whose weight came
+        from the source (is not among the mechanism's `own` parameters)."""
+        attention = {id(m) for m in attention_modules(model)}
+        layers = tuple(name.rpartition(".")[0] + "." for name, m in model.named_modules() if id(m) in attention)
         return [name for name, m in model.named_modules()
-                if isinstance(m, nn.Linear) and name.startswith("blocks.") and f"{name}.weight" in copied]
+                if (isinstance(m, nn.Linear) or type(m).__name__ == "Conv1D")  # transformers' GPT-2 linear
+                and name.startswith(layers) and f"{name}.weight" not in own]
 
     def attach(self) -> None:
         """Hook the adapters into their layers (once)."""
@@ -159,7 +203,8 @@ class LoRA(nn.Module):
         state = dict(model.state_dict())
         with torch.no_grad():
             for name, linear, a, b in zip(self.names, self.targets, self.a, self.b):
-                state[f"{name}.weight"] = linear.weight + (b @ a) * self.scale
+                delta = (b @ a) * self.scale  # [out, in]
+                state[f"{name}.weight"] = linear.weight + (delta if isinstance(linear, nn.Linear) else delta.T)
         return state
 
     def tensors(self) -> dict[str, torch.Tensor]:

@@ -85,19 +85,20 @@ def read_source(path: str | os.PathLike) -> Source:
                   (ckpt.meta.get("config") or {}).get("model"))
 
 
-def teacher_model(source: Source) -> nn.Module:
+def teacher_model(source: Source, option: str = "train.distill_weight") -> nn.Module:
     """The source as a frozen CausalLM in eval mode (the teacher of a distillation term, the
-    softmax model of attention transfer), built once a source: both read the same model."""
+    softmax model of attention transfer: `option`, which errors name), built once a source:
+    both read the same model."""
     from memattn.config import ModelConfig, from_dict
     from memattn.models import CausalLM
 
     if source.frozen is not None:
         return source.frozen
     if source.converted:
-        source.frozen = converted_teacher(source)
+        source.frozen = converted_teacher(source, option)
         return source.frozen
     if not isinstance(source.model, dict):
-        raise CheckpointError(f"train.distill_weight: {source.path} records no memattn model config to "
+        raise CheckpointError(f"{option}: {source.path} records no memattn model config to "
                               "rebuild the teacher from")
     teacher = CausalLM(from_dict(ModelConfig, source.model, "model"))
     teacher.load_state_dict(warm_start_weights(teacher, source))
@@ -105,7 +106,7 @@ def teacher_model(source: Source) -> nn.Module:
     return source.frozen
 
 
-def converted_teacher(source: Source) -> nn.Module:
+def converted_teacher(source: Source, option: str = "train.distill_weight") -> nn.Module:
     """The transformers model a converted folder was made from (the conversion records its
     name or folder), frozen, as a teacher."""
     from transformers import AutoModelForCausalLM
@@ -114,12 +115,12 @@ def converted_teacher(source: Source) -> nn.Module:
 
     original = json.loads((source.path / "config.json").read_text())[CONFIG_KEY].get("source")
     if not original:
-        raise CheckpointError(f"train.distill_weight: {source.path} does not record the model it was "
+        raise CheckpointError(f"{option}: {source.path} does not record the model it was "
                               "converted from (convert a saved or hub model with memattn convert)")
     try:
         model = AutoModelForCausalLM.from_pretrained(original)
     except OSError as e:
-        raise CheckpointError(f"train.distill_weight: the teacher {original}, which {source.path} was "
+        raise CheckpointError(f"{option}: the teacher {original}, which {source.path} was "
                               f"converted from, cannot be loaded ({e})") from None
     return ConvertedLM(model).eval().requires_grad_(False)
 

@@ -168,6 +168,26 @@ class ConvertedAttention(nn.Module):
         return y, None
 
 
+# The parts of a converted layer that hold the source attention's weights (`_memattn_layer`
+# copies q/k/v and the output projection and shares Qwen3's q/k norms); the rest of the layer
+# is the mechanism's own, as initialised.
+SOURCE_PARTS = ("qkv", "out", "q_norm", "k_norm")
+
+
+def new_parameters(model: nn.Module) -> list[str]:
+    """Names of the parameters of a converted model (or a module holding one) that the conversion
+    did not copy from the source: each converted layer's mechanism's own (φ, gates, ...). Every
+    other parameter is the source model's."""
+    return [f"{path}.layer.{name}" for path, m in model.named_modules() if isinstance(m, ConvertedAttention)
+            for name, _ in m.layer.named_parameters() if name.split(".", 1)[0] not in SOURCE_PARTS]
+
+
+def attention_modules(model: nn.Module) -> list[nn.Module]:
+    """The self-attention module of each layer of a transformers model, converted
+    (`ConvertedAttention`) or as it was, in layer order."""
+    return [m for m in model.modules() if isinstance(m, ConvertedAttention) or _kind(m) is not None]
+
+
 def _linear_weights(module: nn.Module) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(weight [out, in], bias or None) of an nn.Linear or a GPT-2 Conv1D ([in, out])."""
     if isinstance(module, nn.Linear):
@@ -463,7 +483,7 @@ def context_length(config) -> int | None:
 def converted_card_facts(model: nn.Module) -> dict[str, Any]:
     """What a model card can say of a converted model by itself."""
     record = conversion_of(model.config)
-    n = len([m for m in model.modules() if isinstance(m, ConvertedAttention) or _kind(m) is not None])
+    n = len(attention_modules(model))
     source = record.get("source") or "a pretrained model"
     family = model.config.model_type.removeprefix("memattn-")
     facts: dict[str, Any] = {
