@@ -65,15 +65,16 @@ def nan_empty(monkeypatch):
         monkeypatch.setattr(owner, name, filled(getattr(owner, name)))
 
 
-def run_quick_lm_experiment(name, text_file, tmp_path):
-    """`memattn experiment NAME --quick` on `text_file` through the CLI: (out dir, results.json)."""
+def run_quick_lm_experiment(name, text_file, tmp_path, *extra):
+    """`memattn experiment NAME --quick` on `text_file` through the CLI, with `extra` settings:
+    (out dir, results.json)."""
     import json
 
     from memattn.cli import main
 
     out = tmp_path / "results"
     data = ["data.corpus=text", f"data.path={text_file}", f"data.cache_dir={tmp_path / 'cache'}"]
-    assert main(["experiment", name, *data, "--quick", "--out-dir", str(out)]) == 0
+    assert main(["experiment", name, *data, *extra, "--quick", "--out-dir", str(out)]) == 0
     return out, json.loads((out / "results.json").read_text())
 
 

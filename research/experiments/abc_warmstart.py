@@ -16,17 +16,34 @@ so that each layer reproduces the frozen softmax layer's output, memattn.transfe
 same K steps end to end, plain or with distillation from the pretrained model
 (`train.distill_weight`).
 
-Each model is a run folder under out_dir/runs/ (out_dir/mlm/runs/ for the encoders): the
-pretrained model trains first (the others start from it), then the rest, `--jobs N` at a
+Third, the conversion study (`_conversion_study`, written to out_dir/conversion): a softmax
+teacher at abc-lm's budget (or a finished run folder given as `teacher=PATH`) converted to
+ABC_MLP with the paper's write rule, the write rules that stream (ABC_MLP with forget rates,
+gsa), gated linear attention and hybrids (one layer in four kept a window or softmax), by
+recipe (weight copy, + attention transfer, + distillation) and budget (2, 5, 10 and 33 % of
+the teacher's training tokens), each row measured at the training length and streamed to 16x.
+
+The experiment's own settings, key=value among the run settings (a list in brackets):
+`parts=[paper,mlm,conversion]` (which of the three to run; default all), and for the
+conversion study `students=[...]`, `recipes=[...]`, `budgets=[...]` (which part of its grid to
+train now; its table holds every finished run of the grid) and `teacher=PATH`.
+
+Each model is a run folder under out_dir/runs/ (out_dir/mlm/runs/, out_dir/conversion/runs/):
+the pretrained model trains first (the others start from it), then the rest, `--jobs N` at a
 time; running the experiment again reuses finished models and resumes unfinished ones.
-Written to out_dir and out_dir/mlm: results.json, results.md, learning_curves.png, logs/.
+Written to out_dir, out_dir/mlm and out_dir/conversion: results.json, results.md,
+learning_curves.png, logs/ (and command.txt from the command line).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from pathlib import Path
 
+from memattn.errors import ConfigError
+from memattn.typed import parse_settings
+from research.experiments import _conversion_study as conversion
 from research.experiments._common import command_of, compare, setup_line
 from research.experiments._lm_common import (Model, bpc_cell, jobs_of, measure, progress_note,
                                             run_lm_experiment, speed_note)
@@ -37,7 +54,8 @@ from research.experiments.abc_lm import QUICK as ABC_LM_QUICK
 
 DESCRIPTION = ("warm start (Peng et al. 2022 §5.3): a pretrained softmax LM converted to ABC_MLP, "
                "Linformer, random control and gated linear attention and trained on, against the "
-               "same trained from scratch")
+               "same trained from scratch; and a conversion study by student, recipe (weight copy, "
+               "attention transfer, distillation) and budget")
 
 PRETRAIN_STEPS = {False: 1500, True: 12}  # the pretrained softmax model: abc-lm's first budget
 ON_STEPS = {False: 500, True: 6}  # K: every other model
@@ -80,17 +98,53 @@ def models_of(quick: bool, source: Path, recipe: bool = True) -> list[Model]:
     return models
 
 
+PARTS = ("paper", "mlm", "conversion")
+
+
+@dataclasses.dataclass
+class Settings:
+    """The experiment's own settings (key=value among the run settings, which go to every run)."""
+
+    parts: tuple[str, ...] = PARTS
+    students: tuple[str, ...] = tuple(conversion.students(False))
+    recipes: tuple[str, ...] = conversion.RECIPES
+    budgets: tuple[float, ...] = conversion.BUDGETS
+    teacher: str = ""  # a finished softmax run folder to start the conversion study from
+
+    def __post_init__(self) -> None:
+        unknown = [p for p in self.parts if p not in PARTS]
+        if unknown or not self.parts:
+            raise ConfigError(f"parts: expected some of {', '.join(PARTS)}, got {list(self.parts)}")
+
+
+def settings_of(quick: bool, overrides: list[str]) -> tuple[Settings, list[str]]:
+    """(the experiment's settings, the run settings) of the command line's key=value overrides."""
+    own = {f.name for f in dataclasses.fields(Settings)}
+    mine = [o for o in overrides if o.split("=", 1)[0].strip() in own]
+    return (parse_settings(Settings, mine, conversion.QUICK_SELECTION if quick else {}, name="abc-warmstart"),
+            [o for o in overrides if o not in mine])
+
+
 def run(out_dir: Path, *, quick: bool, overrides: list[str], jobs: int = 1) -> dict:
     out_dir = Path(out_dir)
-    shared = [*TRUNK[quick], f"train.steps={ON_STEPS[quick]}", *overrides]
-    measure_fn = functools.partial(measure, **MEASURE[quick])
-    source = pretrained(out_dir, quick, shared, measure_fn, "abc-warmstart (pretraining softmax)")
-    models = models_of(quick, source)
-    result = run_lm_experiment(out_dir, "abc-warmstart", models, shared, quick=quick, overrides=overrides,
-                               jobs=jobs, measure_kw=MEASURE[quick], markdown=markdown)
-    masked = run_masked(out_dir / "mlm", quick=quick, overrides=overrides, jobs=jobs,
-                        command=command_of(out_dir, "abc-warmstart", quick, overrides))
-    return dict(result, masked=masked)
+    study, run_overrides = settings_of(quick, overrides)
+    result: dict = {}
+    if "conversion" in study.parts:  # refused selections are said before anything trains
+        conversion.check_selection(study.students, study.recipes, study.budgets, quick)
+    if "paper" in study.parts:
+        shared = [*TRUNK[quick], f"train.steps={ON_STEPS[quick]}", *run_overrides]
+        measure_fn = functools.partial(measure, **MEASURE[quick])
+        source = pretrained(out_dir, quick, shared, measure_fn, "abc-warmstart (pretraining softmax)")
+        result = run_lm_experiment(out_dir, "abc-warmstart", models_of(quick, source), shared, quick=quick,
+                                   overrides=overrides, jobs=jobs, measure_kw=MEASURE[quick], markdown=markdown)
+    if "mlm" in study.parts:
+        result["masked"] = run_masked(out_dir / "mlm", quick=quick, overrides=run_overrides, jobs=jobs,
+                                      command=command_of(out_dir, "abc-warmstart", quick, overrides))
+    if "conversion" in study.parts:
+        result["conversion"] = conversion.run_study(
+            out_dir / "conversion", quick=quick, overrides=overrides, run_overrides=run_overrides, jobs=jobs,
+            chosen_students=study.students, recipes=study.recipes, budgets=study.budgets, teacher=study.teacher)
+    return result
 
 
 def pretrained(out_dir: Path, quick: bool, shared: list[str], measure_fn, label: str, recipe: bool = True) -> Path:

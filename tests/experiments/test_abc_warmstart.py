@@ -1,6 +1,7 @@
 """`memattn experiment abc-warmstart --quick`: pretrain, convert, train on, compare."""
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -10,6 +11,7 @@ from conftest import run_quick_lm_experiment
 from research.experiments._lm_common import jobs_of
 from research.experiments._runner import run_dir_of
 from research.experiments.abc_warmstart import ON_STEPS, TRUNK, findings, models_of
+from memattn.errors import ConfigError
 from memattn.masked import mask_tokens
 from memattn.train import load_run_corpus, model_from_checkpoint
 
@@ -36,7 +38,7 @@ def recount_masked(run_dir, windows):
 
 @pytest.mark.slow
 def test_quick_run_pretrains_then_starts_every_conversion_from_it(text_file, tmp_path):
-    out, result = run_quick_lm_experiment("abc-warmstart", text_file, tmp_path)
+    out, result = run_quick_lm_experiment("abc-warmstart", text_file, tmp_path, "parts=[paper,mlm]")
     names = [m["model"] for m in result["models"]]
     assert names == ["softmax, pretrained", "softmax, trained on", "abc-mlp, M=4, from softmax",
                      "abc-mlp, M=4, from scratch", "abc-random, M=8, from softmax", "abc-random, M=8, from scratch",
@@ -85,7 +87,7 @@ def test_quick_run_pretrains_then_starts_every_conversion_from_it(text_file, tmp
         if path.name not in ("row.json", "settings.json"):
             path.unlink()
     (out / "runs" / "abc-mlp-m4-from-softmax" / "row.json").unlink()
-    again = run_quick_lm_experiment("abc-warmstart", text_file, tmp_path)[1]
+    again = run_quick_lm_experiment("abc-warmstart", text_file, tmp_path, "parts=[paper,mlm]")[1]
     assert (pretrained / "checkpoint.safetensors").exists()
     before, after = json.loads(saved), json.loads((pretrained / "row.json").read_text())
     assert {k: v for k, v in after.items() if k.startswith(("val_", "test_"))} == \
@@ -122,3 +124,103 @@ def test_findings_compare_each_start():
     text = "\n".join(findings(by))
     assert "Attention transfer first" in text and "abc-mlp, M=32, from softmax, transfer -0.050" in text
     assert "against softmax trained on: abc-mlp, M=32, from softmax, transfer +0.050" in text
+
+
+def study(text_file, tmp_path, out, *settings):
+    """`memattn experiment abc-warmstart --quick parts=[conversion] ...`: the conversion table."""
+    from memattn.cli import main
+
+    data = ["data.corpus=text", f"data.path={text_file}", f"data.cache_dir={tmp_path / 'cache'}"]
+    assert main(["experiment", "abc-warmstart", *data, "parts=[conversion]", *settings, "--quick",
+                 "--out-dir", str(out)]) == 0
+    return json.loads((out / "conversion" / "results.json").read_text())
+
+
+@pytest.mark.slow
+def test_conversion_study_trains_its_grid_in_parts_from_one_teacher(text_file, tmp_path):
+    from memattn.evaluate import as_tensor, evaluate_by_length
+
+    out = tmp_path / "results"
+    first = study(text_file, tmp_path, out, "students=[gsa,hybrid-window]", "recipes=[copy,distill]", "budgets=[33]")
+    runs = out / "conversion" / "runs"
+    teacher = runs / "softmax-teacher"
+    assert [m["model"] for m in first["models"]] == ["gsa, copy, 33 pct", "gsa, distill, 33 pct",
+                                                     "hybrid-window, copy, 33 pct", "hybrid-window, distill, 33 pct"]
+    # the teacher: softmax with abc-lm's quick trunk, 100 steps of 4 x 32 tokens; 33 % of its
+    # 12,800 tokens is 33 steps, of which a fifth (7) transfer steps in the distill recipe
+    settings = {m["model"]: json.loads((runs / slug / "settings.json").read_text()) for m, slug in
+                ((m, m["model"].replace(", ", "-").replace(" ", "-")) for m in first["models"])}
+    assert "attention=softmax" in json.loads((teacher / "settings.json").read_text())
+    for name, s in settings.items():
+        assert f"train.init_from={teacher}" in s and s[-1] == "train.seed=0"
+    copy, distill = settings["gsa, copy, 33 pct"], settings["gsa, distill, 33 pct"]
+    assert "train.steps=33" in copy and not any("transfer" in x or "distill" in x for x in copy)
+    assert {"train.steps=26", "train.transfer_steps=7", "train.distill_weight=1.0"} <= set(distill)
+    assert {"model.attention_layers.1.name=abc-window", "model.attention_layers.1.window=8"} <= \
+        set(settings["hybrid-window, copy, 33 pct"])
+    log = [json.loads(line) for line in (runs / "gsa-distill-33-pct" / "log.jsonl").read_text().splitlines()]
+    assert [r["transfer_step"] for r in log if r.get("phase") == "transfer"][-1] == 7
+    assert any("distill" in r for r in log)
+
+    # a row's figures past the training length are evaluate_by_length's on its trained model
+    model, cfg, _ = model_from_checkpoint(runs / "hybrid-window-copy-33-pct")
+    L = cfg.train.seq_len
+    direct = evaluate_by_length(model, as_tensor(load_run_corpus(cfg).test), lengths=[L, 4 * L, 16 * L],
+                                train_len=L, streams=8, windows=True)
+    ends = {b["end"]: b for b in direct["buckets"]}
+    row = {m["model"]: m for m in first["models"]}["hybrid-window, copy, 33 pct"]["test_bpc_by_length"]
+    for f in (1, 16):
+        assert row[f"{f}x"]["bpc"] == pytest.approx(ends[f * L]["bpc"], rel=1e-9) and row[f"{f}x"]["read"] == "stream"
+    assert row["16x"]["state_bytes"] == model.init_cache(1).nbytes()
+    table = (out / "conversion" / "results.md").read_text()
+    assert "| hybrid-window | distill | — | — | — | " in table and "**4 of the grid's 72 runs" in table
+    assert (out / "conversion" / "command.txt").read_text().startswith("memattn experiment abc-warmstart")
+
+    # another part: the runs done are reused (the teacher too), the table holds both parts
+    stamp = (runs / "gsa-copy-33-pct" / "row.json").stat().st_mtime_ns, (teacher / "row.json").stat().st_mtime_ns
+    second = study(text_file, tmp_path, out, "students=[gsa]", "recipes=[transfer]", "budgets=[10]")
+    assert [m["model"] for m in second["models"]] == ["gsa, copy, 33 pct", "gsa, transfer, 10 pct",
+                                                     "gsa, distill, 33 pct", "hybrid-window, copy, 33 pct",
+                                                     "hybrid-window, distill, 33 pct"]
+    assert stamp == ((runs / "gsa-copy-33-pct" / "row.json").stat().st_mtime_ns, (teacher / "row.json").stat().st_mtime_ns)
+
+    # a teacher given as a finished run folder: not trained again, measured once, students start from it
+    given = study(text_file, tmp_path, tmp_path / "given", f"teacher={teacher}", "students=[gsa]", "recipes=[copy]",
+                  "budgets=[10]")
+    assert not (tmp_path / "given" / "conversion" / "runs" / "softmax-teacher").exists()
+    assert given["teacher"]["path"] == str(teacher) and given["teacher"]["test_bpc"] == first["teacher"]["test_bpc"]
+    (gsa,) = given["runs"]
+    assert f"train.init_from={teacher}" in gsa["settings"] and "train.steps=10" in gsa["settings"]
+    with pytest.raises(ConfigError, match=r"teacher: .* has 'gsa' attention; the teacher is a softmax model"):
+        from research.experiments._conversion_study import given_teacher, trunk
+
+        given_teacher(runs / "gsa-copy-33-pct", trunk(True, []))
+
+
+@pytest.mark.parametrize(("setting", "message"), [
+    ("students=[gsa,mamba]", r"students: expected some of abc-mlp, abc-mlp-forget, gsa, .*got \['gsa', 'mamba'\]"),
+    ("recipes=[lora]", r"recipes: expected some of copy, transfer, distill"),
+    ("budgets=[0,5]", r"budgets: expected percentages of the teacher's tokens in \(0, 100\]"),
+    ("parts=[paper,study]", r"parts: expected some of paper, mlm, conversion"),
+    ("budgets=5", r"budgets: expected a list of float"),
+])
+def test_the_study_refuses_what_it_does_not_have(setting, message, tmp_path, capsys):
+    from memattn.cli import main
+
+    assert main(["experiment", "abc-warmstart", setting, "--quick", "--out-dir", str(tmp_path / "out")]) == 2
+    assert re.search(message, capsys.readouterr().err)
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_given_teacher_must_be_a_finished_run_of_the_students_settings(text_file, tmp_path):
+    from memattn.config import load_config
+    from memattn.train import train
+    from research.experiments._conversion_study import given_teacher, trunk
+
+    data = ["data.corpus=text", f"data.path={text_file}", f"data.cache_dir={tmp_path / 'cache'}"]
+    with pytest.raises(ConfigError, match=r"teacher: .*nowhere holds no run to start from"):
+        given_teacher(tmp_path / "nowhere", trunk(True, data))
+    cfg = load_config(None, [*trunk(True, data), "train.steps=2", "model.d_model=16", f"train.out_dir={tmp_path / 't'}"])
+    train(cfg, progress=False)
+    with pytest.raises(ConfigError, match=r"teacher: .* was trained with model.d_model=16, the students here with 32"):
+        given_teacher(tmp_path / "t", trunk(True, [*data, "train.steps=2"]))
