@@ -3,7 +3,8 @@
     .venv/bin/python benchmarks/gpu_kernels.py [--dims 64 128] [--slots 32 64]
         [--lengths 1024 2048 4096 8192 16384 32768] [--batch 8] [--heads 8]
         [--contexts 1024 4096 16384 32768] [--decode-batches 1 64]
-        [--repeats 10] [--warmup 3] [--decode-steps 100] [--out DIR] [--dry-run] [--skip-tests]
+        [--repeats 10] [--warmup 3] [--decode-steps 100] [--ops OP ...] [--out DIR] [--dry-run]
+        [--skip-tests]
 
 bf16 inputs, B·H = batch · heads (64 by default), head dim D = K = V.
 
@@ -17,16 +18,25 @@ bf16 inputs, B·H = batch · heads (64 by default), head dim D = K = V.
                   running softmax-weighted mean, z = logcumsumexp(s)) and scale K^-0.5;
                   its state keeps K̃ as [K, M] where memattn keeps [M, K].
     linear        `memattn.kernels.linear.linear_attention_triton` with α, β gates
+    memattn-gsa   `memattn.ops.gsa.gated_slot_attention(..., backend="triton")`: gated slot
+                  attention through the same kernels (abc_chunk with RESET), M slots, the
+                  gsa layer's gates g = log σ(z) / 8; "GSA / ABC" in the report is its time
+                  over memattn-abc's at the same shape
+    fla-gsa       flash-linear-attention's `fla.ops.gsa.chunk_gsa(q, k, v, 1 - exp(g), g)`,
+                  where installed: the same recurrence
 - Decoding, one token for every sequence of the batch, against the context length:
     abc-step        `abc_attention_step(..., backend="triton", inplace=True)`: the fused
                     kernel, Python checks included
     abc-step-graph  the same step captured in a CUDA graph and replayed: the kernel alone
     abc-step-torch  the torch step (`backend="torch"`)
+    gsa-step-graph  `gated_slot_attention_step(..., backend="triton", inplace=True)` (the ABC
+                    step kernel with GSA's logits) captured in a CUDA graph
     softmax-kv      write k_t, v_t into a preallocated KV cache, then SDPA of one query over
                     the context (FlashAttention backend), captured in a CUDA graph
   tokens/s = batch / (seconds a step).
 
-Timing: CUDA events around each call, `--warmup` calls first, the median of `--repeats`
+`--ops` keeps only the named operations (e.g. `--ops memattn-abc memattn-gsa fla-gsa` for the
+gated kernels against plain ABC's). Timing: CUDA events around each call, `--warmup` calls first, the median of `--repeats`
 (decoding: of `--repeats` runs of `--decode-steps` steps). A configuration that runs out of
 memory (or fails) is recorded with its reason and the run goes on.
 
@@ -67,9 +77,11 @@ if str(ROOT) not in sys.path:
 # bf16 dense TFLOP/s and HBM TB/s, by a word of the device's name; the first is the default.
 PEAKS = {"H100": (989.0, 3.35), "H200": (989.0, 4.8)}
 BF16 = 2  # bytes
-TESTS = ["tests/ops/test_abc_decode_triton.py", "tests/ops/test_linear_triton.py"]
-TRAIN_OPS = ("softmax", "memattn-abc", "fla-abc", "linear")
-DECODE_OPS = ("abc-step", "abc-step-graph", "abc-step-torch", "softmax-kv")
+TESTS = ["tests/ops/test_abc_decode_triton.py", "tests/ops/test_linear_triton.py",
+         "tests/ops/test_gsa_triton.py"]
+SLOT_OPS = ("memattn-abc", "fla-abc", "memattn-gsa", "fla-gsa")  # training ops with M slots
+TRAIN_OPS = ("softmax", *SLOT_OPS, "linear")
+DECODE_OPS = ("abc-step", "abc-step-graph", "abc-step-torch", "gsa-step-graph", "softmax-kv")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -89,6 +101,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--decode-steps", type=int, default=100, help="steps in one timed run")
     p.add_argument("--modes", nargs="+", default=["fwd", "fwd+bwd"], choices=["fwd", "fwd+bwd"])
+    p.add_argument("--ops", nargs="+", default=[*TRAIN_OPS, *DECODE_OPS],
+                   choices=[*TRAIN_OPS, *DECODE_OPS], help="the operations to time (default all)")
     p.add_argument("--out", default=None,
                    help="output folder (default benchmarks/results/<device-name>)")
     p.add_argument("--dry-run", action="store_true",
@@ -112,7 +126,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def plan(args: argparse.Namespace) -> list[dict]:
     """Every configuration the run measures, in order (softmax does not depend on M: once
-    per D and T; linear attention has no slots), head dim by head dim."""
+    per D and T; linear attention has no slots), head dim by head dim; only `--ops`."""
     B, H = args.batch, args.heads
     configs = []
     for D in args.dims:  # D outermost: a run cut short has whole head dims
@@ -120,19 +134,19 @@ def plan(args: argparse.Namespace) -> list[dict]:
             for T in args.lengths:
                 configs.append(dict(section="train", op="softmax", mode=mode, B=B, H=H, D=D, T=T))
                 for M in args.slots:
-                    for op in ("memattn-abc", "fla-abc"):
+                    for op in SLOT_OPS:
                         configs.append(dict(section="train", op=op, mode=mode, B=B, H=H, D=D,
                                             M=M, T=T))
                 configs.append(dict(section="train", op="linear", mode=mode, B=B, H=H, D=D, T=T))
         for Bd in args.decode_batches:
             for ctx in args.contexts:
                 for M in args.slots:
-                    for op in ("abc-step", "abc-step-graph", "abc-step-torch"):
+                    for op in DECODE_OPS[:-1]:
                         configs.append(dict(section="decode", op=op, B=Bd, H=H, D=D, M=M,
                                             context=ctx))
                 configs.append(dict(section="decode", op="softmax-kv", B=Bd, H=H, D=D,
                                     context=ctx))
-    return configs
+    return [c for c in configs if c["op"] in args.ops]
 
 
 def flops(c: dict) -> float:
@@ -156,9 +170,9 @@ def bytes_moved(c: dict) -> float:
         per_token = {"softmax": 3 * D, "linear": 3 * D + 2}.get(c["op"], 3 * D + c.get("M", 0))
         io = B * H * c["T"] * BF16 * (per_token + D)  # inputs read, o written
         return io if c["mode"] == "fwd" else io + B * H * c["T"] * BF16 * (2 * per_token + 2 * D)
-    if c["op"].startswith("abc"):
+    if c["op"].startswith(("abc", "gsa")):
         M = c["M"]
-        state = 4 * B * H * (M + 2 * M * D)  # fp32 log_z, K̃, Ṽ
+        state = 4 * B * H * (M + 2 * M * D)  # fp32 log_z, K̃, Ṽ (GSA: K̃, Ṽ and a scratch log_z)
         return 2 * state + B * H * BF16 * (4 * D + M)
     return B * H * (c["context"] + 1) * 2 * D * BF16 + B * H * BF16 * 4 * D
 
@@ -222,6 +236,13 @@ def memattn_abc():
     return lambda q, k, v, s: abc_chunk_triton(q, k, v, s)[0]
 
 
+def memattn_gsa():
+    """gated_slot_attention with the Triton kernels."""
+    from memattn.ops.gsa import gated_slot_attention
+
+    return lambda q, k, v, g: gated_slot_attention(q, k, v, g, backend="triton")[0]
+
+
 def train_call(c: dict, peers: dict):
     """(a zero-argument callable running the configuration once, or None with a reason)."""
     import torch
@@ -253,10 +274,13 @@ def train_call(c: dict, peers: dict):
         op, reason = peers[c["op"]]
         if op is None:
             return None, reason
-        extra = {"s": rand(B, T, H, c["M"])}
+        if c["op"].endswith("gsa"):  # the gsa layer's gates, log σ(z) / 8: near 1
+            extra = {"g": (F.logsigmoid(rand(B, T, H, c["M"]).float()) / 8).to(torch.bfloat16)}
+        else:
+            extra = {"s": rand(B, T, H, c["M"])}
 
-        def fwd(q, k, v, s):
-            return op(q, k, v, s)
+        def fwd(q, k, v, w):
+            return op(q, k, v, w)
 
     inputs = [q, k, v, *extra.values()]
     if c["mode"] == "fwd":
@@ -278,6 +302,7 @@ def decode_call(c: dict, args: argparse.Namespace):
     import torch.nn.functional as F
 
     from memattn.ops.abc import ABCState, abc_attention_step
+    from memattn.ops.gsa import GSAState, gated_slot_attention_step
 
     B, H, D, ctx = c["B"], c["H"], c["D"], c["context"]
     g = torch.Generator(device="cuda").manual_seed(ctx * 7 + B)
@@ -287,7 +312,14 @@ def decode_call(c: dict, args: argparse.Namespace):
 
     q_t, k_t, v_t = rand(B, H, D), rand(B, H, D), rand(B, H, D)
     steps = args.decode_steps
-    if c["op"].startswith("abc"):
+    if c["op"].startswith("gsa"):
+        M = c["M"]
+        g_t = (F.logsigmoid(rand(B, H, M).float()) / 8).to(torch.bfloat16)
+        state = GSAState(rand(B, H, M, D, dtype=torch.float32), rand(B, H, M, D, dtype=torch.float32))
+
+        def one():
+            gated_slot_attention_step(q_t, k_t, v_t, g_t, state, inplace=True, backend="triton")
+    elif c["op"].startswith("abc"):
         M = c["M"]
         s_t = rand(B, H, M)
         # The state after `ctx` tokens: its size, hence the step's cost, does not depend on ctx.
@@ -308,7 +340,7 @@ def decode_call(c: dict, args: argparse.Namespace):
             with flash_sdpa():
                 F.scaled_dot_product_attention(q_1, k_cache, v_cache)
 
-    step = as_graph(one) if c["op"] in ("abc-step-graph", "softmax-kv") else one
+    step = as_graph(one) if c["op"].endswith("graph") or c["op"] == "softmax-kv" else one
 
     def run():
         with torch.inference_mode():
@@ -355,7 +387,7 @@ def measure(c: dict, args: argparse.Namespace, peers: dict, peaks: tuple[float, 
 def peer_ops() -> dict:
     import torch
 
-    from research.bench.peers import fla_chunk_abc
+    from research.bench.peers import fla_chunk_abc, fla_chunk_gsa
 
     peers = {}
     try:
@@ -363,6 +395,11 @@ def peer_ops() -> dict:
     except ImportError as e:
         peers["memattn-abc"] = (None, f"memattn's Triton ABC is missing: {e}")
     peers["fla-abc"] = fla_chunk_abc(torch.device("cuda"))
+    try:
+        peers["memattn-gsa"] = (memattn_gsa(), "")
+    except ImportError as e:
+        peers["memattn-gsa"] = (None, f"memattn's gated slot attention is missing: {e}")
+    peers["fla-gsa"] = fla_chunk_gsa(torch.device("cuda"))
     return peers
 
 
@@ -424,6 +461,25 @@ def markdown(res: dict) -> str:
                 cells.append(_both(get("train", "linear", mode, B, D, None, T)))
                 lines.append("| " + " | ".join(cells) + " |")
             lines.append("")
+            if not any(r["op"].endswith("gsa") for r in rows):
+                continue
+            lines += [f"## Gated slot attention, training {mode}, D = {D}: ms (TFLOP/s)", "",
+                      "GSA / ABC: memattn's GSA time over its plain ABC time (1.10 = 10 % "
+                      "slower).", ""]
+            head = ["T"]
+            for M in cfg["slots"]:
+                head += [f"memattn GSA M={M}", f"fla GSA M={M}", f"GSA / ABC M={M} (time)",
+                         f"fla / memattn GSA M={M}"]
+            lines += _table_head(head)
+            for T in cfg["lengths"]:
+                cells = [str(T)]
+                for M in cfg["slots"]:
+                    abc = get("train", "memattn-abc", mode, B, D, M, T)
+                    ours = get("train", "memattn-gsa", mode, B, D, M, T)
+                    fla = get("train", "fla-gsa", mode, B, D, M, T)
+                    cells += [_both(ours), _both(fla), _ratio(ours, abc), _ratio(fla, ours)]
+                lines.append("| " + " | ".join(cells) + " |")
+            lines.append("")
     for D in cfg["dims"]:
         for Bd in cfg["decode_batches"]:
             lines += [f"## Decoding, batch {Bd}, D = {D}: tokens/s (GB/s, % of peak bandwidth)",
@@ -431,14 +487,15 @@ def markdown(res: dict) -> str:
             head = ["context", "softmax + KV cache"]
             for M in cfg["slots"]:
                 head += [f"ABC fused M={M}", f"ABC fused, graph M={M}", f"ABC torch M={M}",
-                         f"softmax / ABC graph M={M} (time)"]
+                         f"GSA fused, graph M={M}", f"softmax / ABC graph M={M} (time)"]
             lines += _table_head(head)
             for ctx in cfg["contexts"]:
                 sm = get("decode", "softmax-kv", None, Bd, D, None, None, ctx)
                 cells = [str(ctx), _rate(sm)]
                 for M in cfg["slots"]:
                     rs = [get("decode", op, None, Bd, D, M, None, ctx)
-                          for op in ("abc-step", "abc-step-graph", "abc-step-torch")]
+                          for op in ("abc-step", "abc-step-graph", "abc-step-torch",
+                                     "gsa-step-graph")]
                     cells += [_rate(r) for r in rs] + [_ratio(sm, rs[1])]
                 lines.append("| " + " | ".join(cells) + " |")
             lines.append("")
@@ -471,7 +528,7 @@ def _rate(r: dict | None) -> str:
 
 def run_tests() -> None:
     tests = [t for t in TESTS if (ROOT / t).exists()]
-    found = (str(p.relative_to(ROOT)) for p in (ROOT / "tests/ops").glob("test_abc*triton*.py"))
+    found = (str(p.relative_to(ROOT)) for p in (ROOT / "tests/ops").glob("test_*triton*.py"))
     tests += sorted(t for t in found if t not in tests)
     cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *tests]
     done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, check=False)

@@ -8,7 +8,7 @@
 #   bash benchmarks/gpu_session.sh tests     the whole suite there (the kernel tests with GPU
 #                                            shapes run instead of skipping), log to $OUT
 #   bash benchmarks/gpu_session.sh kernels   benchmarks/gpu_kernels.py: memattn's Triton kernels
-#                                            against fla's chunk_abc and FlashAttention
+#                                            against fla's chunk_abc / chunk_gsa and FlashAttention
 #   bash benchmarks/gpu_session.sh bench [NAME ...]
 #                                            memattn bench NAME ... (default all) --device cuda
 #                                            --dtype bf16
@@ -29,6 +29,12 @@
 #                                            (64; M = 32 is in results/nvidia-h100: its
 #                                            variants with every kernel's time), then bench
 #                                            decode of softmax, abc-mlp and linear
+#   bash benchmarks/gpu_session.sh gsa       gated slot attention's kernels in one call of at
+#                                            most 7 minutes: their tests (GPU shapes), then,
+#                                            if they pass, gpu_kernels.py timing memattn's GSA
+#                                            against its plain ABC ("GSA / ABC", the gated
+#                                            kernels' cost) and fla's chunk_gsa, T 2k-16k, D 64
+#                                            and 128, M 32 and 64, and the fused decoding steps
 #   bash benchmarks/gpu_session.sh experiment NAME [key=value ...]
 #                                            `memattn experiment NAME` on the GPU for at most
 #                                            EXPERIMENT_S seconds (540), JOBS models at once
@@ -54,7 +60,8 @@ export PYTHONPATH="$PWD:/tmp/site" PYTHONUNBUFFERED=1
 # workers), both cut at $1 seconds by an interrupt, so that pytest still names the tests
 # that failed so far.
 tests_beside() {
-  kernel_tests=(tests/ops/test_abc_triton.py tests/ops/test_abc_decode_triton.py tests/ops/test_linear_triton.py)
+  kernel_tests=(tests/ops/test_abc_triton.py tests/ops/test_abc_decode_triton.py tests/ops/test_linear_triton.py
+                tests/ops/test_gsa_triton.py)
   timeout -s INT -k 20 "$1" python3 -m pytest -q -rfE -p no:cacheprovider "${kernel_tests[@]}" \
     > "$OUT/kernel-tests.log" 2>&1 &
   timeout -s INT -k 20 "$1" python3 -m pytest -q -rfE -n 8 -p no:cacheprovider --durations=10 \
@@ -83,6 +90,17 @@ case "$phase" in
     timeout 100 python3 -m memattn bench decode --attention softmax abc-mlp linear --device cuda \
       --dtype bf16 --out "$OUT/bench" > "$OUT/bench.log" 2>&1 || true
     tail -n 3 "$OUT/bench.log" ;;
+  gsa)
+    if timeout -s INT -k 20 150 python3 -m pytest -q -rfE -p no:cacheprovider tests/ops/test_gsa_triton.py \
+        > "$OUT/gsa-tests.log" 2>&1; then
+      tail -n 1 "$OUT/gsa-tests.log"
+      timeout 240 python3 benchmarks/gpu_kernels.py --skip-tests --lengths 2048 8192 16384 --contexts 4096 \
+        --ops memattn-abc memattn-gsa fla-gsa abc-step-graph gsa-step-graph --out "$OUT/gsa" \
+        > "$OUT/gsa.log" 2>&1 || true
+      grep -A 8 "^## Gated" "$OUT/gsa/gpu_kernels.md" || tail -n 5 "$OUT/gsa.log"
+    else
+      grep -E "^(FAILED|ERROR) | passed| failed" "$OUT/gsa-tests.log" | tail -n 20; echo "gsa kernel tests fail: no timing"
+    fi ;;
   experiment)
     # Run folders travel between machines as $OUT/NAME.tgz (every file but the finished
     # runs' checkpoints); put it at .gpu/NAME.tgz here and carry .gpu to go on.
@@ -99,5 +117,5 @@ case "$phase" in
        echo "$f"; done) > /tmp/keep.txt
     tar czf "$OUT/$name.tgz" -C "$dir" -T /tmp/keep.txt
     cp "$dir"/results.md "$dir"/results.json "$OUT/" 2>/dev/null || true ;;
-  *) echo "usage: $0 tests|kernels|bench [NAME ...]|profile|all|verify|experiment NAME [key=value ...]" >&2; exit 2 ;;
+  *) echo "usage: $0 tests|kernels|bench [NAME ...]|profile|all|verify|gsa|experiment NAME [key=value ...]" >&2; exit 2 ;;
 esac

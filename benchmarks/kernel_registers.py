@@ -67,7 +67,8 @@ def builds(name: str, D: int, M: int, dtype: str) -> list[tuple[str, object, dic
     prec = {"bf16": "bf16", "fp16": "fp16", "fp32": "ieee"}[dtype]
     if name in ("fwd_states", "bwd_states"):
         BM, BD = ac._state_blocks(M, D)
-        fn, own = ((ac._fwd_states, {"HAS_INIT": False, "STORE_A": True}) if name == "fwd_states"
+        fn, own = ((ac._fwd_states, {"HAS_INIT": False, "STORE_A": True, "RESET": False})
+                   if name == "fwd_states"
                    else (ac._bwd_states, {"IS_V": False, "HAS_DFINAL": False}))
         return [(f"{stages} stages" if stages else "while loop", fn,
                  {**own, "BT": 64, "BM": BM, "BD": BD, "PREC": prec, "STAGES": stages})

@@ -36,9 +36,27 @@ def test_plan_measures_one_head_dim_whole_before_the_next(kernels):
     configs = kernels.plan(args)
     dims = [c["D"] for c in configs]
     assert dims == sorted(dims) and set(dims) == {64, 128}
-    # per D: 2 modes x 2 lengths x (softmax + 2 ABC ops + linear), then 4 decoding ops
-    assert len(configs) == 2 * (2 * 2 * 4 + 4)
+    # per D: 2 modes x 2 lengths x (softmax + 2 ABC ops + 2 GSA ops + linear), then 5 decoding ops
+    assert len(configs) == 2 * (2 * 2 * 6 + 5)
     assert {c["section"] for c in configs if c["D"] == 64} == {"train", "decode"}
+
+
+def test_ops_keeps_the_named_operations_and_the_report_sets_gsa_against_abc(kernels, tmp_path):
+    args = kernels.parse_args(["--dims", "64", "--slots", "32", "--lengths", "1024", "--modes",
+                               "fwd", "--ops", "memattn-abc", "memattn-gsa", "fla-gsa",
+                               "gsa-step-graph", "--contexts", "1024", "--decode-batches", "1"])
+    configs = kernels.plan(args)
+    assert [c["op"] for c in configs] == ["memattn-abc", "memattn-gsa", "fla-gsa", "gsa-step-graph"]
+    rows = [dict(c, status="ok", ms=ms, tflops=1.0, tokens_per_s=1e6, gbps=1.0, bw_pct_peak=1.0)
+            for c, ms in zip(configs, (1.0, 1.1, 2.2, 0.01))]
+    res = {"command": "cmd", "device": "NVIDIA H200", "torch": "t", "triton": "t",
+           "fla": "installed", "peaks": {"tflops_bf16_dense": 989.0, "tbps": 4.8},
+           "config": {k: v for k, v in vars(args).items() if k not in ("out", "dry_run")},
+           "rows": rows, "complete": True}
+    text = kernels.markdown(res)
+    gated = text.split("## Gated slot attention, training fwd, D = 64")[1]
+    # GSA 1.100 ms, fla 2.200 ms, GSA / ABC = 1.10x (time), fla / memattn = 2.00x
+    assert "| 1024 | 1.100 (1) | 2.200 (1) | 1.10x | 2.00x |" in gated
 
 
 def test_device_peaks(kernels):

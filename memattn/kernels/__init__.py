@@ -2,7 +2,10 @@
 
     abc_chunk    chunked causal ABC_MLP, forward and backward, initial / final state,
                  packed variable-length batches (`abc_chunk_triton`)
-    abc_decode   one fused ABC decoding step (`abc_step_triton`)
+    abc_decode   one fused ABC decoding step (`abc_step_triton`), also gated slot
+                 attention's (`gsa_step_triton`)
+    gsa_chunk    chunked causal gated slot attention through abc_chunk's kernels (RESET),
+                 forward and backward, states, packed batches (`gsa_chunk_triton`)
     linear       chunked gated linear attention, forward and backward
 
 The kernel modules import triton at the top; import them lazily, after checking

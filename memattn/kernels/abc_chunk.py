@@ -19,7 +19,8 @@ Forward, two passes:
     _fwd_states   grid (⌈D/BD⌉, ⌈M/BM⌉, N·H), once for K̃ and once for Ṽ: a scan over the
                   chunks of a sequence; stores the memory at every chunk start, the
                   normalisers before / after every chunk, a_t for every token (K̃ launch)
-                  and the final state.
+                  and the final state. With RESET (gated slot attention,
+                  memattn.kernels.gsa_chunk) log_z restarts at 0 at every chunk.
     _fwd_output   grid (sub-blocks, H): both ABC passes for BC tokens fused, keys -> slots
                   (scores, softmax over M), slots -> values; stores o, the scores S and
                   their log-sum-exp.
@@ -211,9 +212,10 @@ def _chunk_decay(a, zprev, rows, r_ok, i_g, i_h, H, M, o_m):
 
 @triton.jit
 def _fwd_states_chunk(t, i_g, b_mem, b_lz, x, s, a, zprev, zend, h, eos, i_h, i_d, H, M, D,
-                      o_t, o_m, o_d, STORE_A: tl.constexpr, PREC: tl.constexpr):
+                      o_t, o_m, o_d, STORE_A: tl.constexpr, PREC: tl.constexpr,
+                      RESET: tl.constexpr):
     """One chunk of `_fwd_states` (its first token t, global index i_g): stores the memory
-    before it, returns (the memory, log_z) after it."""
+    before it, returns (the memory, log_z) after it (log_z 0 with RESET)."""
     m_ok = o_m < M
     rows = t + o_t
     r_ok = rows < eos
@@ -231,6 +233,8 @@ def _fwd_states_chunk(t, i_g, b_mem, b_lz, x, s, a, zprev, zend, h, eos, i_h, i_
     write = tl.exp(b_s - b_end[None, :])  # [BT, BM], ≤ 1
     keep = tl.exp(b_lz - b_end)  # [BM], ≤ 1
     b_mem = b_mem * keep[:, None] + _dot(tl.trans(write), b_x, PREC)
+    if RESET:  # the next chunk's logits are relative to the memory after this one
+        b_end = tl.zeros_like(b_end)
     return b_mem, b_end
 
 
@@ -239,7 +243,7 @@ def _fwd_states(x, s, lz0, x0, a, zprev, zend, h, lzT, xT, cu, boff,
                 H, M, D,
                 HAS_INIT: tl.constexpr, STORE_A: tl.constexpr,
                 BT: tl.constexpr, BM: tl.constexpr, BD: tl.constexpr, PREC: tl.constexpr,
-                STAGES: tl.constexpr):
+                STAGES: tl.constexpr, RESET: tl.constexpr):
     """Memories at the chunk starts of one (sequence, head), slots o_m, features o_d.
 
     x [total, H, D] (k or v), s [total, H, M]; lz0 [N, H, M], x0 [N, H, M, D] the initial
@@ -248,6 +252,9 @@ def _fwd_states(x, s, lz0, x0, a, zprev, zend, h, lzT, xT, cu, boff,
     [chunks, H, M] (log_z before / after each chunk) and lzT [N, H, M].
     STAGES 0: a `while` loop over the chunks; else a `for` loop that compiled Triton
     software-pipelines with that many stages (the interpreter cannot run it).
+    RESET: log_z is 0 at the start of every chunk, the first included (whatever lz0 holds):
+    each chunk's logits are relative to the memory before it, which weighs exp(-a_t) at token
+    t (gated slot attention, memattn.kernels.gsa_chunk).
     """
     i_d, i_m, i_nh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     i_n, i_h = i_nh // H, i_nh % H
@@ -264,16 +271,19 @@ def _fwd_states(x, s, lz0, x0, a, zprev, zend, h, lzT, xT, cu, boff,
     else:
         b_lz = tl.full([BM], _NEG, tl.float32)
         b_mem = tl.zeros([BM, BD], tl.float32)
+    if RESET:
+        b_lz = tl.zeros([BM], tl.float32)
     if STAGES > 0:
         for n in tl.range(0, tl.cdiv(eos - bos, BT), num_stages=STAGES):
             b_mem, b_lz = _fwd_states_chunk(bos + n * BT, i_g + n, b_mem, b_lz, x, s, a, zprev,
                                             zend, h, eos, i_h, i_d, H, M, D, o_t, o_m, o_d,
-                                            STORE_A, PREC)
+                                            STORE_A, PREC, RESET)
     else:
         t = bos
         while t < eos:  # the chunks of the sequence, in order
             b_mem, b_lz = _fwd_states_chunk(t, i_g, b_mem, b_lz, x, s, a, zprev, zend, h, eos,
-                                            i_h, i_d, H, M, D, o_t, o_m, o_d, STORE_A, PREC)
+                                            i_h, i_d, H, M, D, o_t, o_m, o_d, STORE_A, PREC,
+                                            RESET)
             t += BT
             i_g += 1
     _put_block(xT, b_mem, i_n, i_h, H, M, D, o_m, o_d)
@@ -685,8 +695,9 @@ def _sub_launch(kernel: str, plan: _Plan, K: int, V: int, M: int) -> dict:
             "num_warps": _warps(kernel, _pad(K), _pad(V), _pad(M))}
 
 
-def _forward(q, k, v, s, lz0, k0, v0, plan: _Plan):
-    """q [T, H, K], k [T, H, K], v [T, H, V], s [T, H, M] packed; initial state fp32 or None."""
+def _forward(q, k, v, s, lz0, k0, v0, plan: _Plan, reset: bool = False):
+    """q [T, H, K], k [T, H, K], v [T, H, V], s [T, H, M] packed; initial state fp32 or None
+    (lz0 None with reset: `_fwd_states`' RESET)."""
     T, H, K = q.shape
     V, M = v.shape[-1], s.shape[-1]
     N, NT, BT, prec = plan.n_seq, plan.n_chunks, plan.chunk, plan.precision
@@ -696,15 +707,15 @@ def _forward(q, k, v, s, lz0, k0, v0, plan: _Plan):
     hk, hv = torch.empty(NT, H, M, K, **f32), torch.empty(NT, H, M, V, **f32)
     lzT = torch.empty(N, H, M, **f32)
     kT, vT = torch.empty(N, H, M, K, **f32), torch.empty(N, H, M, V, **f32)
-    has_init = lz0 is not None
+    has_init = k0 is not None
     for x, x0, h, xT, store_a in ((k, k0, hk, kT, True), (v, v0, hv, vT, False)):
         D = x.shape[-1]
         BM, BD = _state_blocks(M, D)
         grid = (triton.cdiv(D, BD), triton.cdiv(M, BM), N * H)
-        _fwd_states[grid](x, s, lz0 if has_init else lzT, x0 if has_init else xT, a, zprev,
+        _fwd_states[grid](x, s, lzT if lz0 is None else lz0, x0 if has_init else xT, a, zprev,
                           zend, h, lzT, xT, plan.cu, plan.boff, H, M, D,
                           HAS_INIT=has_init, STORE_A=store_a, BT=BT, BM=BM, BD=BD, PREC=prec,
-                          STAGES=scan_stages(STATE_STAGES),
+                          STAGES=scan_stages(STATE_STAGES), RESET=reset,
                           num_warps=_warps("_fwd_states", BT, BM, BD))
     o = torch.empty(T, H, V, dtype=q.dtype, device=q.device)
     S, lse = torch.empty(T, H, M, **f32), torch.empty(T, H, **f32)
@@ -714,8 +725,9 @@ def _forward(q, k, v, s, lz0, k0, v0, plan: _Plan):
     return o, (lzT, kT, vT), (a, zprev, zend, hk, hv, S, lse)
 
 
-def _backward(q, k, v, s, do, saved, final, dfinal, plan: _Plan):
-    """Gradients of q, k, v, s and of the initial memories; dfinal = (dlz, dK̃, dṼ) or None."""
+def _backward(q, k, v, s, do, saved, final, dfinal, plan: _Plan, reset: bool = False):
+    """Gradients of q, k, v, s and of the initial memories; dfinal = (dlz, dK̃, dṼ) or None.
+    reset: the forward ran with RESET (then dc0 is not a gradient: log_z_0 is not an input)."""
     a, zprev, zend, hk, hv, S, lse = saved
     T, H, K = q.shape
     V, M = v.shape[-1], s.shape[-1]
@@ -749,6 +761,12 @@ def _backward(q, k, v, s, do, saved, final, dfinal, plan: _Plan):
                           BT=BT, BM=BM, BD=BD, PREC=prec, STAGES=scan_stages(STATE_STAGES),
                           num_warps=_warps("_bwd_states", BT, BM, BD))
 
+    if reset:
+        # The next chunk reads the memory after a chunk, not its log_z: log_z's gradient there
+        # is 0, so c after the chunk is K̃·∂L/∂K̃ + Ṽ·∂L/∂Ṽ of that memory alone.
+        after = _after_chunks(plan)
+        dhc = ((torch.cat((hk, final[1]))[after] * dhk).sum(-1)
+               + (torch.cat((hv, final[2]))[after] * dhv).sum(-1))
     dk, dv, ds = torch.empty_like(k), torch.empty_like(v), torch.empty_like(s)
     ds_part = torch.empty(T, H, M, **f32) if SPLIT_DKV else ds
     for sides in (1, 2) if SPLIT_DKV else (0,):
@@ -756,6 +774,16 @@ def _backward(q, k, v, s, do, saved, final, dfinal, plan: _Plan):
                       plan.cu, plan.boff, plan.sub_idx, plan.scale, H, K, V, M, SIDES=sides,
                       **_sub_launch("_bwd_dkv", plan, K, V, M))
     return dq, dk, dv, ds, (dc0, dk0, dv0)
+
+
+def _after_chunks(plan: _Plan) -> torch.Tensor:
+    """[chunks] where the memory after each chunk lies in the chunk-start memories [chunks]
+    followed by the final ones [N]: the next chunk's start, or its sequence's final memory."""
+    NT, N = plan.n_chunks, plan.n_seq
+    after = torch.arange(1, NT + 1, device=plan.boff.device)
+    last = torch.cat((plan.boff[1:].long(), after[-1:])) - 1  # each sequence's last chunk
+    after[last] = torch.arange(NT, NT + N, device=plan.boff.device)
+    return after
 
 
 class _ABCChunk(torch.autograd.Function):

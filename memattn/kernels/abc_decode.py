@@ -8,6 +8,8 @@ and M×V tiles are held whole (M, K, V padded to powers of two and masked).
                            K̃' = K̃ + w (k_t − K̃), w = exp(s_t − log_z') = sigmoid(s_t − log_z)
                            (Ṽ alike; the two weights exp(log_z − log_z') and w sum to 1)
     general ABC:           K̃' = K̃ + φ_t ⊗ k_t,  Ṽ' = Ṽ + φ_t ⊗ v_t
+    gated slot (GSA):      ABC_MLP's step from log_z = 0 with s_t = log((1 - α_t) / α_t):
+                           its write sigmoid(s_t - 0) is 1 - α_t, so K̃' = K̃ + (1 - α_t)(k_t − K̃)
     read:                  o_t = softmax_M(scale · K̃' q_t)ᵀ Ṽ'
 
 Every program reads its whole tile before it writes, so the new state may overwrite the
@@ -28,6 +30,7 @@ from memattn.ops.abc.common import (
     check_step_inputs,
 )
 from memattn.ops.contract import default_scale
+from memattn.ops.gsa.common import GSAState, check_gates
 
 try:
     import triton
@@ -186,4 +189,31 @@ def bounded_memory_step_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
                  False, scale, inplace)
 
 
-__all__ = ["abc_step_triton", "bounded_memory_step_triton", "check_kernel_inputs"]
+def gsa_step_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
+                    state: GSAState | None = None, *, scale: float | None = None,
+                    inplace: bool = False) -> tuple[torch.Tensor, GSAState]:
+    """`gated_slot_attention_step` in one kernel launch (and three small elementwise ops for
+    the logits): K̃' = α K̃ + (1 - α) k_t, Ṽ alike, read.
+
+    q [B, H, K], k [B, H, K], v [B, H, V], g [B, H, M] log forget gates (≤ 0); state:
+    GSAState (k [B, H, M, K], v [B, H, M, V]) or None before the first token. inplace as in
+    `abc_step_triton`. Returns o [B, H, V] in q's dtype and the new GSAState (float32).
+    """
+    B, H, K, V, M = check_step_inputs(q, k, v, g, "g", state, GSAState)
+    check_gates(g)
+    check_kernel_inputs("gsa_step_triton", {"q": q, "k": k, "v": v, "g": g,
+                                            **{f"state.{f}": t for f, t in zip(GSAState._fields,
+                                                                               state or ())}})
+    if inplace:
+        check_inplace_state(state, GSAState, torch.float32)
+    if state is None:
+        state = GSAState.empty(B, H, M, K, V, device=q.device)
+    g = g.float()
+    s = torch.log(-torch.expm1(g)) - g  # -inf for α = 1: no write
+    log_z = torch.zeros(B, H, M, device=q.device)  # the kernel writes log_z' over it; unused
+    o, out = _launch(q, k, v, s, ABCState(log_z, *state), True, default_scale(scale, K), inplace)
+    return o, GSAState(out.k, out.v)
+
+
+__all__ = ["abc_step_triton", "bounded_memory_step_triton", "check_kernel_inputs",
+           "gsa_step_triton"]

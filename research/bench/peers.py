@@ -5,6 +5,8 @@ it computes (or the nearest one), at the same shapes and in the same run:
     abc-mlp      flash-linear-attention `chunk_abc` (CUDA, Triton)    the op (train)
                  flash-linear-attention `naive_recurrent_abc`         the op (train)
                  (its pure-PyTorch reference, any device)
+    gsa          flash-linear-attention `chunk_gsa` (CUDA, Triton)    the op (benchmarks/
+                                                                       gpu_kernels.py)
     persistent   x-transformers `Attention(num_mem_kv=N)`             layer, LM (train, decode)
     gmat         x-transformers `TransformerWrapper(num_memory_tokens=M,
                  memory_tokens_interspersed_every=C)`                 LM (train, decode)
@@ -61,6 +63,25 @@ def fla_chunk_abc(device: torch.device) -> tuple[Callable | None, str]:
 
     def op(q, k, v, s):
         return chunk_abc(q, k, v, s, **kwargs)[0]
+
+    return op, ""
+
+
+def fla_chunk_gsa(device: torch.device) -> tuple[Callable | None, str]:
+    """(op(q, k, v, g) -> o [B, T, H, V] for q, k, v [B, T, H, D] and log forget gates g
+    [B, T, H, M], "") where flash-linear-attention is installed and runs on `device`; else
+    (None, the reason). The op is `fla.ops.gsa.chunk_gsa` with the write weights its GSA
+    layer gives it, s = 1 - exp(g) (memattn's gsa: K̃_t = α_t K̃_{t-1} + (1 - α_t) k_t)."""
+    if device.type != "cuda":
+        return None, (f"flash-linear-attention's `fla.ops.gsa.chunk_gsa` is a Triton kernel for "
+                      f"CUDA; this run is on {device.type}")
+    try:
+        from fla.ops.gsa import chunk_gsa
+    except Exception as e:  # noqa: BLE001  (ImportError, or a failing import inside fla)
+        return None, f"flash-linear-attention is not installed (`import fla.ops.gsa` failed: {e})"
+
+    def op(q, k, v, g):
+        return chunk_gsa(q, k, v, (1 - g.float().exp()).to(g.dtype), g)[0]
 
     return op, ""
 

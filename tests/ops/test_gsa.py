@@ -372,8 +372,8 @@ def test_bad_gates_name_g(mode, value):
 
 def test_bad_options():
     q, k, v, g = inputs(T=3)
-    with pytest.raises(ConfigError, match=r"^backend: no Triton kernel exists for gated_slot_attention"):
-        gated_slot_attention(q, k, v, g, backend="triton")
+    with pytest.raises(ConfigError, match=r"^backend: 'triton' runs the causal chunked form"):
+        gated_slot_attention(q, k, v, g, causal=False, backend="triton")
     with pytest.raises(ConfigError, match=r"^backend: expected one of auto, torch"):
         gated_slot_attention(q, k, v, g, backend="cuda")
     with pytest.raises(ConfigError, match=r"^mode: expected one of"):

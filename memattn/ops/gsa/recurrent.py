@@ -7,6 +7,8 @@ interpolation between its old content and the token:
     K̃' = K̃ + w (k_t - K̃)   (`lerp`)          Ṽ' = Ṽ + w (v_t - Ṽ)
 
 so every slot stays a convex mix of what was written: nothing grows over a long stream.
+On CUDA, a step that needs no gradient takes the fused Triton kernel (memattn.kernels.
+abc_decode.gsa_step_triton) unless backend="torch".
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from memattn.kernels import use_kernels
 from memattn.ops.abc.common import check_inplace_state, check_step_inputs
 from memattn.ops.contract import compute_dtype, default_scale
 from memattn.ops.gsa.common import GSAState, check_gates, check_gsa_inputs
@@ -39,15 +42,21 @@ def _update(state: GSAState, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
 
 def gated_slot_attention_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
                               state: GSAState | None = None, *, scale: float | None = None,
-                              inplace: bool = False) -> tuple[torch.Tensor, GSAState]:
+                              inplace: bool = False, backend: str = "auto"
+                              ) -> tuple[torch.Tensor, GSAState]:
     """One causal step: write token t into the slots, then read them with its query.
 
     q [B, H, K], k [B, H, K], v [B, H, V], g [B, H, M] log forget gates (≤ 0); state: a
     GSAState (k [B, H, M, K], v [B, H, M, V]) or None before the first token.
     inplace: update the given state tensors in place (contiguous, float32, or float64 for
     float64 inputs) and return them; a None state starts a fresh one.
+    backend: "auto" (the fused Triton kernel for CUDA inputs that need no gradient, else
+    torch), "torch" or "triton" (memattn.kernels.abc_decode.gsa_step_triton).
     Returns o [B, H, V] in q's dtype and the new GSAState (float32, or float64).
     """
+    if use_kernels(backend, (q, k, v, g, *(state or ())), differentiable=False):
+        from memattn.kernels.abc_decode import gsa_step_triton
+        return gsa_step_triton(q, k, v, g, state, scale=scale, inplace=inplace)
     B, H, K, V, M = check_step_inputs(q, k, v, g, "g", state, GSAState)
     check_gates(g)
     dt = compute_dtype(q, k, v, g, *(state or ()))
@@ -67,8 +76,11 @@ def gsa_step_(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor
     """`gated_slot_attention_step` with inplace=True and without its checks, for a caller that
     built the inputs itself (a layer decoding without autograd, where a step is a few small ops
     and the checks cost as much): q, k, v [B, H, *], g [B, H, M]; the state's tensors
-    contiguous, in float32 (float64 for float64 inputs), written in place. Returns o [B, H, V]
-    in q's dtype."""
+    contiguous, in float32 (float64 for float64 inputs), written in place. On CUDA the fused
+    kernel. Returns o [B, H, V] in q's dtype."""
+    if use_kernels("auto", (q, k, v, g, *state), differentiable=False):
+        from memattn.kernels.abc_decode import gsa_step_triton
+        return gsa_step_triton(q, k, v, g, state, scale=scale, inplace=True)[0]
     dt = state.k.dtype
     _update(state, k.to(dt), v.to(dt), g.to(dt), inplace=True)
     return _read(q.to(dt), state.k, state.v, default_scale(scale, q.shape[-1])).to(q.dtype)
