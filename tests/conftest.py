@@ -92,3 +92,42 @@ def train_crashing_at(cfg, step):
 
     with pytest.raises(Crash):
         train(cfg, progress=False, on_step=crash)
+
+
+def crash_in_transfer_and_resume(cfg, transfer_step=None):
+    """Train `cfg`, stop it with Crash at attention-transfer step `transfer_step` (None: at
+    the first ordinary step), then resume it to the end."""
+    from memattn.train import train
+
+    def crash(step, record):
+        if (record.get("transfer_step") == transfer_step if transfer_step is not None else step == 1):
+            raise Crash
+
+    with pytest.raises(Crash):
+        train(cfg, progress=False, on_step=crash)
+    train(cfg, resume=True, progress=False)
+
+
+def outputs_and_grads(fn, xs, dtype, state_type, *, with_state=True, **kw):
+    """o, final state and the gradients of a fixed random functional of both, taken through
+    `fn(*xs[:4], initial_state=state_type(*xs[4:]), output_final_state=True, **kw)` on the
+    inputs cast to `dtype` (the state stays in float32 / float64), all as float64."""
+    leaves = [x.to(dtype).requires_grad_() for x in xs[:4]]
+    state_dtype = torch.float64 if dtype == torch.float64 else torch.float32
+    state = [x.to(state_dtype).requires_grad_() for x in xs[4:]] if with_state else []
+    o, final = fn(*leaves, initial_state=state_type(*state) if with_state else None,
+                  output_final_state=True, **kw)
+    gen = torch.Generator().manual_seed(123)
+    loss = (o.double() * torch.randn(o.shape, generator=gen, dtype=torch.float64).to(o.device)).sum()
+    for t in final:
+        loss = loss + (t.double() * torch.randn(t.shape, generator=gen, dtype=torch.float64).to(t.device)).sum()
+    grads = torch.autograd.grad(loss, leaves + state)
+    return [t.detach().double() for t in (o, *final, *grads)]
+
+
+def assert_named_close(got, want, names, **tol):
+    """Each pair finite in `got` and close to `want`, a failure naming the tensor."""
+    assert len(got) == len(want) == len(names)
+    for name, a, b in zip(names, got, want):
+        assert torch.isfinite(a).all(), name
+        torch.testing.assert_close(a, b, **tol, msg=lambda m, n=name: f"{n}: {m}")

@@ -5,7 +5,7 @@ import json
 
 import pytest
 import torch
-from conftest import Crash, tiny_overrides, train_crashing_at
+from conftest import crash_in_transfer_and_resume, tiny_overrides, train_crashing_at
 
 from memattn.config import TrainConfig, load_config
 from memattn.errors import ConfigError
@@ -98,16 +98,9 @@ def test_a_run_killed_in_the_transfer_phase_resumes_as_an_uninterrupted_one(text
     assert [r["transfer_layers"] for r in whole if r.get("transfer_step") == 1][0].keys() == {"0"}
     assert [r.get("transfer_step") for r in whole[:6]] == [1, 2, 3, 4, 5, 6]
 
-    for name, crash_at in (("mid", 5), ("end", "first ordinary step")):
+    for name, crash_at in (("mid", 5), ("end", None)):  # None: at the first ordinary step
         cfg = student(text_file, tmp_path, softmax_run, name, *extra)
-
-        def crash(step, record, crash_at=crash_at):
-            if record.get("transfer_step") == crash_at or (crash_at != 5 and step == 1):
-                raise Crash
-
-        with pytest.raises(Crash):
-            train(cfg, progress=False, on_step=crash)
-        train(cfg, resume=True, progress=False)
+        crash_in_transfer_and_resume(cfg, crash_at)
         cut = read_log(tmp_path / name / "run")
         assert records(cut) == records(whole), name
         ma, _, _ = model_from_checkpoint(tmp_path / "whole" / "run")

@@ -126,6 +126,19 @@ def check_mask(attention_mask: torch.Tensor | None, B: int, T: int, layout: str 
         raise ShapeError(f"attention_mask: expected dtype torch.bool, got {attention_mask.dtype}")
 
 
+def check_packed(cu_seqlens, causal: bool, mode: str) -> None:
+    """ConfigError unless packed sequences (`cu_seqlens` not None) come with a causal call in
+    the chunked form (mode "auto" or "chunked")."""
+    if cu_seqlens is None:
+        return
+    if not causal:
+        raise ConfigError("cu_seqlens: packed sequences are supported with causal=True "
+                          "only; run each sequence on its own for causal=False")
+    if mode not in ("auto", "chunked"):
+        raise ConfigError(f"cu_seqlens: packed sequences take the chunked form, "
+                          f"mode 'auto' or 'chunked', got mode={mode!r}")
+
+
 def check_state_type(state, state_type: type, name: str = "initial_state") -> None:
     """ShapeError unless `state` is None or a `state_type` tuple of its fields' length."""
     fields = state_type._fields

@@ -11,7 +11,7 @@ import torch
 transformers = pytest.importorskip("transformers")
 tokenizers = pytest.importorskip("tokenizers")
 
-from conftest import Crash, tiny_overrides, train_crashing_at  # noqa: E402
+from conftest import crash_in_transfer_and_resume, tiny_overrides, train_crashing_at  # noqa: E402
 
 from memattn.cli import main  # noqa: E402
 from memattn.config import load_config  # noqa: E402
@@ -216,16 +216,9 @@ def test_a_converted_hybrid_killed_in_transfer_resumes_as_an_uninterrupted_one(t
 
     records = [(r["step"], r.get("transfer_step"), r.get("transfer_loss"), r.get("loss"), r.get("val_loss"))
                for r in whole]
-    for name, crash_at in (("mid", 5), ("end", "first ordinary step")):
+    for name, crash_at in (("mid", 5), ("end", None)):  # None: at the first ordinary step
         cfg = load_config("tiny", tiny_overrides(text_file, tmp_path / name, *extra))
-
-        def crash(step, record, crash_at=crash_at):
-            if record.get("transfer_step") == crash_at or (crash_at != 5 and step == 1):
-                raise Crash
-
-        with pytest.raises(Crash):
-            train(cfg, progress=False, on_step=crash)
-        train(cfg, resume=True, progress=False)
+        crash_in_transfer_and_resume(cfg, crash_at)
         cut = read_log(tmp_path / name / "run")
         assert [(r["step"], r.get("transfer_step"), r.get("transfer_loss"), r.get("loss"), r.get("val_loss"))
                 for r in cut] == records, name

@@ -12,6 +12,7 @@ import os
 
 import pytest
 import torch
+from conftest import assert_named_close, outputs_and_grads
 
 pytest.importorskip("triton", reason="the Triton kernels need the triton package")
 
@@ -48,30 +49,14 @@ def make_inputs(B=2, T=7, H=2, K=16, V=8, M=5, *, N=None, s_scale=1.0, dtype=tor
 
 
 def run(fn, xs, dtype, *, with_state=True, **kw):
-    """o, final state and the gradients of a fixed random functional of both, taken through
-    `fn` on the inputs `xs` cast to `dtype` (the state stays in float32 / float64)."""
-    leaves = [x.to(dtype).requires_grad_() for x in xs[:4]]
-    state_dtype = torch.float64 if dtype == torch.float64 else torch.float32
-    state = [x.to(state_dtype).requires_grad_() for x in xs[4:]] if with_state else []
-    o, final = fn(*leaves, initial_state=ABCState(*state) if with_state else None,
-                  output_final_state=True, **kw)
-    g = torch.Generator().manual_seed(123)
-    loss = (o.double() * torch.randn(o.shape, generator=g, dtype=torch.float64).to(o.device)).sum()
-    for t in final:
-        loss = loss + (t.double() * torch.randn(t.shape, generator=g,
-                                                dtype=torch.float64).to(t.device)).sum()
-    grads = torch.autograd.grad(loss, leaves + state)
-    return [t.detach().double() for t in (o, *final, *grads)]
+    return outputs_and_grads(fn, xs, dtype, ABCState, with_state=with_state, **kw)
 
 
 NAMES = ["o", "log_z", "k", "v", "dq", "dk", "dv", "ds", "dlog_z0", "dk0", "dv0"]
 
 
 def assert_all_close(got, want, **tol):
-    assert len(got) == len(want) == len(NAMES)
-    for name, a, b in zip(NAMES, got, want):
-        assert torch.isfinite(a).all(), name
-        torch.testing.assert_close(a, b, **tol, msg=lambda m, n=name: f"{n}: {m}")
+    assert_named_close(got, want, NAMES, **tol)
 
 
 @pytest.mark.parametrize(("T", "chunk"), [(1, 16), (7, 16), (37, 16), (37, 32)])

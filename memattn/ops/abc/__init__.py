@@ -35,7 +35,7 @@ from memattn.errors import ConfigError
 from memattn.kernels import use_kernels
 from memattn.ops.abc.chunked import abc_chunked, bounded_memory_chunked
 from memattn.ops.abc.common import ABCState, BoundedMemoryState, check_inputs
-from memattn.ops.contract import check_state_type, finite_or_off_cpu, outside_autocast, public_op
+from memattn.ops.contract import check_packed, check_state_type, finite_or_off_cpu, outside_autocast, public_op
 from memattn.ops.abc.recurrent import (
     abc_attention_step,
     abc_recurrent,
@@ -90,13 +90,7 @@ def abc_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, s: torch.Te
     continuing a state takes the decoding step, with the same choice of backend.
     """
     T = k.shape[1] if isinstance(k, torch.Tensor) and k.dim() == 4 else 0
-    if cu_seqlens is not None:
-        if not causal:
-            raise ConfigError("cu_seqlens: packed sequences are supported with causal=True "
-                              "only; run each sequence on its own for causal=False")
-        if mode not in ("auto", "chunked"):
-            raise ConfigError(f"cu_seqlens: packed sequences take the chunked form, "
-                              f"mode 'auto' or 'chunked', got mode={mode!r}")
+    check_packed(cu_seqlens, causal, mode)
     check_state_type(initial_state, ABCState)
     form = "chunked" if cu_seqlens is not None else _pick(mode, causal, T, initial_state)
     if backend == "triton" and (form not in ("chunked", "step") or not causal):

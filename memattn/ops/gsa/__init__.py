@@ -53,7 +53,7 @@ import torch
 
 from memattn.errors import ConfigError
 from memattn.kernels import use_kernels
-from memattn.ops.contract import check_state_type, finite_or_off_cpu, outside_autocast, public_op
+from memattn.ops.contract import check_packed, check_state_type, finite_or_off_cpu, outside_autocast, public_op
 from memattn.ops.gsa.chunked import DEFAULT_CHUNK_SIZE, gsa_chunked, gsa_memory
 from memattn.ops.gsa.common import GSAState, check_gsa_inputs
 from memattn.ops.gsa.recurrent import gated_slot_attention_step, gsa_recurrent
@@ -96,13 +96,7 @@ def gated_slot_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: t
     if mode == "recurrent" and not causal:
         raise ConfigError("mode: 'recurrent' is a causal form; use 'auto' or 'chunked' "
                           "with causal=False")
-    if cu_seqlens is not None:
-        if not causal:
-            raise ConfigError("cu_seqlens: packed sequences are supported with causal=True "
-                              "only; run each sequence on its own for causal=False")
-        if mode not in ("auto", "chunked"):
-            raise ConfigError(f"cu_seqlens: packed sequences take the chunked form, "
-                              f"mode 'auto' or 'chunked', got mode={mode!r}")
+    check_packed(cu_seqlens, causal, mode)
     if backend == "triton" and (not causal or mode not in ("auto", "chunked")):
         raise ConfigError(f"backend: 'triton' runs the causal chunked form, got "
                           f"{'causal=False' if not causal else f'mode={mode!r}'}; "
