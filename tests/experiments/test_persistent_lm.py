@@ -9,7 +9,7 @@ from conftest import run_quick_lm_experiment
 
 from memattn.analysis import learned_spans
 from research.experiments import _lm_common, get_experiment
-from research.experiments._runner import CHECKPOINT_FILE, STAND_IN, Job
+from research.experiments._runner import CHECKPOINT_FILE, SPEED_ROUNDS, STAND_IN, Job
 from memattn.train import model_from_checkpoint
 
 
@@ -70,7 +70,7 @@ def test_quick_run_writes_the_table_curves_and_command(text_file, tmp_path, monk
     monkeypatch.setattr(_lm_common, "train_speed", lambda model, cfg, ids: timed.append(learned_spans(model)) or 1.0)
     monkeypatch.setattr(_lm_common, "decode_speed", lambda model, prompt, tokens: 1.0)
     figures = _lm_common.side_by_side_speeds(out, [job], decode_prompt=8, decode_tokens=2, stand_ins=True)
-    assert figures[job.name]["stand_in"] and len(timed) == 1
+    assert figures[job.name]["stand_in"] and len(timed) == SPEED_ROUNDS
     assert timed[0] == [pytest.approx(layer) for layer in models["all-attn, long context"]["spans"]]
     untouched, _, _ = model_from_checkpoint(run_dir / STAND_IN)
     assert learned_spans(untouched) != timed[0]
