@@ -23,7 +23,7 @@ from memattn.data import Vocab
 from memattn.errors import ConfigError
 from memattn.evaluate import as_tensor, evaluate, evaluate_by_length
 from memattn.fileio import atomic_write, atomic_write_text, check_writable, output_lock
-from memattn.generate import generate
+from memattn.generate import decoding_step, generate
 from memattn.train import holds_run, load_run_corpus, model_from_checkpoint, train
 
 PROMPT = "ROMEO.\n"
@@ -31,26 +31,36 @@ CONTEXTS = (256, 1024, 4096, 16384)  # decoding cost and state measured after th
 SHOWN = (256, 16384)  # the two the table prints
 
 
-def decoding_costs(models: list, context: int, steps: int = 32, chunk: int = 2048) -> list[dict[str, float]]:
+def decoding_costs(models: list, context: int, steps: int = 32, chunk: int = 2048,
+                   compiled: list | None = None) -> list[dict[str, float]]:
     """Median ms per decoded token and bytes of the decoding state of each of `models` (batch 1)
-    after `context` tokens (read in chunks with its cache). The models decode side by side, one
-    step of each in turn, so that a change in the machine's load falls on all of them alike."""
+    after `context` tokens (read in chunks with its cache), eager ("ms_per_token") and, where
+    `compiled` gives each model's compiled step (`memattn.generate.decoding_step`), compiled
+    ("ms_per_token_compiled"), each from a cache of its own. The steps run side by side, one of
+    each in turn, so that a change in the machine's load falls on all of them alike."""
     gen = torch.Generator().manual_seed(0)
-    caches, logits, times = [m.init_cache(1) for m in models], [], [[] for _ in models]
+    steppers = [(i, m) for i, m in enumerate(models)] + [(i, c) for i, c in enumerate(compiled or [])]
+    caches, logits, states, times = [], [], [], [[] for _ in steppers]
     with torch.inference_mode():
-        for model, cache in zip(models, caches):
-            vocab = model.cfg.vocab_size
+        for i, _ in steppers:
+            model, cache = models[i], models[i].init_cache(1)
             for start in range(0, context, chunk):
-                out = model(torch.randint(0, vocab, (1, min(chunk, context - start)), generator=gen), cache=cache)
+                tokens = torch.randint(0, model.cfg.vocab_size, (1, min(chunk, context - start)), generator=gen)
+                out = model(tokens, cache=cache)
+            caches.append(cache)
             logits.append(out)
-        states = [cache.nbytes() for cache in caches]
-        for _ in range(steps + 1):  # the first step warms up
-            for i, (model, cache) in enumerate(zip(models, caches)):
-                token = logits[i][:, -1].argmax(-1, keepdim=True)
+            states.append(cache.nbytes())
+        for _ in range(steps + 1):  # the first step warms up (and compiles)
+            for j, (_, step) in enumerate(steppers):
+                token = logits[j][:, -1].argmax(-1, keepdim=True)
                 start = time.perf_counter()
-                logits[i] = model(token, cache=cache)
-                times[i].append(time.perf_counter() - start)
-    return [{"ms_per_token": 1e3 * statistics.median(t[1:]), "state_bytes": n} for t, n in zip(times, states)]
+                logits[j] = step(token, cache=caches[j])
+                times[j].append(time.perf_counter() - start)
+    figures = [{"ms_per_token": 1e3 * statistics.median(times[i][1:]), "state_bytes": states[i]}
+               for i in range(len(models))]
+    for j, (i, _) in enumerate(steppers[len(models):], len(models)):
+        figures[i]["ms_per_token_compiled"] = 1e3 * statistics.median(times[j][1:])
+    return figures
 
 
 def bpc_at(model, ids, length: int, train_len: int, chars_per_token: float) -> dict:
@@ -65,9 +75,11 @@ def bpc_at(model, ids, length: int, train_len: int, chars_per_token: float) -> d
 
 
 def run_demo(preset: str, overrides: list[str], mechanisms: list[str], out_dir: str,
-             warm_steps: int = 200, contexts: tuple[int, ...] = CONTEXTS, overwrite: bool = False) -> list[dict]:
+             warm_steps: int = 200, contexts: tuple[int, ...] = CONTEXTS, overwrite: bool = False,
+             compile: bool = True) -> list[dict]:
     """Train, measure and compare `mechanisms` (the baseline first), each in the run folder
-    out_dir/NAME, and write out_dir/summary.json and decoding.png. A folder that holds an
+    out_dir/NAME, and write out_dir/summary.json and decoding.png. Decoding is timed eager and,
+    with `compile`, through torch.compile as `memattn generate --compile` decodes. A folder that holds an
     earlier demo is refused before anything is written, unless `overwrite` (its runs are then
     replaced, each kept until its replacement has a checkpoint)."""
     repeated = sorted({m for m in mechanisms if mechanisms.count(m) > 1})
@@ -85,11 +97,11 @@ def run_demo(preset: str, overrides: list[str], mechanisms: list[str], out_dir: 
             raise ConfigError(f"--out-dir: {out} holds an earlier demo ({', '.join(earlier)}); replace it with "
                               "--overwrite, or choose another --out-dir")
         check_writable(out)  # before the corpus is prepared and anything trained
-        return _run_demo(preset, overrides, mechanisms, out_dir, warm_steps, contexts, overwrite)
+        return _run_demo(preset, overrides, mechanisms, out_dir, warm_steps, contexts, overwrite, compile)
 
 
 def _run_demo(preset: str, overrides: list[str], mechanisms: list[str], out_dir: str,
-              warm_steps: int, contexts: tuple[int, ...], overwrite: bool) -> list[dict]:
+              warm_steps: int, contexts: tuple[int, ...], overwrite: bool, compile: bool) -> list[dict]:
     rows, models = [], []
     base_dir = f"{out_dir}/{mechanisms[0]}"
     shown = [c for c in SHOWN if c in contexts] or list(contexts[-1:])
@@ -121,8 +133,9 @@ def _run_demo(preset: str, overrides: list[str], mechanisms: list[str], out_dir:
                      "val_bpc": summary["val"]["bpc"], "test_bpc": test["bpc"], "long_bpc": long,
                      "train_tokens_per_s": summary["tokens_per_s"], "train_s": summary["wall_s"],
                      "decoding": {}})
+    compiled = [decoding_step(m) for m in models] if compile else None
     for c in contexts:
-        for row, cost in zip(rows, decoding_costs(models, c)):
+        for row, cost in zip(rows, decoding_costs(models, c, compiled=compiled)):
             row["decoding"][str(c)] = cost
     print_table(rows, shown)
     out = Path(out_dir)
@@ -140,17 +153,22 @@ def _bytes(n: float) -> str:
 
 
 def print_table(rows: list[dict], shown: list[int]) -> None:
+    """The demo's table; where decoding was also timed compiled, ms/token shows 'eager / compiled'."""
     base = rows[0]
+    compiled = "ms_per_token_compiled" in rows[0]["decoding"][str(shown[0])]
+    timed, width = (" eager/compiled", 30) if compiled else ("", 18)
     at = f"bpc @{base['long_bpc']['length']:,}"
     head = (f"{'attention':<12}{'trained':<26}{'params':>9}{'val bpc':>9}{'test bpc':>9}{'vs ' + base['attention']:>12}"
-            f"{at:>18}{'train tok/s':>12}" + "".join(f"{'ms/token @' + f'{c:,}':>18}{'state @' + f'{c:,}':>16}" for c in shown))
+            f"{at:>18}{'train tok/s':>12}" + "".join(f"{'ms/token @' + f'{c:,}' + timed:>{width}}{'state @' + f'{c:,}':>16}"
+                                                     for c in shown))
     print("\n" + head)
     for r in rows:
         line = (f"{r['attention']:<12}{r['trained']:<26}{r['params']:>9,}{r['val_bpc']:>9.3f}{r['test_bpc']:>9.3f}"
                 f"{r['test_bpc'] - base['test_bpc']:>+12.3f}{_long(r['long_bpc']):>18}{r['train_tokens_per_s']:>12,.0f}")
         for c in shown:
             d = r["decoding"][str(c)]
-            line += f"{d['ms_per_token']:>18.2f}{_bytes(d['state_bytes']):>16}"
+            ms = f"{d['ms_per_token']:.2f}" + (f" / {d['ms_per_token_compiled']:.2f}" if compiled else "")
+            line += f"{ms:>{width}}{_bytes(d['state_bytes']):>16}"
         print(line)
 
 

@@ -117,8 +117,11 @@ def test_demo_compares_a_memory_mechanism_and_runs_twice_into_the_same_folder(te
     argv = ["demo", "--config", "tiny", *over, "train.steps=3", "train.eval_every=3", "train.save_every=3",
             "--out-dir", str(tmp_path / "demo"), "--warm-steps", "2", "--contexts", "16", "64"]
     assert main(argv) == 0
+    first = json.loads((tmp_path / "demo" / "summary.json").read_text())
+    assert all(d["ms_per_token_compiled"] > 0 for r in first for d in r["decoding"].values())
+    assert "ms/token @64 eager/compiled" in capsys.readouterr().out
     assert main(argv) == 2 and "holds an earlier demo" in capsys.readouterr().err
-    assert main([*argv, "--overwrite"]) == 0
+    assert main([*argv, "--overwrite", "--no-compile"]) == 0
     soft, abc = json.loads((tmp_path / "demo" / "summary.json").read_text())
     assert (soft["attention"], abc["attention"]) == ("softmax", "gsa")
     assert abc["trained"] == "from softmax, +2 steps"

@@ -13,7 +13,8 @@ def cmd_demo(args) -> int:
     from memattn.demo import run_demo
 
     run_demo(args.config, args.overrides, mechanisms=args.attention, out_dir=args.out_dir,
-             warm_steps=args.warm_steps, contexts=tuple(sorted(set(args.contexts))), overwrite=args.overwrite)
+             warm_steps=args.warm_steps, contexts=tuple(sorted(set(args.contexts))), overwrite=args.overwrite,
+             compile=not args.no_compile)
     return 0
 
 
@@ -81,6 +82,9 @@ def add_commands(sub) -> None:
                    default=[256, 1024, 4096, 16384],
                    help="context lengths at which decoding cost and state are measured (default: %(default)s)")
     d.add_argument("--out-dir", default="runs/demo", help="where runs and summary.json go (default: %(default)s)")
+    d.add_argument("--no-compile", action="store_true",
+                   help="time decoding eager only (by default also through torch.compile, as "
+                        "memattn generate --compile decodes: tens of seconds to compile a model)")
     d.add_argument("--overwrite", action="store_true",
                    help="replace an earlier demo in --out-dir (without it, such a folder is refused)")
     d.set_defaults(fn=cmd_demo)

@@ -342,7 +342,10 @@ class Transformer(nn.Module):
             raise ShapeError(f"idx: expected at least one sequence of at least one token, got shape {(B, T)}")
         if attention_mask is not None:  # a padded position's id is never read: any pad id will do
             idx = idx.masked_fill(~attention_mask, 0)
-        if idx.device.type == "cpu":  # on a GPU the check would cost a synchronisation every call
+        if torch.compiler.is_compiling():  # a compiled decoding step reads nothing back
+            torch._assert_async(((idx >= 0) & (idx < self.cfg.vocab_size)).all(),
+                                f"idx: token ids must lie in [0, {self.cfg.vocab_size}) (model.vocab_size)")
+        elif idx.device.type == "cpu":  # on a GPU the check would cost a synchronisation every call
             low, high = int(idx.min()), int(idx.max())
             if low < 0 or high >= self.cfg.vocab_size:
                 raise ShapeError(f"idx: token ids must lie in [0, {self.cfg.vocab_size}) (model.vocab_size), "
