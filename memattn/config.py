@@ -227,6 +227,11 @@ class TrainConfig:
     grad_clip: float = 1.0  # 0 disables clipping
     eval_every: int = 200
     eval_batches: int = 20  # batches of the validation split per evaluation (0: all)
+    # > 0: early stopping on the evaluation figure the task selects on (its `selects`): training
+    # stops once `patience` evaluations in a row fail to beat the best by more than min_delta,
+    # and the run ends with the weights of its best evaluation (best.safetensors); 0: off
+    patience: int = 0
+    min_delta: float = 0.0
     log_every: int = 10
     save_every: int = 200
     seed: int = 0
@@ -266,7 +271,8 @@ class TrainConfig:
     def __post_init__(self) -> None:
         for name in ("steps", "batch_size", "seq_len", "log_every", "eval_every", "save_every"):
             _positive(f"train.{name}", getattr(self, name))
-        for name in ("lr", "warmup", "weight_decay", "grad_clip", "eval_batches", "threads"):
+        for name in ("lr", "warmup", "weight_decay", "grad_clip", "eval_batches", "threads", "patience",
+                     "min_delta"):
             _positive(f"train.{name}", getattr(self, name), zero_ok=name != "lr")
         if not 0.0 <= self.min_lr_ratio <= 1.0:
             raise ConfigError(f"train.min_lr_ratio: expected a value in [0, 1], got {self.min_lr_ratio}")
@@ -293,6 +299,12 @@ class TrainConfig:
                 raise ConfigError(f"train.{name}: trains a model started from another one; set train.init_from")
             if value > 0 and (self.segments or self.parallel == "fsdp"):
                 raise ConfigError(f"train.{name}: not with train.segments or train.parallel=fsdp")
+        if self.min_delta and not self.patience:
+            raise ConfigError(f"train.min_delta: the improvement early stopping asks for; set train.patience "
+                              f"(got min_delta={self.min_delta} with patience 0)")
+        if self.patience and (self.parallel == "fsdp" or self.lora_rank):
+            raise ConfigError("train.patience: not with train.parallel=fsdp or train.lora_rank (the best weights "
+                              "are kept whole, as the model holds them)")
         _positive("train.transfer_lr", self.transfer_lr, zero_ok=True)
         if self.transfer_lr > 0 and not self.transfer_steps:
             raise ConfigError("train.transfer_lr: the learning rate of the transfer steps; set train.transfer_steps")
@@ -316,7 +328,11 @@ class RunConfig:
         from memattn.tasks import read_task_options, task_class
 
         self.task_settings = read_task_options(self.task, self.task_options)
-        task_class(self.task).check_config(self)
+        task = task_class(self.task)
+        if self.train.patience and task.selects is None:
+            raise ConfigError(f"train.patience: task={self.task} names no evaluation figure to stop on "
+                              "(its `selects`); leave train.patience at 0")
+        task.check_config(self)
 
 
 def to_dict(cfg) -> dict[str, Any]:

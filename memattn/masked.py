@@ -66,6 +66,7 @@ class MaskedLMTask(Task):
     """A corpus for the training loop's masked-LM task: batch of step s, loss, validation."""
 
     logged = ("loss", "accuracy")  # the validation figures the training log keeps
+    selects = ("loss", "lower")  # train.patience stops on the validation loss
     extra_symbols = 1  # the mask token
 
     @classmethod

@@ -13,6 +13,12 @@ That memory was made with the previous step's weights, so it cannot be rebuilt f
 checkpoint's weights: checkpoints store it (gathered over the ranks) and --resume restores it.
 The objective adds the model's auxiliary losses (`aux_loss()`, e.g. adaptive-span penalties).
 
+Early stopping (train.patience > 0): every evaluation is weighed on the figure the task selects
+on (`task.selects`); training stops once train.patience evaluations in a row fail to beat the
+best by more than train.min_delta, and the run ends with the weights of its best evaluation,
+written to best.safetensors (`run_weights`). Every checkpoint holds the best weights and the
+count so far, so a resumed run stops at the same step with the same best weights.
+
 A run started from a softmax run may first transfer attention (train.transfer_steps,
 memattn.transfer): steps of their own, before the ordinary ones, that train the mechanism's own
 parameters alone; they are logged, checkpointed and resumed like the ordinary steps.
@@ -46,6 +52,7 @@ from memattn.tasks import task_class
 # Train fields a resumed run may change without changing what it computes up to the
 # checkpoint (steps may grow; the cosine then stretches from that point on).
 RESUMABLE_CHANGES = {"steps", "eval_every", "log_every", "save_every", "device", "threads", "out_dir"}
+BEST_FILE = "best.safetensors"  # train.patience: the weights of the best evaluation
 
 
 def lr_at(step: int, cfg: TrainConfig) -> float:
@@ -202,6 +209,53 @@ class JsonlLog:
                 f.write(json.dumps(record) + "\n")
 
 
+class EarlyStopping:
+    """train.patience: the best value of the task's figure (task.selects) so far, the step,
+    figures and weights (on the CPU) of its evaluation, and how many evaluations in a row have
+    failed to beat it by more than train.min_delta."""
+
+    def __init__(self, selects: tuple[str, str], tc: TrainConfig) -> None:
+        self.figure, direction = selects
+        self.sign = 1.0 if direction == "higher" else -1.0
+        self.patience, self.min_delta = tc.patience, tc.min_delta
+        self.best: float | None = None
+        self.step, self.stale = 0, 0
+        self.val: dict[str, float] = {}
+        self.weights: dict[str, torch.Tensor] = {}
+
+    @property
+    def stopped(self) -> bool:
+        return self.stale >= self.patience
+
+    def update(self, val: dict[str, float], step: int, model: torch.nn.Module) -> None:
+        """Weigh the evaluation `val` of `model` at `step`."""
+        gain = math.inf if self.best is None else self.sign * (val[self.figure] - self.best)
+        self.stale = 0 if gain > self.min_delta else self.stale + 1
+        if gain > 0:
+            self.best, self.step, self.val = val[self.figure], step, dict(val)
+            self.weights = {k: t.detach().to("cpu", copy=True) for k, t in model.state_dict().items()}
+
+    def saved(self) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+        """(extra tensors, JSON) of a checkpoint."""
+        return ({f"best.{k}": t for k, t in self.weights.items()},
+                {"figure": self.figure, "best": self.best, "step": self.step, "val": self.val, "stale": self.stale})
+
+    def load(self, ckpt) -> None:
+        info = ckpt.meta.get("early_stopping")
+        if info is None:
+            raise CheckpointError(f"--resume: checkpoint {ckpt.path} was saved without early stopping "
+                                  "(train.patience 0); resume it with train.patience=0")
+        self.best, self.step, self.val, self.stale = info["best"], info["step"], info["val"], info["stale"]
+        self.weights = {k[len("best."):]: t for k, t in ckpt.extra().items() if k.startswith("best.")}
+
+
+def run_weights(out: Path) -> Path:
+    """The file of the weights the run in folder `out` ends with: its best evaluation's under
+    train.patience (BEST_FILE), else its checkpoint."""
+    best = Path(out) / BEST_FILE
+    return best if best.exists() else Path(out) / "checkpoint.safetensors"
+
+
 def check_segments(model: CausalLM, cfg: RunConfig) -> None:
     """Raise ConfigError unless every layer's state can be carried between training segments."""
     if cfg.model.positions in ("learned", "split"):
@@ -313,7 +367,7 @@ REPLACING = ".replacing"  # the same while its files are being moved there
 
 def run_files(out: Path) -> list[Path]:
     """The files of the run in folder `out` (what --overwrite replaces)."""
-    names = ("checkpoint.safetensors", "log.jsonl", "summary.json", "config.yaml")
+    names = ("checkpoint.safetensors", BEST_FILE, "log.jsonl", "summary.json", "config.yaml")
     return [out / n for n in names if (out / n).exists()] + sorted(out.glob("checkpoint.dcp.*"))
 
 
@@ -556,8 +610,9 @@ def transfer_attention(cfg: RunConfig, ddp: Distributed, transfer, optimizer: to
 
 def _train_loop(task, ddp: Distributed, resume: bool, progress: bool, on_step, device) -> dict[str, Any]:
     """The loop of every task (memattn.tasks): its batches, its loss plus the model's
-    auxiliary losses, its evaluations; checkpoints, resume, data parallelism, and the
-    language model's attention transfer and LoRA (train.transfer_steps, train.lora_rank)."""
+    auxiliary losses, its evaluations and early stopping on the figure it selects on
+    (train.patience); checkpoints, resume, data parallelism, and the language model's
+    attention transfer and LoRA (train.transfer_steps, train.lora_rank)."""
     cfg, source = task.cfg, task.source
     tc = cfg.train
     out = Path(tc.out_dir)
@@ -606,13 +661,17 @@ def _train_loop(task, ddp: Distributed, resume: bool, progress: bool, on_step, d
             trainable = [named[n] for n in own] + list(lora.parameters())
     optimizer = torch.optim.AdamW(decay_groups(trainable, tc.weight_decay), lr=tc.lr, betas=tc.betas)
     transferred = tc.transfer_steps if resume else 0  # transfer steps done (a checkpoint may say fewer)
+    stopping = EarlyStopping(task.selects, tc) if tc.patience else None
     start, seconds_before = 0, 0.0
     if resume:
         ckpt = load_checkpoint(ckpt_path)
         check_resumable(ckpt.meta["config"], cfg)
         start = ckpt.step
         seconds_before = float(ckpt.meta.get("train_seconds", 0.0))
-        done_summary = read_summary(out) if start >= tc.steps else None
+        if stopping is not None and start > 0:
+            stopping.load(ckpt)
+        finished = start >= tc.steps or (stopping is not None and stopping.stopped)
+        done_summary = read_summary(out) if finished else None
         if done_summary is not None:  # complete: nothing to add
             return dict(done_summary, complete=True, checkpoint_step=start)
         in_transfer = start == 0 and "transfer" in ckpt.meta  # saved by the transfer steps
@@ -659,7 +718,7 @@ def _train_loop(task, ddp: Distributed, resume: bool, progress: bool, on_step, d
     if progress and ddp.main:
         from tqdm.auto import tqdm
 
-        bar = tqdm(total=tc.steps, initial=start, desc=f"train {cfg.model.attention.name}",
+        bar = tqdm(total=tc.steps, initial=start, desc=f"train {task.model_name}",
                    unit="step", dynamic_ncols=True)
     model.train()
     tokens_since, clock = 0, time.perf_counter()
@@ -667,7 +726,10 @@ def _train_loop(task, ddp: Distributed, resume: bool, progress: bool, on_step, d
     last_val: dict[str, float] = {}
     train_loss = float("nan")
     tok_per_s = 0.0
+    steps_done = start
     for step in range(start, tc.steps):
+        if stopping is not None and stopping.stopped:
+            break
         lr = lr_at(step, tc)
         for group in optimizer.param_groups:
             group["lr"] = lr
@@ -690,7 +752,7 @@ def _train_loop(task, ddp: Distributed, resume: bool, progress: bool, on_step, d
         project_parameters(model)
         optimizer.zero_grad(set_to_none=True)
         tokens_since += step_tokens * ddp.world
-        done = step + 1
+        done = steps_done = step + 1
         record: dict[str, Any] = {}
         saving = done % tc.save_every == 0 or done == tc.steps
         if (saving or done % tc.log_every == 0) and not math.isfinite(ddp.mean(loss.item())):
@@ -710,6 +772,9 @@ def _train_loop(task, ddp: Distributed, resume: bool, progress: bool, on_step, d
         if done % tc.eval_every == 0 or done == tc.steps:
             last_val = task.evaluate(model, device)
             record.update(step=done, **{f"val_{k}": last_val[k] for k in task.logged})
+            if stopping is not None:
+                stopping.update(last_val, done, model)
+                saving = saving or stopping.stopped
             clock = time.perf_counter()  # evaluation time is not training throughput
         if record:
             log.write(record)
@@ -719,6 +784,10 @@ def _train_loop(task, ddp: Distributed, resume: bool, progress: bool, on_step, d
             if on_step is not None:
                 on_step(done, record)
         extra, segments_meta = task.carried(ddp) if saving else ({}, None)
+        stopping_meta = None
+        if saving and stopping is not None:
+            best, stopping_meta = stopping.saved()
+            extra = dict(extra, **best)
         if saving:
             shards = weights = None
             if sharded:  # every rank writes its shards and joins in gathering the weights
@@ -729,7 +798,7 @@ def _train_loop(task, ddp: Distributed, resume: bool, progress: bool, on_step, d
             if ddp.main:
                 save_checkpoint(ckpt_path, model, step=done, optimizer=None if sharded else optimizer,
                                 extra=extra, state=weights,
-                                meta=dict(meta, segments=segments_meta, sharded=shards,
+                                meta=dict(meta, segments=segments_meta, sharded=shards, early_stopping=stopping_meta,
                                           train_seconds=seconds_before + time.perf_counter() - wall_start,
                                           metrics={"train_loss": train_loss, **{f"val_{k}": v for k, v in last_val.items()}}))
                 if sharded:
@@ -740,10 +809,18 @@ def _train_loop(task, ddp: Distributed, resume: bool, progress: bool, on_step, d
             bar.update(1)
     if bar is not None:
         bar.close()
+    if stopping is not None:  # the run ends with its best evaluation's weights
+        model.load_state_dict(stopping.weights)
+        last_val = stopping.val
+        if ddp.main:
+            save_checkpoint(out / BEST_FILE, model, step=stopping.step,
+                            meta=dict(meta, early_stopping=stopping.saved()[1],
+                                      metrics={f"val_{k}": v for k, v in last_val.items()}))
     wall = time.perf_counter() - wall_start
-    summary = {"attention": cfg.model.attention.name, "params": n_params, "steps": tc.steps,
+    summary = {"attention": task.model_name, "params": n_params, "steps": steps_done,
                "train_loss": train_loss, "val": last_val, "tokens_per_s": tok_per_s,
                "wall_s": wall, "train_seconds": seconds_before + wall, "checkpoint": str(ckpt_path), "world_size": ddp.world,
+               **({"best_step": stopping.step, "stopped": stopping.stopped} if stopping is not None else {}),
                "ranks_in_sync": ddp.in_sync(model)}
     if ddp.main:
         atomic_write_text(out / "summary.json", json.dumps(summary, indent=2))
@@ -818,8 +895,9 @@ def build_model(cfg: RunConfig) -> torch.nn.Module:
 
 
 def model_from_checkpoint(path: str | os.PathLike, device: str = "cpu"):
-    """(model in eval mode, RunConfig, vocab dict) from a checkpoint file or run folder."""
-    ckpt = load_checkpoint(path)
+    """(model in eval mode, RunConfig, vocab dict) from a checkpoint file or run folder (the
+    weights the run ends with: `run_weights`)."""
+    ckpt = load_checkpoint(run_weights(path) if Path(path).is_dir() else path)
     missing = [key for key in ("config", "vocab") if not isinstance(ckpt.meta.get(key), dict)]
     if missing:
         raise CheckpointError(f"checkpoint {ckpt.path}: its metadata lacks {' and '.join(missing)}; "

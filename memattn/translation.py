@@ -96,6 +96,7 @@ class TranslationTask(Task):
     """Parallel data for the training loop: batch of step s, loss and validation."""
 
     logged = ("loss", "ppl")  # the validation figures the training log keeps
+    selects = ("loss", "lower")  # train.patience stops on the validation loss
     translates = True
 
     @classmethod

@@ -170,3 +170,89 @@ def test_a_task_reads_its_own_options_from_the_config(monkeypatch):
         load_config("tiny", ["task_options.modulus=5"])
     with pytest.raises(CheckpointError, match="task_options.modulus=5, this run has 6"):
         check_resumable(to_dict(cfg), load_config("tiny", ["task=modulus", "task_options.modulus=6"]))
+
+
+SCRIPT = {10: 0.5, 20: 0.7, 30: 0.72, 40: 0.6, 50: 0.9, 60: 0.8, 70: 0.91, 80: 0.5, 90: 0.95, 100: 0.99}
+
+
+class ScriptedTask(SuccessorTask):
+    """SuccessorTask whose evaluation at step s says SCRIPT[s] (negated when lower is better)
+    and keeps a copy of the weights it was shown, by step."""
+
+    selects = ("score", "higher")
+    logged = ("score",)
+    shown: dict[int, dict[str, torch.Tensor]] = {}
+
+    def batch(self, step, rank, world):
+        self.step = step
+        return super().batch(step, rank, world)
+
+    def evaluate(self, model, device):
+        done = self.step + 1
+        ScriptedTask.shown[done] = {k: t.clone() for k, t in model.state_dict().items()}
+        return {"score": SCRIPT[done] if self.selects[1] == "higher" else -SCRIPT[done]}
+
+
+@pytest.fixture
+def scripted_task(monkeypatch):
+    module = types.ModuleType("scripted_task")
+    module.ScriptedTask = ScriptedTask
+    monkeypatch.setitem(sys.modules, "scripted_task", module)
+    monkeypatch.setattr(ScriptedTask, "shown", {})
+    register_task("scripted", "SCRIPT's figures", "scripted_task:ScriptedTask")
+    yield
+    del TASKS["scripted"]
+
+
+@pytest.mark.parametrize("direction", ["higher", "lower"])
+def test_early_stopping_stops_after_patience_evaluations_and_keeps_the_best_weights(
+        scripted_task, tmp_path, monkeypatch, direction):
+    from memattn.train import run_weights
+
+    monkeypatch.setattr(ScriptedTask, "selects", ("score", direction))
+    early = ["task=scripted", "train.steps=100", "train.eval_every=10", "train.save_every=20", "train.patience=3",
+             "train.min_delta=0.05"]
+    summary = train(load_config("tiny", settings(tmp_path / "whole", *early)), progress=False)
+    # by hand: 0.72 (step 30) is a best that beats 0.7 by less than min_delta, so the count goes on
+    # (1); 0.6 (2); 0.9 resets it; 0.8 (1); 0.91 is the best, by too little (2); 0.5 (3): stop at 80
+    sign = 1 if direction == "higher" else -1
+    assert (summary["steps"], summary["best_step"], summary["stopped"]) == (80, 70, True)
+    assert summary["val"] == {"score": sign * 0.91}
+    log = [json.loads(line) for line in (tmp_path / "whole" / "log.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in log if "val_score" in r] == [10, 20, 30, 40, 50, 60, 70, 80]
+    assert run_weights(tmp_path / "whole") == tmp_path / "whole" / "best.safetensors"
+    best, _, _ = model_from_checkpoint(tmp_path / "whole")  # a run folder's model: the weights it ends with
+    for name, t in best.state_dict().items():
+        assert torch.equal(t, ScriptedTask.shown[70][name]), name
+    assert any(not torch.equal(t, ScriptedTask.shown[80][n]) for n, t in best.state_dict().items())
+    whole_weights = {n: t.clone() for n, t in best.state_dict().items()}
+
+    # stopped after step 70 was logged (last checkpoint at 60, best then 50): resumed, it stops
+    # at the same step with the same best weights and log
+    cut = load_config("tiny", settings(tmp_path / "cut", *early))
+    train_crashing_at(cut, 70)
+    ScriptedTask.shown.clear()
+    resumed = train(cut, resume=True, progress=False)
+    assert (resumed["steps"], resumed["best_step"], resumed["val"]) == (80, 70, summary["val"])
+    assert min(ScriptedTask.shown) == 70  # it went on from the checkpoint of step 60
+
+    def figures(run):
+        return [(r["step"], r.get("loss"), r.get("val_score"))
+                for r in map(json.loads, (run / "log.jsonl").read_text().splitlines())]
+    assert figures(tmp_path / "cut") == figures(tmp_path / "whole")
+    again, _, _ = model_from_checkpoint(tmp_path / "cut")
+    for name, t in again.state_dict().items():
+        assert torch.equal(t, whole_weights[name]), name
+    # a stopped run is complete: resumed again it trains nothing
+    assert train(cut, resume=True, progress=False)["complete"] is True
+
+
+def test_early_stopping_settings_are_checked(successor_task, scripted_task, tmp_path):
+    with pytest.raises(ConfigError, match=r"^train.patience: task=successor names no evaluation figure to stop on"):
+        load_config("tiny", settings(tmp_path, "train.patience=2"))
+    with pytest.raises(ConfigError, match=r"^train.min_delta: the improvement early stopping asks for"):
+        load_config("tiny", settings(tmp_path, "task=scripted", "train.min_delta=0.1"))
+    with pytest.raises(ConfigError, match=r"^train.patience: expected a non-negative number, got -1"):
+        load_config("tiny", settings(tmp_path, "task=scripted", "train.patience=-1"))
+    with pytest.raises(ConfigError, match=r"^train.patience: not with train.parallel=fsdp"):
+        load_config("tiny", settings(tmp_path, "task=scripted", "train.patience=2", "train.parallel=fsdp"))

@@ -111,6 +111,10 @@ class ReadingBatch:
     def __len__(self) -> int:
         return self.docs.shape[0]
 
+    def to(self, device) -> ReadingBatch:
+        return ReadingBatch(self.docs.to(device), self.doc_lengths.to(device), self.queries.to(device),
+                            self.query_lengths.to(device), self.answers.to(device))
+
 
 class ReadingTask:
     """The vocabulary and the generator of the reading task for one `ReadingConfig`.

@@ -45,11 +45,11 @@ def export_run(run: str | Path, out: Path) -> str:
     from memattn.integrations.hf import (MemattnForCausalLM, MemattnForMaskedLM, card_facts, separator_of,
                                          tokenizer_of)
     from memattn.models import CausalLM, Encoder
-    from memattn.train import model_from_checkpoint
+    from memattn.train import model_from_checkpoint, run_weights
     from memattn.warmstart import HF_VOCAB
 
     model, cfg, vocab = model_from_checkpoint(run)
-    facts = run_facts(cfg, load_checkpoint(run).meta)
+    facts = run_facts(cfg, load_checkpoint(run_weights(run) if Path(run).is_dir() else run).meta)
     if isinstance(model, ConvertedLM):
         return _export_converted(model.hf, cfg, facts, out)
     if type(model) not in (CausalLM, Encoder):

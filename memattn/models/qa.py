@@ -107,6 +107,13 @@ class ReadingQA(nn.Module):
         self.norm = nn.LayerNorm(k)
         self.head = nn.Sequential(nn.Linear(2 * k, k), nn.Tanh(), nn.Linear(k, cfg.n_answers))
 
+    def num_parameters(self) -> int:
+        return sum(p.numel() for p in self.parameters())
+
+    def aux_loss(self) -> None:
+        """No auxiliary loss: what the training loop adds to every model's objective."""
+        return None
+
     def _rnn(self, rnn: BiGRU, ids: torch.Tensor, lengths: torch.Tensor
              ) -> tuple[torch.Tensor, torch.Tensor]:
         """ids [B, T], lengths [B] -> (states [B, T, k], zero past each length; final [B, k])."""

@@ -13,6 +13,10 @@
 and, on an instance,
     cfg, corpus, source          its settings, data and train.init_from model (or None)
     logged                       the validation figures the training log keeps
+    selects                      None, or (figure, "higher" | "lower"): the figure of evaluate()
+                                 that train.patience stops on and whose best weights it keeps
+    model_name                   what the model is called in progress bars and summaries (the
+                                 attention's name, by default)
     batch(step, rank, world)     this rank's share of step `step`'s global batch, a function
                                  of (train.seed, step) alone; has .to(device)
     tokens(batch)                tokens the batch trains on (for tokens/s)
@@ -100,6 +104,7 @@ class Task:
     Options: type | None = None
     extra_symbols = 0
     source = None
+    selects: tuple[str, str] | None = None
     generates = False
     translates = False
 
@@ -118,6 +123,10 @@ class Task:
                            streams: int, chunk: int, max_window: int) -> dict[str, Any]:
         raise ConfigError(f"--lengths: {options.checkpoint}: a {cfg.task} run; its task has no evaluation by "
                           "length")
+
+    @property
+    def model_name(self) -> str:
+        return self.cfg.model.attention.name
 
     def setup(self, model, device) -> None:
         return None

@@ -28,6 +28,7 @@ class Windows(NamedTuple):
 
 class LanguageModelTask(Task):
     logged = ("loss", "bpc")
+    selects = ("loss", "lower")  # train.patience stops on the validation loss
     generates = True
 
     @classmethod

@@ -14,16 +14,12 @@ the table. `quick` shrinks it to a smoke test that finishes in about a minute on
 train in one process and refuse jobs > 1 (`single_process`).
 
 Models train through `memattn.train`'s one loop as registered tasks (`memattn.tasks`): lm, mlm
-and translation, and task=recall, registered by `recall.py` (its rows of MQAR and passkeys,
-`task_options` for their settings). Three experiments still keep a loop of their own, each for
-what the one loop does not do yet:
+and translation; task=recall, registered by `recall.py` (its rows of MQAR and passkeys,
+`task_options` for their settings); and task=reading-qa, registered by `linear_qa.py` (its GRU
+reader on the synthetic reading task, trained to convergence by the loop's early stopping,
+train.patience on the validation accuracy, and tested with its best weights). Two experiments
+still keep a loop of their own, each for what the one loop does not do yet:
 
-- linear-qa trains each model to convergence (it stops once `patience` evaluations in a row fail
-  to beat the best validation accuracy by `min_delta`) and tests the weights of its best
-  evaluation; the loop runs train.steps and keeps the last weights. Its GRU reader
-  (`memattn.models.qa.ReadingQA`, built from a `QAConfig`) has neither `num_parameters` nor
-  `aux_loss`, which the loop calls, and no `model.attention` of a ModelConfig to name it by.
-  It needs early stopping on a figure the task names, and best weights kept, in the loop.
 - gmat-majority starts MAJORITY(8192, 1) from the trained MAJORITY(512, 1) model with a longer
   split position table whose new block rows copy the trained one (`start_from`); train.init_from
   copies only tensors of equal shapes. Its batches come from one generator advanced step by step
@@ -32,7 +28,7 @@ what the one loop does not do yet:
   registered task has, and its encoders on batches of one generator advanced step by step,
   where task=mlm draws each step's windows from (train.seed, step).
 
-The last two share `_common.train_steps`; moved onto the loop, they would write run folders
+The two share `_common.train_steps`; moved onto the loop, they would write run folders
 through `_runner` as the others do and that loop would go.
 """
 

@@ -94,7 +94,7 @@ def train_and_measure(run_dir: Path, job: Job, measure: Measure) -> dict[str, An
     atomic_write(run_dir / "settings.json", lambda tmp: tmp.write_text(json.dumps(list(job.settings))))
     resume = (run_dir / CHECKPOINT_FILE).exists()  # else nothing saved yet: start anew
     summary = train(cfg, resume=resume, overwrite=not resume, progress=False)
-    model, cfg, _ = model_from_checkpoint(run_dir)
+    model, cfg, _ = model_from_checkpoint(run_dir)  # under train.patience, its best evaluation's weights
     if cfg.train.threads > 0:
         torch.set_num_threads(cfg.train.threads)
     log = [json.loads(line) for line in (run_dir / "log.jsonl").read_text().splitlines() if line.strip()]

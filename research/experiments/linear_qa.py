@@ -13,9 +13,13 @@ Two measurements, as in the paper:
    precomputed C, O(k²) a query. Median time over repeats for n = 250 … 8,000, and the
    bytes each must keep per document (n·k against k²).
 
-    memattn experiment linear-qa [--quick] [steps=600 hidden=32 doc_len=[100,400] seed=0 ...]
+    memattn experiment linear-qa [--quick] [--jobs N] [steps=600 hidden=32 doc_len=[100,400] ...]
 
-Writes results.json, results.md and linear_qa.png to the output folder.
+Each (variant, seed) trains through `memattn train`'s loop as task=reading-qa (`ReadingQATask`,
+registered here) in a run folder under runs/: early stopping (train.patience) on the validation
+accuracy, the best evaluation's weights (best.safetensors) tested, row.json once measured. The
+command continues what is unfinished and reuses what is done. Writes results.json, results.md
+and linear_qa.png to the output folder.
 """
 
 from __future__ import annotations
@@ -32,20 +36,57 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from memattn.config import TrainConfig, to_dict
+from memattn.config import to_dict
 from memattn.data.reading import ReadingBatch, ReadingConfig, ReadingTask
 from memattn.errors import ConfigError
-from research.experiments._common import by_model, command_of, compare, save_figure, seed_figures, write_results
-from research.experiments._runner import ROW_FILE, Job, finished_row, run_jobs
-from memattn.fileio import atomic_write
 from memattn.models.qa import ATTENTIONS, QAConfig, ReadingQA
 from memattn.ops.softmax import softmax_attention
 from memattn.representations import encode, lookup
-from memattn.train import lr_at
+from memattn.tasks import StepLoss, Task, refuse_label_smoothing, refuse_transfer, register_task
 from memattn.typed import parse_settings as parse_typed
+from research.experiments._common import by_model, command_of, compare, save_figure, seed_figures, write_results
+from research.experiments._runner import Job, run_jobs
 
 DESCRIPTION = ("cheap linear attention: QA accuracy of none / softmax / linear / gated-linear "
                "and per-query lookup cost vs document length")
+NAME = "reading-qa"  # the task its models train on
+
+
+def check_values(obj, skip: tuple[str, ...] = ()) -> None:
+    """ConfigError naming the first field of `obj` (not in `skip`) with a value, or a member,
+    below one (`seed`: below zero); or a (shortest, longest) length range the wrong way round."""
+    for f in dataclasses.fields(obj):
+        value = getattr(obj, f.name)
+        values = value if isinstance(value, tuple) else (value,)
+        if f.name not in skip and any(v < 0 or (v == 0 and f.name != "seed") for v in values):
+            raise ConfigError(f"{f.name}: expected positive values, got {value!r}")
+    for name in ("doc_len", "long_len"):
+        lo, hi = getattr(obj, name)
+        if lo > hi:
+            raise ConfigError(f"{name}: expected [shortest, longest], got {[lo, hi]}")
+
+
+@dataclass
+class QAOptions:
+    """task_options of task=reading-qa: the reader (`memattn.models.qa.ReadingQA`), the reading
+    task it is trained and tested on, and its validation and test documents."""
+
+    attention: str = "linear"
+    embed: int = 32
+    hidden: int = 32  # GRU width per direction: k = 2·hidden
+    doc_len: tuple[int, int] = (100, 400)  # training and test documents, tokens
+    long_len: tuple[int, int] = (1000, 2000)  # the longer test documents (not trained on)
+    queries: int = 4  # cloze queries per document
+    entities: int = 40
+    places: int = 30  # answer classes: chance = 1 / places
+    relations: int = 4
+    val_docs: int = 500
+    test_docs: int = 500
+
+    def __post_init__(self) -> None:
+        if self.attention not in ATTENTIONS:
+            raise ConfigError(f"attention: expected one of {', '.join(ATTENTIONS)}, got {self.attention!r}")
+        check_values(self, skip=("attention",))
 
 
 @dataclass
@@ -60,18 +101,18 @@ class Settings:
     eval_every: int = 200
     patience: int = 5
     min_delta: float = 0.005
-    val_docs: int = 500
+    val_docs: int = QAOptions.val_docs
     batch: int = 32  # documents a step (each with `queries` queries)
     lr: float = 3e-3  # Adam, warm-up then cosine decay to a tenth
-    hidden: int = 32  # GRU width per direction: k = 2·hidden
-    embed: int = 32
-    doc_len: tuple[int, int] = (100, 400)  # training and test documents, tokens
-    long_len: tuple[int, int] = (1000, 2000)  # the longer test documents (not trained on)
-    queries: int = 4  # cloze queries per document
-    entities: int = 40
-    places: int = 30  # answer classes: chance = 1 / places
-    relations: int = 4
-    test_docs: int = 500
+    hidden: int = QAOptions.hidden
+    embed: int = QAOptions.embed
+    doc_len: tuple[int, int] = QAOptions.doc_len
+    long_len: tuple[int, int] = QAOptions.long_len
+    queries: int = QAOptions.queries
+    entities: int = QAOptions.entities
+    places: int = QAOptions.places
+    relations: int = QAOptions.relations
+    test_docs: int = QAOptions.test_docs
     seed: int = 0
     threads: int = 1  # torch threads (GRUs on a shared CPU run fastest on one)
     lookup_k: int = 100
@@ -84,17 +125,11 @@ class Settings:
         if unknown or len(set(self.variants)) != len(self.variants):
             raise ConfigError(f"variants: expected distinct names among {', '.join(ATTENTIONS)}, "
                               f"got {list(self.variants)}")
-        for f in dataclasses.fields(self):
-            if f.name == "variants":
-                continue
-            value = getattr(self, f.name)
-            values = value if isinstance(value, tuple) else (value,)
-            if any(v < 0 or (v == 0 and f.name != "seed") for v in values):
-                raise ConfigError(f"{f.name}: expected positive values, got {value!r}")
-        for name in ("doc_len", "long_len"):
-            lo, hi = getattr(self, name)
-            if lo > hi:
-                raise ConfigError(f"{name}: expected [shortest, longest], got {[lo, hi]}")
+        check_values(self, skip=("variants",))
+
+    def options(self, attention: str) -> QAOptions:
+        return QAOptions(attention, **{f.name: getattr(self, f.name) for f in dataclasses.fields(QAOptions)
+                                      if f.name != "attention"})
 
 
 QUICK = {"steps": 40, "eval_every": 10, "patience": 2, "val_docs": 32, "seeds": 1, "batch": 16,
@@ -112,9 +147,8 @@ def run(out_dir: Path, *, quick: bool = False, overrides: list[str] = (), jobs: 
     time; time lookups; write the results under out_dir."""
     settings = parse_settings(list(overrides), quick=quick)
     out_dir = Path(out_dir)
-    pairs = jobs_of(settings, quick, list(overrides))
-    rows = run_jobs(out_dir, [job for _, job in pairs], None, workers=jobs, label="linear-qa",
-                    work=train_job, steps_of=lambda job: job_settings(job).steps)
+    pairs = jobs_of(settings)
+    rows = run_jobs(out_dir, [job for _, job in pairs], measure, workers=jobs, label="linear-qa")
     variants = summarise([variant for variant, _ in pairs], rows)
     threads = torch.get_num_threads()
     torch.set_num_threads(settings.threads)
@@ -140,109 +174,127 @@ def run(out_dir: Path, *, quick: bool = False, overrides: list[str] = (), jobs: 
     return results
 
 
-def jobs_of(s: Settings, quick: bool, overrides: list[str]) -> list[tuple[str, Job]]:
-    """(variant, job) for every seed of every variant, seed 0 of each first; a job's settings
-    are the quick ones (if any), the overrides, then its own variant and seed."""
-    base = [*(f"{k}={list(v) if isinstance(v, tuple) else v}" for k, v in (QUICK if quick else {}).items()),
-            *overrides]
-    return [(variant, Job(variant if seed == 0 else f"{variant}, seed {seed}",
-                          (*base, f"variants=[{variant}]", f"seed={seed}")))
-            for seed in range(s.seeds) for variant in s.variants]
+def job_of(s: Settings, variant: str, seed: int) -> Job:
+    """A model's job: the `memattn train` settings of task=reading-qa with `variant` as its
+    attention and s's reading task, trained from `seed` with Adam (AdamW without weight decay),
+    warm-up over the first 5 % of the steps, then cosine to a tenth, until it converges
+    (train.patience on the validation accuracy) or reaches s.steps."""
+    options = [f"task_options.{k}={json.dumps(list(v) if isinstance(v, tuple) else v)}"
+               for k, v in dataclasses.asdict(s.options(variant)).items()]
+    train = [f"train.steps={s.steps}", f"train.batch_size={s.batch}", f"train.lr={s.lr}",
+             f"train.warmup={max(1, s.steps // 20)}", "train.min_lr_ratio=0.1", "train.weight_decay=0",
+             "train.betas=[0.9,0.999]", "train.grad_clip=1.0", f"train.eval_every={s.eval_every}",
+             "train.log_every=1", f"train.save_every={s.eval_every}", f"train.patience={s.patience}",
+             f"train.min_delta={s.min_delta}", f"train.seed={seed}", f"train.threads={s.threads}"]
+    return Job(variant if seed == 0 else f"{variant}, seed {seed}", (f"task={NAME}", *options, *train))
 
 
-def job_settings(job: Job) -> Settings:
-    return parse_settings(list(job.settings), quick=False)
+def jobs_of(s: Settings) -> list[tuple[str, Job]]:
+    """(variant, job) for every seed of every variant, seed 0 of each first."""
+    return [(variant, job_of(s, variant, seed)) for seed in range(s.seeds) for variant in s.variants]
 
 
-def reading_task(s: Settings, doc_len: tuple[int, int] | None = None) -> ReadingTask:
+def reading_task(s: Settings | QAOptions, doc_len: tuple[int, int] | None = None) -> ReadingTask:
     return ReadingTask(ReadingConfig(n_entities=s.entities, n_places=s.places, n_relations=s.relations,
                                      doc_len=doc_len or s.doc_len, queries_per_doc=s.queries))
 
 
-def train_job(run_dir: Path, job: Job, measure=None) -> dict:
-    """Train one variant from its seed on fresh batches until it converges (or `steps`), in
-    run_dir: checkpoint.safetensors (model, optimiser, step, evaluations) every evaluation,
-    best.safetensors (the weights of the best validation accuracy), log.jsonl; resumed from
-    the checkpoint when there is one. The row (row.json) is the best weights' test figures."""
-    from memattn.checkpoint import load_checkpoint, restore, save_checkpoint
+class ReadingQATask(Task):
+    """task=reading-qa: `ReadingQA` on the synthetic reading task (task_options: `QAOptions`).
+    Step s reads train.batch_size fresh documents drawn from (train.seed, s), the same for
+    every attention; the loss is the mean cross-entropy of their answers; the evaluation, the
+    accuracy on val_docs documents of their own, which train.patience stops on."""
 
-    row = finished_row(run_dir, job)
-    if row is not None:
-        return row
-    s = job_settings(job)
-    (attention,) = s.variants
-    torch.set_num_threads(s.threads)
-    task = reading_task(s)
-    run_dir.mkdir(parents=True, exist_ok=True)
-    atomic_write(run_dir / "settings.json", lambda tmp: tmp.write_text(json.dumps(list(job.settings))))
-    torch.manual_seed(s.seed)
-    model = ReadingQA(QAConfig(task.vocab_size, task.n_answers, attention=attention,
-                               embed=s.embed, hidden=s.hidden))
-    opt = torch.optim.Adam(model.parameters(), lr=s.lr)
-    # warm-up over the first 5 % of the steps, then cosine to a tenth
-    schedule = TrainConfig(steps=s.steps, lr=s.lr, warmup=max(1, s.steps // 20), min_lr_ratio=0.1)
+    Options = QAOptions
+    logged = ("accuracy",)
+    selects = ("accuracy", "higher")
 
-    ckpt, best_file, log = run_dir / "checkpoint.safetensors", run_dir / "best.safetensors", run_dir / "log.jsonl"
-    state = {"step": 0, "seconds": 0.0, "evals": [], "best": -1.0, "best_step": 0, "stale": 0}
-    if ckpt.exists():
-        saved = load_checkpoint(ckpt)
-        restore(saved, model, opt)
-        state = saved.meta["state"]
-        kept = [line for line in log.read_text().splitlines() if json.loads(line)["step"] <= state["step"]]
-        atomic_write(log, lambda tmp: tmp.write_text("".join(line + "\n" for line in kept)))
-    val = task.batch(s.val_docs, seed=f"{s.seed}/val")
-    model.train()
-    losses: list[float] = []
-    while state["step"] < s.steps and state["stale"] < s.patience:
-        step = state["step"]
-        batch = task.batch(s.batch, seed=f"{s.seed}/train/{step}")  # the same data for every variant
-        for group in opt.param_groups:
-            group["lr"] = lr_at(step, schedule)
-        start = time.perf_counter()
+    @classmethod
+    def check_config(cls, cfg) -> None:
+        if cfg.train.segments or cfg.train.distill_weight:
+            raise ConfigError(f"task={NAME}: train.segments and train.distill_weight are for language models")
+        refuse_label_smoothing(cfg)
+        refuse_transfer(cfg)
+
+    @classmethod
+    def build_model(cls, cfg) -> ReadingQA:
+        o = cfg.task_settings
+        reading = reading_task(o)
+        return ReadingQA(QAConfig(reading.vocab_size, reading.n_answers, attention=o.attention,
+                                  embed=o.embed, hidden=o.hidden))
+
+    @classmethod
+    def prepare(cls, cfg, ddp, resume: bool, source) -> ReadingQATask:
+        from memattn.train import with_vocab_size
+
+        if source is not None:
+            raise ConfigError(f"train.init_from: task={NAME} trains its models from their initialisation")
+        return cls(with_vocab_size(cfg, reading_task(cfg.task_settings).vocab_size))
+
+    def __init__(self, cfg) -> None:
+        self.cfg, self.options = cfg, cfg.task_settings
+        self.reading = reading_task(self.options)
+        self.val = self.reading.batch(self.options.val_docs, seed=f"{cfg.train.seed}/val")
+
+    @property
+    def model_name(self) -> str:
+        return self.options.attention
+
+    def batch(self, step: int, rank: int, world: int) -> ReadingBatch:
+        docs = self.reading.batch(self.cfg.train.batch_size, seed=f"{self.cfg.train.seed}/train/{step}")
+        return ReadingBatch(*(t.chunk(world)[rank] for t in (docs.docs, docs.doc_lengths, docs.queries,
+                                                           docs.query_lengths, docs.answers)))
+
+    def tokens(self, batch: ReadingBatch) -> int:
+        return int(batch.doc_lengths.sum())
+
+    def loss(self, model, batch: ReadingBatch) -> StepLoss:
         logits = model(batch.docs, batch.doc_lengths, batch.queries, batch.query_lengths)
-        loss = F.cross_entropy(logits.flatten(0, 1), batch.answers.flatten())
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        state["seconds"] += time.perf_counter() - start
-        state["step"] = step + 1
-        losses.append(loss.item())
-        if state["step"] % s.eval_every and state["step"] < s.steps:
-            continue
+        return StepLoss(F.cross_entropy(logits.flatten(0, 1), batch.answers.flatten()), 1)  # a mean already
+
+    def evaluate(self, model, device) -> dict[str, float]:
+        was = model.training
         model.eval()
-        acc = accuracy(model, val)
-        model.train()
-        improved = acc > state["best"] + s.min_delta
-        state["stale"] = 0 if improved else state["stale"] + 1
-        if acc > state["best"]:
-            state["best"], state["best_step"] = acc, state["step"]
-            save_checkpoint(best_file, model, step=state["step"], meta={"state": dict(state)})
-        record = {"step": state["step"], "loss": round(statistics.fmean(losses), 4), "val_accuracy": acc}
-        state["evals"].append(record)
-        losses = []
-        with open(log, "a") as f:
-            f.write(json.dumps(record) + "\n")
-        save_checkpoint(ckpt, model, step=state["step"], optimizer=opt, meta={"state": state})
-    restore(load_checkpoint(best_file), model)
-    model.eval()
-    test = task.batch(s.test_docs, seed=f"{s.seed}/test")
-    test_long = reading_task(s, s.long_len).batch(max(s.test_docs // 4, 8), seed=f"{s.seed}/long")
+        figure = accuracy(model, self.val.to(device))
+        model.train(was)
+        return {"accuracy": figure}
+
+    def meta(self) -> dict:
+        from memattn.data import Vocab
+
+        # the token ids, named by stand-in characters: what a checkpoint's vocabulary records
+        return {"vocab": Vocab("char", [chr(0x100 + i) for i in range(self.reading.vocab_size)]).to_json(),
+                "corpus": NAME}
+
+
+register_task(NAME, "question answering on synthetic documents (research.experiments.linear_qa)",
+              "research.experiments.linear_qa:ReadingQATask")
+
+
+def measure(model: ReadingQA, cfg, run_dir: Path) -> dict:
+    """A trained model's figures (`_runner.Measure`; the model holds the weights of its best
+    evaluation): test accuracy at the training lengths and on longer documents (and, for the
+    linear forms, from the stored representations), and how its training went."""
+    o, seed = cfg.task_settings, cfg.train.seed
+    summary = json.loads((run_dir / "summary.json").read_text())
+    log = [json.loads(line) for line in (run_dir / "log.jsonl").read_text().splitlines() if line.strip()]
+    evals = [0] + [r["step"] for r in log if "val_accuracy" in r]
+    test = reading_task(o).batch(o.test_docs, seed=f"{seed}/test")
+    test_long = reading_task(o, o.long_len).batch(max(o.test_docs // 4, 8), seed=f"{seed}/long")
     row = {
-        "variant": attention, "seed": s.seed, "settings": list(job.settings),
+        "variant": o.attention, "seed": seed,
         "accuracy": accuracy(model, test),
         "accuracy_long": accuracy(model, test_long),
-        "val_accuracy": state["best"], "best_step": state["best_step"], "steps": state["step"],
-        "converged": state["stale"] >= s.patience,
-        "train_seconds": round(state["seconds"], 2),
-        "seconds_per_step": round(state["seconds"] / max(1, state["step"]), 4),
-        "final_loss": state["evals"][-1]["loss"],
-        "parameters": sum(p.numel() for p in model.parameters()),
+        "best_step": summary["best_step"],
+        "converged": summary["stopped"],
+        "train_seconds": round(summary["train_seconds"], 2),
+        "seconds_per_step": round(summary["train_seconds"] / max(1, summary["steps"]), 4),
+        # the mean training loss of the steps since the evaluation before the last
+        "final_loss": round(statistics.fmean(r["loss"] for r in log if "loss" in r and evals[-2] < r["step"] <= evals[-1]), 4),
+        "parameters": model.num_parameters(),
     }
-    if attention in ("linear", "gated-linear"):
+    if o.attention in ("linear", "gated-linear"):
         row["accuracy_from_representations"] = accuracy(model, test, stored=True)
-    text = json.dumps(row, indent=2) + "\n"
-    atomic_write(run_dir / ROW_FILE, lambda tmp: tmp.write_text(text))
     return row
 
 
@@ -381,8 +433,8 @@ def render_markdown(results: dict, command: str) -> str:
             f"{r['seconds_per_step']:.3f} | {r['parameters']:,} |")
     lines += [
         "",
-        "Training time counts the model's steps only (forward, backward, update; not the data "
-        "generation), on a CPU that may be shared with other jobs. \"From stored C\": the same "
+        "Training time is the training loop's (steps with their data generation, and the "
+        "evaluations), on a CPU that may be shared with other jobs. \"From stored C\": the same "
         "test queries answered from the documents' k×k representations alone "
         "(`ReadingQA.represent` then `ReadingQA.answer`). Each (variant, seed) is a run folder "
         "under `runs/` (resumed where it stopped; `--jobs N` trains N at once).",

@@ -51,6 +51,7 @@ def test_quick_run_trains_to_convergence_resumably_and_writes_its_results(tmp_pa
                 tmp_path / "runs" / f"{row['variant']}-seed-{row['seed']}").joinpath("log.jsonl").read_text().splitlines()]
         # evaluated every 10 steps; stopped at the step budget or once 2 evaluations failed to improve
         assert row["steps"] >= 20, row  # at least the two evaluations that stopping needs
+        log = [r for r in log if "val_accuracy" in r]
         assert [r["step"] for r in log] == list(range(10, row["steps"] + 1, 10))
         best = max(r["val_accuracy"] for r in log)
         assert row["val_accuracy"] == best and row["best_step"] == next(r["step"] for r in log if r["val_accuracy"] == best)
@@ -70,19 +71,17 @@ def test_quick_run_trains_to_convergence_resumably_and_writes_its_results(tmp_pa
 
 
 def test_an_interrupted_run_resumes_to_the_same_figures(tmp_path, monkeypatch):
-    import memattn.checkpoint
-    from research.experiments._runner import Job
-    from research.experiments.linear_qa import train_job
+    import memattn.train
+    from research.experiments._runner import train_and_measure
+    from research.experiments.linear_qa import job_of, measure
 
-    settings = tuple(f"{k}={list(v) if isinstance(v, tuple) else v}" for k, v in QUICK.items()) + (
-        "steps=30", "patience=5", "test_docs=16", "variants=[linear]", "seed=0")
-    job = Job("linear", settings)
-    whole = train_job(tmp_path / "whole", job)
+    job = job_of(parse_settings(["steps=30", "patience=5", "test_docs=16"], quick=True), "linear", 0)
+    whole = train_and_measure(tmp_path / "whole", job, measure)
 
     class Stop(Exception):
         pass
 
-    save, saved = memattn.checkpoint.save_checkpoint, []
+    save, saved = memattn.train.save_checkpoint, []
 
     def save_then_stop(path, *args, **kwargs):
         save(path, *args, **kwargs)
@@ -90,14 +89,19 @@ def test_an_interrupted_run_resumes_to_the_same_figures(tmp_path, monkeypatch):
         if saved.count("checkpoint.safetensors") == 2:  # stopped right after the step-20 checkpoint
             raise Stop
 
-    monkeypatch.setattr(memattn.checkpoint, "save_checkpoint", save_then_stop)
+    monkeypatch.setattr(memattn.train, "save_checkpoint", save_then_stop)
     with pytest.raises(Stop):
-        train_job(tmp_path / "cut", job)
-    monkeypatch.setattr(memattn.checkpoint, "save_checkpoint", save)
-    resumed = train_job(tmp_path / "cut", job)
-    log = [(tmp_path / d / "log.jsonl").read_text() for d in ("whole", "cut")]
-    assert log[0] == log[1] and [json.loads(line)["step"] for line in log[0].splitlines()] == [10, 20, 30]
-    keys = ("accuracy", "accuracy_long", "accuracy_from_representations", "val_accuracy", "best_step", "steps")
+        train_and_measure(tmp_path / "cut", job, measure)
+    monkeypatch.setattr(memattn.train, "save_checkpoint", save)
+    resumed = train_and_measure(tmp_path / "cut", job, measure)
+
+    def figures(run):
+        return [(r["step"], r.get("loss"), r.get("val_accuracy"))
+                for r in map(json.loads, (tmp_path / run / "log.jsonl").read_text().splitlines())]
+    assert figures("whole") == figures("cut")
+    assert [step for step, _, accuracy in figures("whole") if accuracy is not None] == [10, 20, 30]
+    keys = ("accuracy", "accuracy_long", "accuracy_from_representations", "val_accuracy", "best_step", "steps",
+            "final_loss", "converged")
     assert {k: resumed[k] for k in keys} == {k: whole[k] for k in keys}
 
 
