@@ -306,7 +306,8 @@ def summarise(variants: list[str], rows: list[dict]) -> dict[str, dict]:
     """Per variant: the mean of its seeds' figures, their spread (max − min), and whether
     every seed converged."""
     return {variant: {"seeds": len(runs), "parameters": runs[0]["parameters"],
-                      "converged": all(r["converged"] for r in runs), **seed_figures(runs, FIGURES)}
+                      "converged": all(r["converged"] for r in runs), **seed_figures(runs, FIGURES),
+                      "steps_timed_alone": any(r.get("timed") == "model steps" for r in runs)}
             for variant, runs in by_model(variants, rows).items()}
 
 
@@ -429,12 +430,14 @@ def render_markdown(results: dict, command: str) -> str:
         lines.append(
             f"| {name} | {r['seeds']} | {pct(r, 'accuracy')} | {pct(r, 'accuracy_long')} | "
             f"{pct(r, 'accuracy_from_representations')} | {'yes' if r['converged'] else 'no'} | "
-            f"{r['best_step']:,.0f} | {r['steps']:,.0f} | {r['train_seconds']:.0f} | "
+            f"{r['best_step']:,.0f} | {r['steps']:,.0f} | {r['train_seconds']:.0f}{' †' * r['steps_timed_alone']} | "
             f"{r['seconds_per_step']:.3f} | {r['parameters']:,} |")
     lines += [
         "",
         "Training time is the training loop's (steps with their data generation, and the "
-        "evaluations), on a CPU that may be shared with other jobs. \"From stored C\": the same "
+        "evaluations), on a CPU that may be shared with other jobs; † marks runs trained by this "
+        "experiment's former loop, which timed the model's steps only (forward, backward, update). "
+        "\"From stored C\": the same "
         "test queries answered from the documents' k×k representations alone "
         "(`ReadingQA.represent` then `ReadingQA.answer`). Each (variant, seed) is a run folder "
         "under `runs/` (resumed where it stopped; `--jobs N` trains N at once).",
