@@ -156,7 +156,7 @@ def print_table(rows: list[dict], shown: list[int]) -> None:
     """The demo's table; where decoding was also timed compiled, ms/token shows 'eager / compiled'."""
     base = rows[0]
     compiled = "ms_per_token_compiled" in rows[0]["decoding"][str(shown[0])]
-    timed, width = (" eager/compiled", 30) if compiled else ("", 18)
+    timed, width = (" eager/compiled", 34) if compiled else ("", 18)
     at = f"bpc @{base['long_bpc']['length']:,}"
     head = (f"{'attention':<12}{'trained':<26}{'params':>9}{'val bpc':>9}{'test bpc':>9}{'vs ' + base['attention']:>12}"
             f"{at:>18}{'train tok/s':>12}" + "".join(f"{'ms/token @' + f'{c:,}' + timed:>{width}}{'state @' + f'{c:,}':>16}"
