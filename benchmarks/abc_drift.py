@@ -18,8 +18,6 @@ the timing. Writes OUT.json and OUT.md.
 from __future__ import annotations
 
 import argparse
-import json
-import shlex
 import sys
 from pathlib import Path
 
@@ -31,7 +29,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 import memattn.ops.abc.chunked as chunked  # noqa: E402
-from research.bench.timing import median_times  # noqa: E402
+from research.bench.timing import median_times, script_command, write_figures  # noqa: E402
 from memattn.ops.abc import abc_attention  # noqa: E402
 
 B, H, D, M = 4, 8, 64, 32
@@ -97,18 +95,13 @@ def main() -> None:
     if args.run:
         rows.append({"case": f"LM step, {args.run}", **side_by_side(lm_step(args.run), args.repeats)})
         print(rows[-1], flush=True)
-    command = " ".join(shlex.quote(a) for a in [".venv/bin/python", "benchmarks/abc_drift.py",
-                                                *sys.argv[1:]])
+    command = script_command("benchmarks/abc_drift.py")
     lines = ["# ABC's chunked form on drifting logits: chunks halved against chunks of 64", "",
              "```", command, "```", "", __doc__.split("\n\n", 2)[2].strip(), "",
              "| case | halved (s) | chunks of 64 (s) | speed-up |", "|---|---:|---:|---:|"]
     lines += [f"| {r['case']} | {r['halved']:.3f} | {r['chunks of 64']:.3f} | "
               f"{r['chunks of 64'] / r['halved']:.2f}x |" for r in rows]
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.with_suffix(".json").write_text(json.dumps({"command": command, "rows": rows}, indent=2) + "\n")
-    out.with_suffix(".md").write_text("\n".join(lines) + "\n")
-    print(f"wrote {out.with_suffix('.md')}")
+    write_figures(args.out, command, rows, lines)
 
 
 if __name__ == "__main__":

@@ -15,8 +15,6 @@ ratio to the first model. Writes OUT.json and OUT.md.
 from __future__ import annotations
 
 import argparse
-import json
-import shlex
 import sys
 from pathlib import Path
 
@@ -27,7 +25,7 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from research.bench.timing import median_times  # noqa: E402
+from research.bench.timing import median_times, script_command, write_figures  # noqa: E402
 
 BATCH = 16
 
@@ -69,17 +67,12 @@ def main() -> None:
     for row in rows:
         row["ratio"] = row["tokens_per_s"] / rows[0]["tokens_per_s"]
         print(row, flush=True)
-    command = " ".join(shlex.quote(a) for a in [".venv/bin/python", "benchmarks/write_rules_speed.py",
-                                                *sys.argv[1:]])
+    command = script_command("benchmarks/write_rules_speed.py")
     lines = ["# Training speed of the write rules, side by side", "", "```", command, "```", "",
              __doc__.split("\n\n", 2)[2].strip(), "", f"Models: `{args.runs}`.", "",
              f"| model | training tokens/s | against {rows[0]['model']} |", "|---|---:|---:|"]
     lines += [f"| {r['model']} | {r['tokens_per_s']:,.0f} | {r['ratio']:.2f}x |" for r in rows]
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.with_suffix(".json").write_text(json.dumps({"command": command, "rows": rows}, indent=2) + "\n")
-    out.with_suffix(".md").write_text("\n".join(lines) + "\n")
-    print(f"wrote {out.with_suffix('.md')}")
+    write_figures(args.out, command, rows, lines)
 
 
 if __name__ == "__main__":

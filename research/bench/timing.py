@@ -1,14 +1,18 @@
 """Instruments shared by the benchmarks (and the scripts in benchmarks/): the process
-environment, wall-clock medians, peak memory and the failures a configuration may meet."""
+environment, wall-clock medians, peak memory, the failures a configuration may meet, and the
+files a script's figures are written to."""
 
 from __future__ import annotations
 
 import contextlib
 import gc
+import json
 import os
+import shlex
 import statistics
 import sys
 import time
+from pathlib import Path
 from typing import Callable
 
 import torch
@@ -142,3 +146,18 @@ def release(device: torch.device) -> None:
     gc.collect()
     if device.type == "cuda":
         torch.cuda.empty_cache()
+
+
+def script_command(script: str) -> str:
+    """The command line that ran `script` (a path from the repository root) with this
+    process's arguments, as it is written beside its figures."""
+    return " ".join(shlex.quote(a) for a in [".venv/bin/python", script, *sys.argv[1:]])
+
+
+def write_figures(out: str | Path, command: str, rows: list[dict], lines: list[str]) -> None:
+    """OUT.json ({"command", "rows"}) and OUT.md (`lines`), folders made as needed."""
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.with_suffix(".json").write_text(json.dumps({"command": command, "rows": rows}, indent=2) + "\n")
+    out.with_suffix(".md").write_text("\n".join(lines) + "\n")
+    print(f"wrote {out.with_suffix('.md')}")
