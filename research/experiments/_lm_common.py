@@ -269,7 +269,7 @@ def by_length_lines(models: list[dict]) -> list[str]:
                      + f" | {read[0]['read'] if read else '—'} | {state} |")
     notes = sorted({f["note"] for m in rows for f in m["test_bpc_by_length"].values() if f["bpc"] is None})
     if notes:
-        lines += ["", "Not read: " + "; ".join(notes) + "."]
+        lines += ["", "; ".join(n[0].upper() + n[1:] for n in notes) + "."]  # each note says "not read: why"
     return lines
 
 
