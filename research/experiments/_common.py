@@ -70,6 +70,17 @@ def training_tokens_per_s(model: torch.nn.Module, loss_of: Callable[[], tuple[to
     return steps * tokens / (time.perf_counter() - start)
 
 
+@contextlib.contextmanager
+def torch_threads(n: int) -> Iterator[None]:
+    """Within: torch uses `n` threads; the number it had before is restored on the way out."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
 # The `memattn experiment` command line running now (set by the CLI), recorded with the results.
 _RUNNING: ContextVar[str | None] = ContextVar("memattn_experiment_command", default=None)
 

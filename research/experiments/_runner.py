@@ -301,6 +301,8 @@ def measured_side_by_side(out_dir: Path, jobs: list[Job],
 
     import torch
 
+    from research.experiments._common import torch_threads
+
     path = Path(out_dir) / SPEED_FILE
     how = {"torch": torch.__version__, "machine": platform.machine(), "cpus": os.cpu_count(), "threads": 1,
            "rounds": SPEED_ROUNDS, "settings": {job.name: list(job.settings) for job in jobs}}
@@ -312,16 +314,12 @@ def measured_side_by_side(out_dir: Path, jobs: list[Job],
     if missing and not stand_ins:
         print(f"not measured side by side: no checkpoint of {', '.join(missing)}", file=sys.stderr)
         return None
-    threads = torch.get_num_threads()
-    try:
-        folders = {job.name: stand_in(run_dir_of(out_dir, job), job) if job.name in missing
-                   else run_dir_of(out_dir, job) for job in jobs}
-        torch.set_num_threads(1)
+    folders = {job.name: stand_in(run_dir_of(out_dir, job), job) if job.name in missing
+               else run_dir_of(out_dir, job) for job in jobs}
+    with torch_threads(1):
         rounds = [{job.name: measure_one(job, folders[job.name]) for job in jobs} for _ in range(SPEED_ROUNDS)]
-        figures = {job.name: {**median_figure([r[job.name] for r in rounds]), "stand_in": job.name in missing}
-                   for job in jobs}
-    finally:
-        torch.set_num_threads(threads)
+    figures = {job.name: {**median_figure([r[job.name] for r in rounds]), "stand_in": job.name in missing}
+               for job in jobs}
     text = json.dumps({**how, "speeds": figures}, indent=2) + "\n"
     atomic_write(path, lambda tmp: tmp.write_text(text))
     return figures

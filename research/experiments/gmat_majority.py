@@ -57,7 +57,7 @@ import torch.nn.functional as F
 from memattn.config import AttentionConfig, ModelConfig
 from memattn.errors import ConfigError
 from research.experiments import single_process
-from research.experiments._common import command_of, plot_curves, train_steps, write_results
+from research.experiments._common import command_of, plot_curves, torch_threads, train_steps, write_results
 from memattn.models import Encoder
 from memattn.typed import parse_settings
 
@@ -261,9 +261,7 @@ def run(out_dir: Path, *, quick: bool = False, overrides: list[str] = (), jobs: 
     single_process("gmat-majority", jobs)
     s = parse_settings(Settings, list(overrides), QUICK if quick else {}, name=NAME)
     out_dir = Path(out_dir)
-    threads = torch.get_num_threads()
-    torch.set_num_threads(s.threads)
-    try:
+    with torch_threads(s.threads):
         rows, first = [], {}
         for L, p in TASKS:
             for M in (0, s.num_memory):
@@ -272,8 +270,6 @@ def run(out_dir: Path, *, quick: bool = False, overrides: list[str] = (), jobs: 
                 rows.append(row)
                 if (L, p) == (512, 1):
                     first[M] = model
-    finally:
-        torch.set_num_threads(threads)
     results = {"experiment": NAME, "quick": quick, "settings": dataclasses.asdict(s), "rows": rows,
                "environment": {"torch": torch.__version__, "threads": s.threads,
                                "machine": platform.machine()}}

@@ -46,7 +46,7 @@ from memattn.data import load_corpus
 from memattn.errors import ConfigError
 from memattn.masked import mask_tokens, windows
 from research.experiments import single_process
-from research.experiments._common import command_of, plot_curves, train_steps, write_results
+from research.experiments._common import command_of, plot_curves, torch_threads, train_steps, write_results
 from memattn.models import Compressor, Encoder
 from memattn.models.compressor import compress_ids, decompress_ids, save_compressor
 from memattn.typed import parse_settings
@@ -170,12 +170,8 @@ def run(out_dir: Path, *, quick: bool = False, overrides: list[str] = (), jobs: 
     single_process("gmat-mlm", jobs)
     s = parse_settings(Settings, list(overrides), QUICK if quick else {}, name=NAME)
     out_dir = Path(out_dir)
-    threads = torch.get_num_threads()
-    torch.set_num_threads(s.threads)
-    try:
+    with torch_threads(s.threads):
         results = _run(s, out_dir, quick)
-    finally:
-        torch.set_num_threads(threads)
     write_results(out_dir, results, render_markdown(results, command_of(out_dir, NAME, quick, overrides)))
     plot_curves(out_dir / "gmat_mlm.png", "masked LM: training loss",
                 {r["model"]: r["losses"] for r in results["rows"]}, "cross-entropy")

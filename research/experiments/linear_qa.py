@@ -44,7 +44,7 @@ from memattn.ops.softmax import softmax_attention
 from memattn.representations import encode, lookup
 from memattn.tasks import StepLoss, Task, refuse_label_smoothing, refuse_transfer, register_task
 from memattn.typed import parse_settings as parse_typed
-from research.experiments._common import by_model, command_of, compare, save_figure, seed_figures, write_results
+from research.experiments._common import by_model, command_of, compare, save_figure, seed_figures, torch_threads, write_results
 from research.experiments._runner import Job, run_jobs
 
 DESCRIPTION = ("cheap linear attention: QA accuracy of none / softmax / linear / gated-linear "
@@ -150,12 +150,8 @@ def run(out_dir: Path, *, quick: bool = False, overrides: list[str] = (), jobs: 
     pairs = jobs_of(settings)
     rows = run_jobs(out_dir, [job for _, job in pairs], measure, workers=jobs, label="linear-qa")
     variants = summarise([variant for variant, _ in pairs], rows)
-    threads = torch.get_num_threads()
-    torch.set_num_threads(settings.threads)
-    try:
+    with torch_threads(settings.threads):
         costs = lookup_costs(settings)
-    finally:
-        torch.set_num_threads(threads)
     results = {
         "experiment": "linear-qa",
         "settings": to_dict(settings),

@@ -61,7 +61,7 @@ from memattn.models.lm import CausalLM
 from memattn.tasks import StepLoss, Task, refuse_label_smoothing, refuse_transfer, register_task
 from memattn.train import step_seed
 from memattn.typed import parse_settings
-from research.experiments._common import command_of, save_figure, write_results
+from research.experiments._common import command_of, save_figure, torch_threads, write_results
 from research.experiments._runner import Job, run_jobs
 
 DESCRIPTION = ("recall at matched state size: MQAR and passkey (up to 64k tokens) accuracy of every "
@@ -504,12 +504,8 @@ def run(out_dir: Path, *, quick: bool = False, overrides: list[str] = (), jobs: 
     `jobs` at a time; write the results under out_dir."""
     s = parse_settings(Settings, list(overrides), QUICK if quick else {}, name=NAME)
     out_dir = Path(out_dir)
-    threads = torch.get_num_threads()
-    torch.set_num_threads(s.threads)
-    try:
+    with torch_threads(s.threads):
         planned, skipped = plan(s)
-    finally:
-        torch.set_num_threads(threads)
     if not planned:
         raise ConfigError("mechanisms: no mechanism left to train: " + "; ".join(
             f"{p['mechanism']}: {p['reason']}" for p in skipped))
