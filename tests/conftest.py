@@ -131,3 +131,16 @@ def assert_named_close(got, want, names, **tol):
     for name, a, b in zip(names, got, want):
         assert torch.isfinite(a).all(), name
         torch.testing.assert_close(a, b, **tol, msg=lambda m, n=name: f"{n}: {m}")
+
+
+def assert_packed_is_each_sequence(want, reference, xs, bounds, state_type):
+    """`want` (outputs_and_grads of a packed-sequence form over xs, sequences at `bounds`)
+    holds, in its outputs and final states, one `reference` call per sequence, side by side."""
+    import itertools
+
+    per_seq = [reference(*(x[:, a:b] for x in xs[:4]), initial_state=state_type(*(t[n:n + 1] for t in xs[4:])),
+                         output_final_state=True)
+               for n, (a, b) in enumerate(itertools.pairwise(bounds))]
+    torch.testing.assert_close(want[0], torch.cat([o for o, _ in per_seq], dim=1))
+    for i in range(len(per_seq[0][1])):
+        torch.testing.assert_close(want[1 + i], torch.cat([st[i] for _, st in per_seq]))

@@ -12,7 +12,7 @@ import os
 
 import pytest
 import torch
-from conftest import assert_named_close, outputs_and_grads
+from conftest import assert_named_close, assert_packed_is_each_sequence, outputs_and_grads
 
 pytest.importorskip("triton", reason="the Triton kernels need the triton package")
 
@@ -148,14 +148,7 @@ def test_varlen_matches_each_sequence():
     want = run(abc_varlen, xs, torch.float64, cu_seqlens=cu.long())
     assert_all_close(got, want, **F32)
 
-    # abc_varlen itself: one reference call per sequence, outputs and states side by side.
-    per_seq = [abc_reference(*(x[:, a:b] for x in xs[:4]),
-                             initial_state=ABCState(*(t[n:n + 1] for t in xs[4:])),
-                             output_final_state=True)
-               for n, (a, b) in enumerate(itertools.pairwise(bounds))]
-    torch.testing.assert_close(want[0], torch.cat([o for o, _ in per_seq], dim=1))
-    for i in range(3):
-        torch.testing.assert_close(want[1 + i], torch.cat([st[i] for _, st in per_seq]))
+    assert_packed_is_each_sequence(want, abc_reference, xs, bounds, ABCState)  # the torch packed form itself
 
 
 def test_dot_precision_follows_the_inputs(monkeypatch):

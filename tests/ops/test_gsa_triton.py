@@ -9,12 +9,11 @@ TRITON_INTERPRET=1), so the shapes are tiny; test_on_gpu repeats the checks with
 
 from __future__ import annotations
 
-import itertools
 import os
 
 import pytest
 import torch
-from conftest import assert_named_close, outputs_and_grads
+from conftest import assert_named_close, assert_packed_is_each_sequence, outputs_and_grads
 
 pytest.importorskip("triton", reason="the Triton kernels need the triton package")
 
@@ -140,13 +139,7 @@ def test_varlen_matches_each_sequence():
     want = run(gsa_varlen, xs, torch.float64, cu_seqlens=cu.long())
     assert_all_close(got, want, **F32)
 
-    per_seq = [gsa_reference(*(x[:, a:b] for x in xs[:4]),
-                             initial_state=GSAState(*(t[n:n + 1] for t in xs[4:])),
-                             output_final_state=True)
-               for n, (a, b) in enumerate(itertools.pairwise(bounds))]
-    torch.testing.assert_close(want[0], torch.cat([o for o, _ in per_seq], dim=1))
-    for i in range(2):
-        torch.testing.assert_close(want[1 + i], torch.cat([st[i] for _, st in per_seq]))
+    assert_packed_is_each_sequence(want, gsa_reference, xs, bounds, GSAState)  # the torch packed form itself
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
