@@ -144,3 +144,24 @@ def assert_packed_is_each_sequence(want, reference, xs, bounds, state_type):
     torch.testing.assert_close(want[0], torch.cat([o for o, _ in per_seq], dim=1))
     for i in range(len(per_seq[0][1])):
         torch.testing.assert_close(want[1 + i], torch.cat([st[i] for _, st in per_seq]))
+
+
+# Scores as lm-evaluation-harness computes them, from a model's logits (logits_of: ids [1, n] -> [1, n, vocab])
+
+def logprobs(logits_of, context: list[int], targets: list[int]) -> float:
+    """Σ log p(target | context, earlier targets): the last len(targets) positions of one pass."""
+    ids = context + targets[:-1]
+    logp = torch.log_softmax(logits_of(torch.tensor([ids])).float(), -1)[0, -len(targets):]
+    return float(logp.gather(-1, torch.tensor(targets)[:, None]).double().sum())
+
+
+def rolling(logits_of, ids: list[int], bos: int, L: int) -> float:
+    """Σ log p of every token of a text, read in windows of at most L tokens: the first from bos,
+    each later chunk of L predicted from the L tokens before its last (lm-eval's windows)."""
+    total, start = 0.0, 0
+    while start < len(ids):
+        end = min(start + L, len(ids))
+        context = [bos] + ids[:start] if start == 0 else ids[end - L - 1:start]
+        total += logprobs(logits_of, context, ids[start:end])
+        start = end
+    return total

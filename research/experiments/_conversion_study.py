@@ -20,8 +20,11 @@ tokens (2, 5, 10 and 33 %), all steps of the student counted (with transfer, TRA
 them are transfer steps), on the teacher's batches' shape.
 
 Each row: test bits per character at the training length L and streamed to 16 L (bounded models
-through their fixed state, softmax as one window; `_lm_common.measure`), and the state bytes of
-one stream. Selected in parts (`students=[...]`, `recipes=[...]`, `budgets=[...]`): the table
+through their fixed state, softmax as one window; `_lm_common.measure`), the state bytes of
+one stream and, with `harness=true` (the default), the scores of lm-evaluation-harness on tasks
+drawn from the test split, the model loaded from its exported Hugging Face folder
+(`research.harness.harness_scores`: bits per byte, multiple-choice accuracy, one-word exact
+match). Selected in parts (`students=[...]`, `recipes=[...]`, `budgets=[...]`): the table
 holds every finished run of the grid, so the grid fills over several commands.
 """
 
@@ -49,6 +52,9 @@ TRANSFER_LR = 0.03
 DISTILL_WEIGHT = 1.0
 TEACHER_STEPS = {False: 6000, True: 100}  # abc-lm's budget; quick: enough steps for 2 % to be one
 TEACHER = "softmax, teacher"
+# the lm-evaluation-harness tasks of every row (`research.harness.split_tasks`)
+HARNESS = {False: {"documents": 8, "document_chars": 2048, "items": 100, "context_chars": 256},
+           True: {"documents": 2, "document_chars": 64, "items": 4, "context_chars": 8}}
 
 
 def students(quick: bool) -> dict[str, tuple[str, dict[str, Any]]]:
@@ -117,6 +123,18 @@ def student_models(quick: bool, shared: list[str], teacher: Path, teacher_tokens
     return out
 
 
+def measure_row(model, cfg, run_dir: Path, *, harness: dict[str, int] | None, **kw) -> dict[str, Any]:
+    """`_lm_common.measure`'s figures and, given the tasks' sizes, lm-evaluation-harness's."""
+    from memattn.train import load_run_corpus
+    from research.harness import harness_scores
+
+    row = measure(model, cfg, run_dir, **kw)
+    if harness:
+        corpus = load_run_corpus(cfg)
+        row["harness"] = harness_scores(run_dir, corpus.vocab.decode(corpus.test), cfg.train.seq_len, **harness)
+    return row
+
+
 def given_teacher(path: Path, shared: list[str]) -> tuple[Path, Any]:
     """(run folder, RunConfig) of a teacher given by `teacher=PATH`: a finished softmax causal LM
     whose model, data and training length are the students' (ConfigError naming `teacher` else)."""
@@ -153,8 +171,9 @@ def given_teacher(path: Path, shared: list[str]) -> tuple[Path, Any]:
 
 
 def measured_teacher(out_dir: Path, path: Path, measure_fn) -> dict[str, Any]:
-    """The test figures of a given teacher (`measure`), kept in out_dir/teacher.json and taken
-    again only when the teacher's folder or checkpoint step changes."""
+    """The test figures of a given teacher (`measure_row`), kept in out_dir/teacher.json and taken
+    again only when the teacher's folder or checkpoint step changes, or a figure asked for is
+    missing (the harness's)."""
     from memattn.checkpoint import load_checkpoint
     from memattn.train import model_from_checkpoint
 
@@ -162,7 +181,8 @@ def measured_teacher(out_dir: Path, path: Path, measure_fn) -> dict[str, Any]:
     saved = out_dir / "teacher.json"
     if saved.exists():
         row = json.loads(saved.read_text())
-        if row.get("path") == str(path) and row.get("checkpoint_step") == step:
+        wanted = measure_fn.keywords.get("harness") is None or "harness" in row
+        if row.get("path") == str(path) and row.get("checkpoint_step") == step and wanted:
             return row
     model, cfg, _ = model_from_checkpoint(path)
     row = {"model": TEACHER, "path": str(path), "checkpoint_step": step, "steps": cfg.train.steps,
@@ -173,7 +193,7 @@ def measured_teacher(out_dir: Path, path: Path, measure_fn) -> dict[str, Any]:
 
 
 def run_study(out_dir: Path, *, quick: bool, overrides: list[str], run_overrides: list[str], jobs: int,
-              chosen_students, recipes, budgets, teacher: str) -> dict:
+              chosen_students, recipes, budgets, teacher: str, harness: bool = True) -> dict:
     """Train the chosen part of the grid in out_dir (reusing and resuming run folders), then write
     the table of every finished run of the grid: results.json, results.md, command.txt."""
     from memattn.config import load_config
@@ -181,7 +201,7 @@ def run_study(out_dir: Path, *, quick: bool, overrides: list[str], run_overrides
     check_selection(chosen_students, recipes, budgets, quick)
     out_dir = Path(out_dir)
     shared = trunk(quick, run_overrides)
-    measure_fn = functools.partial(measure, **MEASURE[quick])
+    measure_fn = functools.partial(measure_row, harness=HARNESS[quick] if harness else None, **MEASURE[quick])
     if teacher:
         path, cfg = given_teacher(Path(teacher), shared)
         teacher_row = measured_teacher(out_dir, path, measure_fn)
@@ -276,7 +296,36 @@ def markdown(result: dict) -> str:
                 if any(c != "—" for c in cells):
                     lines.append(f"| {student} | {recipe} | " + " | ".join(cells) + f" | {state} |")
         lines.append("")
+    lines += harness_lines(teacher, [(student, recipe, [by.get(next(g["model"] for g in grid if (
+        g["student"], g["recipe"], g["budget"]) == (student, recipe, b))) for b in budgets])
+        for student in dict.fromkeys(g["student"] for g in grid) for recipe in dict.fromkeys(g["recipe"] for g in grid)],
+        budgets)
     lines += [setup_line(result["config"]), "",
               "Figures: `learning_curves.png`; logs under `logs/`, every run's figures in `results.json` "
               "(`test_bpc_by_length`: 1x, 4x, 16x, 64x).", ""]
     return "\n".join(lines)
+
+
+def harness_cell(row: dict | None) -> str:
+    h = (row or {}).get("harness")
+    return "—" if not h else f"{h['bits_per_byte']:.3f} / {100 * h['choice_acc']:.0f} % / {100 * h['word_exact']:.0f} %"
+
+
+def harness_lines(teacher: dict, rows: list[tuple[str, str, list[dict | None]]], budgets: list[float]) -> list[str]:
+    """The section of lm-evaluation-harness's scores: rows (student, recipe, its row at each budget)."""
+    h = teacher.get("harness") or next((r["harness"] for _, _, cells in rows for r in cells if r and r.get("harness")),
+                                       None)
+    if h is None:
+        return []
+    return ["## Through lm-evaluation-harness", "",
+            "Each model exported (`memattn export-hf`) and scored by the `lm_eval` command, which loads the "
+            "folder through its `auto_map`, on tasks drawn from the test split (`research.harness`): "
+            f"{h['documents']} documents of {h['document_chars']:,} characters, read in lm-eval's windows of L "
+            f"(bits per byte); {h['items']} multiple-choice items, the {h['context_chars']} characters before a "
+            "word then that word against three other words of the test text of its length (accuracy; chance "
+            "25 %); the same words asked for by greedy generation after the same characters (exact match). "
+            f"Cells: bits per byte / accuracy / exact match. The teacher: {harness_cell(teacher)}.", "",
+            "| student | recipe | " + " | ".join(f"{b:g} %" for b in budgets) + " |",
+            "|---|---|" + "---:|" * len(budgets),
+            *(f"| {student} | {recipe} | " + " | ".join(harness_cell(r) for r in cells) + " |"
+              for student, recipe, cells in rows if any(r and r.get("harness") for r in cells)), ""]

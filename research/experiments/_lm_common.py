@@ -14,6 +14,7 @@ import torch
 
 from research.experiments._common import by_model, seed_figures
 from research.experiments._runner import (STAND_IN, Job, finished_row, measured_side_by_side, run_experiment, side_by_side_note)
+from research.harness import SCORES
 
 # (row, mechanism, options, seeds); an option whose key has a dot is a setting of the run
 # itself (e.g. "train.segments"), the others are the mechanism's (attention.KEY)
@@ -201,6 +202,9 @@ def summarise(names: list[str], rows: list[dict]) -> list[dict]:
                     if all(r["test_bpc_by_length"][k]["bpc"] is not None for r in measured)
                     else measured[0]["test_bpc_by_length"][k])
                 for k in measured[0]["test_bpc_by_length"]}
+        scored = [r["harness"] for r in runs if r.get("harness")]  # lm-evaluation-harness (research.harness)
+        if scored:
+            entry["harness"] = {**scored[0], **{k: statistics.fmean(h[k] for h in scored) for k in SCORES}}
         # rows measured before this figure existed lack it
         having = [r for r in runs if r.get("test_bpc_by_position")]
         if having:

@@ -21,12 +21,14 @@ teacher at abc-lm's budget (or a finished run folder given as `teacher=PATH`) co
 ABC_MLP with the paper's write rule, the write rules that stream (ABC_MLP with forget rates,
 gsa), gated linear attention and hybrids (one layer in four kept a window or softmax), by
 recipe (weight copy, + attention transfer, + distillation) and budget (2, 5, 10 and 33 % of
-the teacher's training tokens), each row measured at the training length and streamed to 16x.
+the teacher's training tokens), each row measured at the training length and streamed to 16x,
+and scored by lm-evaluation-harness from its exported Hugging Face folder.
 
 The experiment's own settings, key=value among the run settings (a list in brackets):
 `parts=[paper,mlm,conversion]` (which of the three to run; default all), and for the
 conversion study `students=[...]`, `recipes=[...]`, `budgets=[...]` (which part of its grid to
-train now; its table holds every finished run of the grid) and `teacher=PATH`.
+train now; its table holds every finished run of the grid), `teacher=PATH` and `harness=false`
+(no lm-evaluation-harness scores).
 
 Each model is a run folder under out_dir/runs/ (out_dir/mlm/runs/, out_dir/conversion/runs/):
 the pretrained model trains first (the others start from it), then the rest, `--jobs N` at a
@@ -110,6 +112,7 @@ class Settings:
     recipes: tuple[str, ...] = conversion.RECIPES
     budgets: tuple[float, ...] = conversion.BUDGETS
     teacher: str = ""  # a finished softmax run folder to start the conversion study from
+    harness: bool = True  # the conversion study's rows scored by lm-evaluation-harness too
 
     def __post_init__(self) -> None:
         unknown = [p for p in self.parts if p not in PARTS]
@@ -143,7 +146,8 @@ def run(out_dir: Path, *, quick: bool, overrides: list[str], jobs: int = 1) -> d
     if "conversion" in study.parts:
         result["conversion"] = conversion.run_study(
             out_dir / "conversion", quick=quick, overrides=overrides, run_overrides=run_overrides, jobs=jobs,
-            chosen_students=study.students, recipes=study.recipes, budgets=study.budgets, teacher=study.teacher)
+            chosen_students=study.students, recipes=study.recipes, budgets=study.budgets, teacher=study.teacher,
+            harness=study.harness)
     return result
 
 

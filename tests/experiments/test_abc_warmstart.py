@@ -1,16 +1,19 @@
 """`memattn experiment abc-warmstart --quick`: pretrain, convert, train on, compare."""
 
 import json
+import math
 import re
 from pathlib import Path
 
 import pytest
 import torch
-from conftest import run_quick_lm_experiment
+from conftest import rolling, run_quick_lm_experiment
 
+from research.experiments._conversion_study import HARNESS
 from research.experiments._lm_common import jobs_of
 from research.experiments._runner import run_dir_of
 from research.experiments.abc_warmstart import ON_STEPS, TRUNK, findings, models_of
+from research.harness import split_tasks
 from memattn.errors import ConfigError
 from memattn.masked import mask_tokens
 from memattn.train import load_run_corpus, model_from_checkpoint
@@ -141,7 +144,8 @@ def test_conversion_study_trains_its_grid_in_parts_from_one_teacher(text_file, t
     from memattn.evaluate import as_tensor, evaluate_by_length
 
     out = tmp_path / "results"
-    first = study(text_file, tmp_path, out, "students=[gsa,hybrid-window]", "recipes=[copy,distill]", "budgets=[33]")
+    first = study(text_file, tmp_path, out, "students=[gsa,hybrid-window]", "recipes=[copy,distill]", "budgets=[33]",
+                  "harness=false")
     runs = out / "conversion" / "runs"
     teacher = runs / "softmax-teacher"
     assert [m["model"] for m in first["models"]] == ["gsa, copy, 33 pct", "gsa, distill, 33 pct",
@@ -178,18 +182,36 @@ def test_conversion_study_trains_its_grid_in_parts_from_one_teacher(text_file, t
 
     # another part: the runs done are reused (the teacher too), the table holds both parts
     stamp = (runs / "gsa-copy-33-pct" / "row.json").stat().st_mtime_ns, (teacher / "row.json").stat().st_mtime_ns
-    second = study(text_file, tmp_path, out, "students=[gsa]", "recipes=[transfer]", "budgets=[10]")
+    second = study(text_file, tmp_path, out, "students=[gsa]", "recipes=[transfer]", "budgets=[10]", "harness=false")
     assert [m["model"] for m in second["models"]] == ["gsa, copy, 33 pct", "gsa, transfer, 10 pct",
                                                      "gsa, distill, 33 pct", "hybrid-window, copy, 33 pct",
                                                      "hybrid-window, distill, 33 pct"]
     assert stamp == ((runs / "gsa-copy-33-pct" / "row.json").stat().st_mtime_ns, (teacher / "row.json").stat().st_mtime_ns)
 
-    # a teacher given as a finished run folder: not trained again, measured once, students start from it
+    # a teacher given as a finished run folder: not trained again, measured once, students start from
+    # it; with the harness (the default) every row has lm-evaluation-harness's scores of its tasks
     given = study(text_file, tmp_path, tmp_path / "given", f"teacher={teacher}", "students=[gsa]", "recipes=[copy]",
                   "budgets=[10]")
     assert not (tmp_path / "given" / "conversion" / "runs" / "softmax-teacher").exists()
     assert given["teacher"]["path"] == str(teacher) and given["teacher"]["test_bpc"] == first["teacher"]["test_bpc"]
     (gsa,) = given["runs"]
+    sizes = HARNESS[True]
+    for row in (given["teacher"], gsa):
+        assert {k: row["harness"][k] for k in sizes} == sizes and 0 <= row["harness"]["choice_acc"] <= 1
+    # the teacher's bits per byte: its test documents read in windows of L (lm-eval's rolling windows)
+    net, cfg, _ = model_from_checkpoint(teacher)
+    corpus = load_run_corpus(cfg)
+    docs, _, _ = split_tasks(corpus.vocab.decode(corpus.test), **sizes)
+    with torch.no_grad():
+        ll = sum(rolling(net, corpus.vocab.encode(d).tolist(), int(corpus.vocab.encode("\n")[0]), cfg.train.seq_len)
+                 for d in docs)
+    assert given["teacher"]["harness"]["bits_per_byte"] == pytest.approx(
+        -ll / sum(len(d.encode()) for d in docs) / math.log(2), abs=1e-6)
+    table = (tmp_path / "given" / "conversion" / "results.md").read_text()
+    h = gsa["harness"]
+    assert "## Through lm-evaluation-harness" in table and (
+        f"| gsa | copy | — | — | {h['bits_per_byte']:.3f} / {100 * h['choice_acc']:.0f} % / {100 * h['word_exact']:.0f} % | — |"
+        in table)
     assert f"train.init_from={teacher}" in gsa["settings"] and "train.steps=10" in gsa["settings"]
     with pytest.raises(ConfigError, match=r"teacher: .* has 'gsa' attention; the teacher is a softmax model"):
         from research.experiments._conversion_study import given_teacher, trunk

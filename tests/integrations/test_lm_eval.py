@@ -2,11 +2,7 @@
 here over local data, scores an exported memattn model and a converted model as memattn's own
 loader computes them: a rolling perplexity, a multiple-choice task and a generate_until task."""
 
-import json
 import math
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -16,8 +12,10 @@ transformers = pytest.importorskip("transformers")
 pytest.importorskip("lm_eval")
 
 from memattn.cli import main  # noqa: E402
+from memattn.errors import ConfigError  # noqa: E402
+from research.harness import STOPS, WORD_TOKENS, harness_scores, run_lm_eval, split_tasks, write_tasks  # noqa: E402
 
-from conftest import tiny_overrides  # noqa: E402
+from conftest import logprobs, rolling, tiny_overrides  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
@@ -28,64 +26,9 @@ CHOICES = [{"question": "Good night sweet", "choices": ["prince", "queen", "lord
 PROMPTS = [{"prompt": "The king", "target": " doth"}, {"prompt": "Good night", "target": " sweet"}]
 
 
-def write_tasks(root: Path) -> Path:
-    """Three task files over local JSON lines (`dataset_path: json`), in a folder for --include_path."""
-    tasks = root / "tasks"
-    tasks.mkdir()
-    for name, rows in (("docs", [{"text": d} for d in DOCS]), ("choices", CHOICES), ("prompts", PROMPTS)):
-        (root / f"{name}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-
-    def task(name, data, **fields):
-        lines = [f"task: {name}", "dataset_path: json", "dataset_kwargs:", "  data_files:",
-                 f"    test: {root / data}", "test_split: test"]
-        lines += [f"{k}: {json.dumps(v)}" for k, v in fields.items()]
-        (tasks / f"{name}.yaml").write_text("\n".join(lines) + "\n")
-
-    task("memattn_rolling", "docs.jsonl", output_type="loglikelihood_rolling", doc_to_text="",
-         doc_to_target="{{text}}", metric_list=[{"metric": "bits_per_byte"}, {"metric": "word_perplexity"}])
-    task("memattn_choice", "choices.jsonl", output_type="multiple_choice", doc_to_text="{{question}}",
-         doc_to_choice="choices", doc_to_target="answer", metric_list=[{"metric": "acc"}])
-    task("memattn_until", "prompts.jsonl", output_type="generate_until", doc_to_text="{{prompt}}",
-         doc_to_target="{{target}}", generation_kwargs={"until": ["\n", "."], "max_gen_toks": 6, "do_sample": False},
-         metric_list=[{"metric": "exact_match"}])
-    return tasks
-
-
 def lm_eval(folder: Path, root: Path) -> tuple[dict, dict[str, list]]:
-    """Run the `lm_eval` command in a process that never imports memattn (trust_remote_code
-    loads the folder), offline; (results by task, logged samples by task)."""
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "HF_HOME": str(root / "hf-home"),
-           "HF_MODULES_CACHE": str(root / "hf-modules"), "TOKENIZERS_PARALLELISM": "false"}
-    out = root / "lm-eval-out"
-    command = [str(Path(sys.executable).with_name("lm_eval")), "--model", "hf", "--model_args",
-               f"pretrained={folder},trust_remote_code=True", "--tasks",
-               "memattn_rolling,memattn_choice,memattn_until", "--include_path", str(write_tasks(root)),
-               "--device", "cpu", "--batch_size", "1", "--output_path", str(out), "--log_samples"]
-    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=900, cwd=root)
-    assert done.returncode == 0, done.stderr[-3000:]
-    results = json.loads(next(out.rglob("results_*.json")).read_text())["results"]
-    samples = {t: [json.loads(line) for line in next(out.rglob(f"samples_{t}_*.jsonl")).read_text().splitlines()]
-               for t in results}
-    return results, samples
-
-
-def logprobs(logits_of, context: list[int], targets: list[int]) -> float:
-    """Σ log p(target | context, earlier targets): the last len(targets) positions of one pass."""
-    ids = context + targets[:-1]
-    logp = torch.log_softmax(logits_of(torch.tensor([ids])).float(), -1)[0, -len(targets):]
-    return float(logp.gather(-1, torch.tensor(targets)[:, None]).double().sum())
-
-
-def rolling(logits_of, ids: list[int], bos: int, L: int) -> float:
-    """Σ log p of every token of a text, read in windows of at most L tokens: the first from bos,
-    each later chunk of L predicted from the L tokens before its last (lm-eval's windows)."""
-    total, start = 0.0, 0
-    while start < len(ids):
-        end = min(start + L, len(ids))
-        context = [bos] + ids[:start] if start == 0 else ids[end - L - 1:start]
-        total += logprobs(logits_of, context, ids[start:end])
-        start = end
-    return total
+    """The `lm_eval` command on the folder over this file's three tasks (research.harness)."""
+    return run_lm_eval(folder, root, write_tasks(root, DOCS, CHOICES, PROMPTS, until=["\n", "."], max_gen_toks=6))
 
 
 def check_scores(results, samples, logits_of, encode, bos: int, L: int, greedy) -> None:
@@ -150,3 +93,66 @@ def test_lm_eval_scores_a_converted_model_as_memattn_does(text_file, tmp_path):
     with torch.no_grad():
         check_scores(results, samples, lambda ids: model(ids).logits, lambda t: tok(t).input_ids,
                      tok.bos_token_id, model.config.max_position_embeddings, greedy)
+
+
+def test_split_tasks_ask_for_the_words_that_follow_in_the_text():
+    text = "a b " + " ".join(["the cat sat on a mat", "then the dog ran far", "she sat and ran on"] * 4) + "\n"
+    docs, choices, prompts = split_tasks(text, documents=2, document_chars=10, items=6, context_chars=12, seed=3)
+    assert docs == [text[:10], text[10:20]]
+    assert split_tasks(text, documents=2, document_chars=10, items=6, context_chars=12, seed=3)[1] == choices
+    for choice, prompt in zip(choices, prompts):
+        word = prompt["target"]
+        at = len(prompt["prompt"])  # the prompt is the 12 characters before the word, its space included
+        assert any(text[i - at:i] == prompt["prompt"] and text[i:i + len(word) + 1] in (word + " ", word + "\n")
+                   for i in range(at, len(text)))
+        assert prompt["prompt"].endswith(" ") and len(prompt["prompt"]) == 12 and word.isalpha() and word.islower()
+        assert choice["question"] == prompt["prompt"][:-1] and choice["choices"][choice["answer"]] == word
+        assert len(set(choice["choices"])) == 4 and {len(c) for c in choice["choices"]} == {len(word)}
+        assert all(f" {c} " in text or f" {c}\n" in text for c in choice["choices"])
+    with pytest.raises(ConfigError, match="the test text has 9 characters; the tasks need 20"):
+        split_tasks(text[:9], documents=2, document_chars=10, items=1, context_chars=4)
+    with pytest.raises(ConfigError, match="words to ask for; the tasks ask for 500"):
+        split_tasks(text, documents=1, document_chars=10, items=500, context_chars=4)
+
+
+def test_harness_scores_are_those_of_memattn_s_own_loader_on_the_drawn_tasks(tmp_path):
+    import random
+
+    from memattn.data import Vocab
+    from memattn.train import load_run_corpus, model_from_checkpoint
+
+    rng = random.Random(0)  # lines whose words a small model learns to finish, so that some match
+    sentences = ["the cat sat on the mat", "a dog ran to the park", "my lord doth speak softly",
+                 "good night sweet prince"]
+    text_file = tmp_path / "lines.txt"
+    text_file.write_text("".join(rng.choice(sentences) + "\n" for _ in range(800)))
+    over = tiny_overrides(text_file, tmp_path, "train.steps=300", "train.seq_len=32", "attention=gsa",
+                          "attention.num_slots=4")
+    assert main(["train", "--config", "tiny", "--quiet", *over]) == 0
+    net, cfg, vocab = model_from_checkpoint(tmp_path / "run")
+    corpus = load_run_corpus(cfg)
+    text = corpus.vocab.decode(corpus.test)
+    sizes = {"documents": 2, "document_chars": 80, "items": 12, "context_chars": 8}  # 8 + WORD_TOKENS ≤ L
+    got = harness_scores(tmp_path / "run", text, cfg.train.seq_len, **sizes)
+    with pytest.raises(ConfigError, match="exceed the model's context of 32 tokens"):
+        harness_scores(tmp_path / "run", text, cfg.train.seq_len, **{**sizes, "context_chars": 9})
+    docs, choices, prompts = split_tasks(text, **sizes)
+    chars = Vocab.from_json(vocab)
+    encode = lambda t: chars.encode(t).tolist()  # noqa: E731
+    with torch.no_grad():
+        logits_of = lambda ids: net(ids)  # noqa: E731
+        ll = sum(rolling(logits_of, encode(d), int(chars.encode("\n")[0]), cfg.train.seq_len) for d in docs)
+        right = [max(range(4), key=lambda j: logprobs(logits_of, encode(c["question"]),
+                                                       encode(f"{c['question']} {c['choices'][j]}")[len(c["question"]):]))
+                 == c["answer"] for c in choices]
+        exact = []
+        for p in prompts:
+            seq = encode(p["prompt"])
+            for _ in range(WORD_TOKENS):
+                seq.append(int(net(torch.tensor([seq[-cfg.train.seq_len:]]))[0, -1].argmax()))
+            said = chars.decode(seq[len(encode(p["prompt"])):])
+            exact.append(min((said.split(stop)[0] for stop in STOPS), key=len) == p["target"])
+    assert got["bits_per_byte"] == pytest.approx(-ll / sum(len(d.encode()) for d in docs) / math.log(2), abs=1e-6)
+    assert got["choice_acc"] == pytest.approx(sum(right) / len(right))
+    assert got["word_exact"] == pytest.approx(sum(exact) / len(exact))
+    assert {k: got[k] for k in sizes} == sizes and got["word_exact"] > 0.5
