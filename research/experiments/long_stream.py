@@ -3,10 +3,12 @@
 A bounded memory is chosen to read and generate streams longer than a KV cache allows; this
 experiment measures what such a model reads there. The trunk, budget and batches of `abc-lm`
 (6,000 steps of 16 x 512 characters, two seeds); only the attention, and in it the write rule,
-differs. Rows: softmax (a growing KV cache, rotary positions); ABC_MLP with the paper's write
+differs (and in the last row the positions). Rows: softmax (a growing KV cache, rotary positions); ABC_MLP with the paper's write
 rule (each slot a weighted mean over the whole prefix); ABC_MLP with a learned rate per slot
 (`attention.recency`); ABC_MLP with data-dependent forget rates (`attention.forget`); gated
-slots (`gsa`: each slot decays by a gate computed from the token); the sliding window (n = 64).
+slots (`gsa`: each slot decays by a gate computed from the token); the sliding window (n = 64);
+gsa without positions (no rotary on q and k: does order come from the gates alone, and does
+either reading hold past L?).
 
 Each model is measured as in `abc-lm` (test bits per character at context 0 and 480, decoding
 speed) and past its training length L (`memattn.evaluate.evaluate_by_length`): bits per
@@ -38,6 +40,8 @@ MODELS: list[Model] = [
     ("abc-mlp, M=32, recency", "abc-mlp", {"num_slots": 32, **PLAIN, "recency": True}, 2),
     ("abc-window, n=64", "abc-window", {"window": 64}, 2),
     ("abc-mlp, M=32", "abc-mlp", {"num_slots": 32, **PLAIN}, 2),
+    # rotary positions or none past the training length: the same gated slots without them
+    ("gsa, M=32, no positions", "gsa", {"num_slots": 32, "model.positions": "none"}, 2),
 ]
 QUICK_MODELS: list[Model] = [
     ("softmax", "softmax", {}, 1),
