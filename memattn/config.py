@@ -243,7 +243,8 @@ class TrainConfig:
     segments: bool = False
     # Start from another model's weights (a memattn run or checkpoint, or an export-hf folder):
     # every tensor shared by name and shape is copied, the mechanism's own ones stay new
-    # (memattn.warmstart); the corpus is read with that model's vocabulary.
+    # (memattn.warmstart); a shorter model's position tables are grown to model.max_len (a
+    # split table's new blocks copy its last one); the corpus is read with that model's vocabulary.
     init_from: str | None = None
     # translation: the target distribution is (1 - ε) on the reference token and ε spread
     # uniformly over the vocabulary (0: plain cross-entropy)

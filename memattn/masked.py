@@ -21,7 +21,7 @@ import torch.nn.functional as F
 
 from memattn.config import RunConfig
 from memattn.errors import ConfigError
-from memattn.tasks import EvalOptions, StepLoss, Task, refuse_label_smoothing, refuse_transfer
+from memattn.tasks import EvalOptions, StepLoss, Task, refuse_language_model_settings
 
 MASK_RATE = 0.15
 
@@ -71,14 +71,10 @@ class MaskedLMTask(Task):
 
     @classmethod
     def check_config(cls, cfg: RunConfig) -> None:
-        tc = cfg.train
-        if tc.segments or tc.distill_weight:
-            raise ConfigError("task=mlm: train.segments and train.distill_weight are for causal language models")
+        refuse_language_model_settings(cfg)
         if cfg.data.corpus == "parallel":
-            raise ConfigError("task=mlm: translation reads parallel data (data.corpus=parallel) and only it "
+            raise ConfigError(f"task={cfg.task}: translation reads parallel data (data.corpus=parallel) and only it "
                               "does; a masked LM reads a corpus")
-        refuse_label_smoothing(cfg)
-        refuse_transfer(cfg)
 
     @classmethod
     def build_model(cls, cfg: RunConfig) -> torch.nn.Module:

@@ -87,13 +87,9 @@ def project_parameters(model: torch.nn.Module) -> None:
                 layer.project_parameters()
 
 
-def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict[str, Any]]:
-    """Weight decay on matrices only (not on norms, biases or gains)."""
-    return decay_groups(model.parameters(), weight_decay)
-
-
 def decay_groups(params, weight_decay: float) -> list[dict[str, Any]]:
-    """The optimiser's groups of `params`: weight decay on matrices only."""
+    """The optimiser's groups of `params`: weight decay on matrices only (not on norms, biases
+    or gains)."""
     decay, no_decay = [], []
     for p in params:
         (decay if p.dim() >= 2 else no_decay).append(p)
@@ -640,7 +636,9 @@ def _train_loop(task, ddp: Distributed, resume: bool, progress: bool, on_step, d
         if ddp.main:
             new = ", ".join(started["new"][:6]) + (" ..." if len(started["new"]) > 6 else "")
             print(f"memattn train: started from {source.path}: {len(started['copied'])} tensors copied, "
-                  f"{len(started['new'])} new{': ' + new if new else ''}", file=sys.stderr)
+                  f"{len(started['new'])} new{': ' + new if new else ''}"
+                  + (f"; position tables grown to model.max_len: {', '.join(started['grown'])}"
+                     if started["grown"] else ""), file=sys.stderr)
     model = model.to(device)
     sharded = ddp.enabled and tc.parallel == "fsdp"
     if sharded:

@@ -7,7 +7,9 @@ projections (`AttentionLayer`), a model of one mechanism starts from another's: 
 model warm-starts ABC_MLP with its projections, embeddings, norms and feed-forward layers
 copied and only the mechanism's own parameters (φ, persistent vectors, ...) new — the
 papers' warm-start setting. What cannot be copied outside the attention layers (a different
-width, depth or vocabulary) is refused, as is any shared tensor of another shape.
+width, depth or vocabulary) is refused, as is any shared tensor of another shape, but for one
+kind: a model that reads longer sequences (a larger model.max_len) starts from a shorter one
+by growing its absolute position tables (`grown_position_table`).
 """
 
 from __future__ import annotations
@@ -146,15 +148,37 @@ def distill_loss(logits: torch.Tensor, teacher_logits: torch.Tensor) -> torch.Te
     return torch.nn.functional.kl_div(student, teacher, log_target=True, reduction="batchmean")
 
 
+def grown_position_table(own: torch.Tensor, shorter: torch.Tensor, blocks: bool) -> torch.Tensor:
+    """A position table own [N, d] started from a shorter one's rows shorter [n, d], n < N: its
+    first n rows are the shorter's; the rows past them are, for a split table's blocks (q of
+    p = 512·q + r: `blocks`), copies of the shorter's last block, so that each new block of
+    positions reads as the one trained, and otherwise (one row a position, none trained that
+    far) `own`'s as initialised."""
+    grown = own.clone()
+    grown[: len(shorter)] = shorter
+    if blocks:
+        grown[len(shorter):] = shorter[-1]
+    return grown
+
+
 def warm_start(model: nn.Module, source: Source) -> dict[str, list[str]]:
     """Copy into `model` every tensor of `source` it shares by name and shape; returns the names
-    {"copied", "new" (kept as initialised), "dropped" (in the source only)}.
+    {"copied", "new" (kept as initialised), "dropped" (in the source only), "grown" (position
+    tables of the source with fewer rows, grown by `grown_position_table`; among "copied")}.
 
-    CheckpointError when a shared name has another shape, or when a tensor outside the
-    attention layers (`.attn.`) is missing from the source: the trunk must be the same.
+    CheckpointError when a shared name has another shape (but for a longer position table of
+    the same width), or when a tensor outside the attention layers (`.attn.`) is missing from
+    the source: the trunk must be the same.
     """
+    from memattn.models.lm import position_tables
+
     own = model.state_dict()
     weights = warm_start_weights(model, source)
+    tables = position_tables(model)
+    grown = sorted(k for k in tables
+                   if k in weights and weights[k].shape[1:] == own[k].shape[1:] and len(weights[k]) < len(own[k]))
+    for k in grown:
+        weights[k] = grown_position_table(own[k], weights[k], tables[k])
     wrong = [f"{k}: {tuple(weights[k].shape)} in the source, {tuple(t.shape)} here"
              for k, t in own.items() if k in weights and weights[k].shape != t.shape]
     if wrong:
@@ -167,4 +191,4 @@ def warm_start(model: nn.Module, source: Source) -> dict[str, list[str]]:
     copied = sorted(k for k in own if k in weights)
     model.load_state_dict({k: weights[k] for k in copied}, strict=False)
     return {"copied": copied, "new": sorted(k for k in own if k not in weights),
-            "dropped": sorted(k for k in weights if k not in own)}
+            "dropped": sorted(k for k in weights if k not in own), "grown": grown}

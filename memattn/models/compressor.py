@@ -35,8 +35,8 @@ from memattn.checkpoint import load_checkpoint, restore, save_checkpoint
 from memattn.config import ModelConfig, from_dict, to_dict
 from memattn.errors import CheckpointError, ConfigError, ShapeError
 from memattn.fileio import atomic_write, read_tagged
-from memattn.layers.base import LayerSpec, memory_layout
-from memattn.models.lm import Block, SplitPositions, init_weights, make_norm
+from memattn.layers.base import LayerSpec, layers_aux_loss, memory_layout
+from memattn.models.lm import Block, LearnedPositions, SplitPositions, init_weights, make_norm
 
 COMPRESSED_FORMAT = "memattn-compressed/1"
 KIND = "compressor"
@@ -66,7 +66,7 @@ class Compressor(nn.Module):
         self.n_compress, self.n_decompress = n_compress, n_decompress
         self.embed = nn.Embedding(cfg.vocab_size, cfg.d_model)
         self.pos = {"split": SplitPositions(cfg.max_len, cfg.d_model),
-                    "learned": nn.Embedding(cfg.max_len, cfg.d_model)}.get(cfg.positions)
+                    "learned": LearnedPositions(cfg.max_len, cfg.d_model)}.get(cfg.positions)
         # decompression queries: the absolute table, or one of their own
         self.queries = self.pos if self.pos is not None else SplitPositions(cfg.max_len, cfg.d_model)
         self.memory = nn.Embedding(layout.tokens, cfg.d_model)
@@ -94,6 +94,10 @@ class Compressor(nn.Module):
 
     def num_parameters(self) -> int:
         return sum(p.numel() for p in self.parameters())
+
+    def aux_loss(self) -> torch.Tensor | None:
+        """Sum of the attention layers' auxiliary losses (None if no mechanism gives one)."""
+        return layers_aux_loss(self)
 
     def _positions(self, table: nn.Module | None, length: int, device) -> torch.Tensor | float:
         """Rows [L, d] of an absolute position table (0 without one)."""

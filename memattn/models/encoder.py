@@ -25,10 +25,13 @@ class Encoder(Transformer):
             self.mlm_head.weight = self.embed.weight
 
     def forward(self, idx: torch.Tensor, *, attention_mask: torch.Tensor | None = None,
-                mlm: bool = False) -> torch.Tensor:
-        """Hidden states [B, T, d], or with `mlm` the masked-LM logits [B, T, vocab] (one call,
-        so that a data-parallel wrapper sees the head's use in its forward)."""
+                mlm: bool = False, tags: bool = False) -> torch.Tensor:
+        """Hidden states [B, T, d], or with `mlm` the masked-LM logits [B, T, vocab], with `tags`
+        the tag logits [B, T, n_tags] (one call, so that a data-parallel wrapper sees the head's
+        use in its forward)."""
         hidden = self.hidden(idx, attention_mask=attention_mask)
+        if tags:
+            return self.tag_logits(hidden)
         return self.mlm_logits(hidden) if mlm else hidden
 
     def mlm_logits(self, hidden: torch.Tensor) -> torch.Tensor:

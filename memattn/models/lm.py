@@ -111,6 +111,23 @@ class SplitPositions(nn.Module):
         return self.low(positions % self.base) + self.high(positions // self.base)
 
 
+class LearnedPositions(nn.Embedding):
+    """Absolute positions p < max_len, a learned row each: positions [T] -> [T, d]."""
+
+
+def position_tables(model: nn.Module) -> dict[str, bool]:
+    """The weights of `model`'s absolute position tables by state-dict name, each with whether
+    its rows are blocks (q of a split table's p = 512·q + r) rather than single positions."""
+    tables = {}
+    for name, m in model.named_modules(remove_duplicate=False):
+        prefix = f"{name}." if name else ""
+        if isinstance(m, SplitPositions):
+            tables.update({f"{prefix}low.weight": False, f"{prefix}high.weight": True})
+        elif isinstance(m, LearnedPositions):
+            tables[f"{prefix}weight"] = False
+    return tables
+
+
 def init_weights(model: nn.Module, cfg: ModelConfig) -> None:
     """GPT-2 style: linear and embedding weights N(0, cfg.init_std), biases 0, residual output
     projections N(0, cfg.init_std / √(2·n_layers)); then each module that has its own init
@@ -277,7 +294,7 @@ class Transformer(nn.Module):
             raise ValueError("model.vocab_size: must be set (> 0) before building the model")
         self.cfg = cfg
         self.embed = nn.Embedding(cfg.vocab_size, cfg.d_model)
-        self.pos = nn.Embedding(cfg.max_len, cfg.d_model) if cfg.positions == "learned" else None
+        self.pos = LearnedPositions(cfg.max_len, cfg.d_model) if cfg.positions == "learned" else None
         if cfg.positions == "split":
             self.pos = SplitPositions(cfg.max_len, cfg.d_model)
         self.memory_layout = memory_layout(cfg.attention.name, cfg.attention.typed, causal=causal)

@@ -170,6 +170,16 @@ def refuse_transfer(cfg) -> None:
                           "language models (task=lm)")
 
 
+def refuse_language_model_settings(cfg) -> None:
+    """ConfigError for what only language models train with (train.segments, train.distill_weight,
+    attention transfer and LoRA) and for train.label_smoothing, in a task that is neither."""
+    if cfg.train.segments or cfg.train.distill_weight:
+        raise ConfigError(f"task={cfg.task}: train.segments and train.distill_weight are for causal language "
+                          "models")
+    refuse_label_smoothing(cfg)
+    refuse_transfer(cfg)
+
+
 @dataclass(frozen=True)
 class TaskEntry:
     name: str

@@ -9,27 +9,21 @@ Each module here is one experiment, named like the module with '-' for '_' (abc_
 `run` trains and evaluates what the experiment compares, writes its results table (JSON +
 markdown, plots where useful, and the command that made them) under `out_dir`, and returns
 the table. `quick` shrinks it to a smoke test that finishes in about a minute on a CPU.
-`jobs`: models trained at once. Experiments whose models are run folders
-(`research.experiments._runner`) continue across sittings and take any `jobs`; the others
-train in one process and refuse jobs > 1 (`single_process`).
+`jobs`: models trained at once. Every model of an experiment is a run folder
+(`research.experiments._runner`): an experiment continues across sittings, reusing what is
+finished and resuming what is not, exactly.
 
 Models train through `memattn.train`'s one loop as registered tasks (`memattn.tasks`): lm, mlm
 and translation; task=recall, registered by `recall.py` (its rows of MQAR and passkeys,
-`task_options` for their settings); and task=reading-qa, registered by `linear_qa.py` (its GRU
+`task_options` for their settings); task=reading-qa, registered by `linear_qa.py` (its GRU
 reader on the synthetic reading task, trained to convergence by the loop's early stopping,
-train.patience on the validation accuracy, and tested with its best weights). Two experiments
-still keep a loop of their own, each for what the one loop does not do yet:
-
-- gmat-majority starts MAJORITY(8192, 1) from the trained MAJORITY(512, 1) model with a longer
-  split position table whose new block rows copy the trained one (`start_from`); train.init_from
-  copies only tensors of equal shapes. Its batches come from one generator advanced step by step
-  (the same sequences for M = 0 and M > 0), and `budget_s` stops a model on time.
-- gmat-mlm trains a `Compressor` to rebuild every character from its M vectors, an objective no
-  registered task has, and its encoders on batches of one generator advanced step by step,
-  where task=mlm draws each step's windows from (train.seed, step).
-
-The two share `_common.train_steps`; moved onto the loop, they would write run folders
-through `_runner` as the others do and that loop would go.
+train.patience on the validation accuracy, and tested with its best weights); task=majority,
+registered by `gmat_majority.py` (MAJORITY(L, p) tagging; MAJORITY(8192, 1) starts from the
+trained MAJORITY(512, 1) model through train.init_from, which grows its position table); and
+task=compression, registered by `gmat_mlm.py` (a GMAT `Compressor` rebuilding masked text from
+its M vectors, beside gmat-mlm's task=mlm encoders). A task's batch of step s is drawn from
+(train.seed, s) alone, and the loop stops on its step budget: an experiment's time budget is a
+number of steps.
 """
 
 from __future__ import annotations
@@ -59,10 +53,3 @@ def get_experiment(name: str) -> ModuleType:
     if name not in known:
         raise ConfigError(f"experiment: unknown experiment {name!r}; known: {', '.join(known) or 'none'}")
     return known[name]
-
-
-def single_process(name: str, jobs: int) -> None:
-    """Raise ConfigError for --jobs > 1 in an experiment that trains in one process."""
-    if jobs != 1:
-        raise ConfigError(f"--jobs: experiment {name} trains its models one after another in one "
-                          f"process; got --jobs {jobs}")

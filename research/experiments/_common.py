@@ -1,5 +1,5 @@
-"""What the experiments share: a training loop for encoder objectives and writing results
-(JSON, markdown, the command, figures), each atomically."""
+"""What the experiments share: writing results (JSON, markdown, the command, figures), each
+atomically, and summaries over seeds."""
 
 from __future__ import annotations
 
@@ -13,44 +13,7 @@ from typing import Any, Callable, Iterator
 
 import torch
 
-from memattn.config import TrainConfig
 from memattn.fileio import atomic_write, atomic_write_text
-from memattn.train import lr_at, param_groups, project_parameters
-
-
-def train_steps(model: torch.nn.Module, loss_of: Callable[[int], torch.Tensor], *, steps: int, lr: float,
-                warmup: int, weight_decay: float = 0.01, grad_clip: float = 1.0, log_every: int = 10,
-                label: str = "", budget_s: float = 0.0) -> dict[str, Any]:
-    """AdamW with warm-up and cosine decay (memattn.train.lr_at) over `steps` calls of
-    loss_of(step) -> scalar loss. budget_s > 0 stops early once that many seconds passed.
-
-    Returns {"losses": [[step, loss], ...], "steps": steps run, "seconds": training time}.
-    """
-    schedule = TrainConfig(steps=steps, lr=lr, warmup=min(warmup, steps), weight_decay=weight_decay,
-                           grad_clip=grad_clip, min_lr_ratio=0.1)
-    optimizer = torch.optim.AdamW(param_groups(model, weight_decay), lr=lr, betas=(0.9, 0.98))
-    model.train()
-    losses, start, done = [], time.perf_counter(), 0
-    for step in range(steps):
-        for group in optimizer.param_groups:
-            group["lr"] = lr_at(step, schedule)
-        loss = loss_of(step)
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        if grad_clip > 0:
-            torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip)
-        optimizer.step()
-        project_parameters(model)
-        done = step + 1
-        if done % log_every == 0 or done == steps:
-            losses.append([done, round(loss.item(), 5)])
-            if label:
-                print(f"{label}: step {done}/{steps} loss {loss.item():.4f} "
-                      f"({time.perf_counter() - start:.0f} s)", flush=True)
-        if budget_s and time.perf_counter() - start > budget_s:
-            break
-    model.eval()
-    return {"losses": losses, "steps": done, "seconds": round(time.perf_counter() - start, 1)}
 
 
 def training_tokens_per_s(model: torch.nn.Module, loss_of: Callable[[], tuple[torch.Tensor, int]],

@@ -42,7 +42,7 @@ from memattn.errors import ConfigError
 from memattn.models.qa import ATTENTIONS, QAConfig, ReadingQA
 from memattn.ops.softmax import softmax_attention
 from memattn.representations import encode, lookup
-from memattn.tasks import StepLoss, Task, refuse_label_smoothing, refuse_transfer, register_task
+from memattn.tasks import StepLoss, Task, refuse_language_model_settings, register_task
 from memattn.typed import parse_settings as parse_typed
 from research.experiments._common import by_model, command_of, compare, save_figure, seed_figures, torch_threads, write_results
 from research.experiments._runner import Job, run_jobs
@@ -207,10 +207,7 @@ class ReadingQATask(Task):
 
     @classmethod
     def check_config(cls, cfg) -> None:
-        if cfg.train.segments or cfg.train.distill_weight:
-            raise ConfigError(f"task={NAME}: train.segments and train.distill_weight are for language models")
-        refuse_label_smoothing(cfg)
-        refuse_transfer(cfg)
+        refuse_language_model_settings(cfg)
 
     @classmethod
     def build_model(cls, cfg) -> ReadingQA:

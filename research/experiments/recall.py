@@ -58,7 +58,7 @@ from memattn.data.recall import RecallVocab, answer_hits, answer_loss, mqar_batc
 from memattn.errors import ConfigError, ShapeError
 from memattn.layers.base import StateSize, get_mechanism, mechanisms
 from memattn.models.lm import CausalLM
-from memattn.tasks import StepLoss, Task, refuse_label_smoothing, refuse_transfer, register_task
+from memattn.tasks import StepLoss, Task, refuse_language_model_settings, register_task
 from memattn.train import step_seed
 from memattn.typed import parse_settings
 from research.experiments._common import command_of, save_figure, torch_threads, write_results
@@ -326,10 +326,7 @@ class RecallTask(Task):
 
     @classmethod
     def check_config(cls, cfg) -> None:
-        if cfg.train.segments or cfg.train.distill_weight:
-            raise ConfigError("task=recall: train.segments and train.distill_weight are for language models")
-        refuse_label_smoothing(cfg)
-        refuse_transfer(cfg)
+        refuse_language_model_settings(cfg)
         check_rows(cfg.train.batch_size, cfg.task_settings.mqar_share)
 
     @classmethod

@@ -79,7 +79,16 @@ def test_quick_majority_run_writes_its_table(tmp_path):
     assert json.loads((tmp_path / "results.json").read_text()) == results
     text = (tmp_path / "results.md").read_text()
     assert "memattn experiment gmat-majority --quick" in text and "| MAJORITY(8192, 1) | 8 |" in text
+    assert "6 of 6 models trained" in text and "†" not in text
     assert (tmp_path / "gmat_majority.png").stat().st_size > 0
+    assert [r["init"] for r in rows] == ["scratch"] * 4 + ["MAJORITY(512, 1)"] * 2
+    # run again: every run folder is finished and reused as it is, the chained ones without their source
+    rows_before = {p: p.stat().st_mtime_ns for p in tmp_path.glob("runs/*/row.json")}
+    assert len(rows_before) == 6
+    for source in tmp_path.glob("runs/l512-p1-*/checkpoint.safetensors"):
+        source.unlink()
+    again = get_experiment("gmat-majority").run(tmp_path, quick=True, overrides=["steps=6"], jobs=2)
+    assert again["rows"] == rows and {p: p.stat().st_mtime_ns for p in rows_before} == rows_before
 
 
 @pytest.mark.slow
@@ -90,11 +99,16 @@ def test_quick_mlm_run_writes_its_table_and_a_compressor(tmp_path, text_file):
         tmp_path, quick=True, overrides=["corpus=text", f"path={text_file}", f"cache_dir={tmp_path / 'cache'}",
                                          "steps=5", f"compressor_out={out}"])
     names = [r["model"] for r in results["rows"]]
-    assert names[:2] == ["chunked, M = 0", "chunked, M = 16"] and names[2].startswith("compressed, M = 16")
+    assert names == ["chunked, M=0", "chunked, M=16", "compressed, M=16"]
+    assert [r["layers"] for r in results["rows"]] == ["2", "2", "1+1+1"]
     for r in results["rows"]:
         for split in ("val", "test"):
             assert 0 <= r[split]["error_rate"] <= 1 and r[split]["perplexity"] > 1
     assert "unmasked_error_rate" in results["rows"][2]["test"] and out.exists()
     text = (tmp_path / "results.md").read_text()
-    assert "memattn experiment gmat-mlm --quick" in text and "| compressed, M = 16" in text
+    assert "memattn experiment gmat-mlm --quick" in text and "| compressed, M=16 | 1+1+1 |" in text
     assert json.loads((tmp_path / "results.json").read_text()) == results
+    from memattn.models.compressor import load_compressor
+
+    model, meta = load_compressor(out)
+    assert meta["seq_len"] == 128 and results["rows"][2]["checkpoint"] == str(out)

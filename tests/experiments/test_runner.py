@@ -187,13 +187,6 @@ def test_bad_job_lists_are_refused(tmp_path):
         run_jobs(tmp_path, [Job("a", ()), Job("a", ("train.seed=1",))], measure=None)
 
 
-def test_jobs_is_refused_by_single_process_experiments(tmp_path, capsys):
-    from memattn.cli import main
-
-    assert main(["experiment", "gmat-majority", "--quick", "--jobs", "2", "--out-dir", str(tmp_path)]) == 2
-    assert "--jobs" in capsys.readouterr().err
-
-
 def test_the_setup_line_gives_each_key_once_with_the_value_that_holds():
     from research.experiments._common import setup_line
 

@@ -46,6 +46,33 @@ def test_a_model_of_another_shape_is_refused():
         warm_start(lm("softmax", n_layers=3), Source("x", lm("softmax").state_dict(), None))
 
 
+@pytest.mark.parametrize("positions", ["split", "learned"])
+def test_a_longer_model_grows_the_shorter_ones_position_tables(positions):
+    """A larger model.max_len starts from a shorter model: the position tables begin with its rows;
+    a split table's new blocks copy its last block, a learned table's new rows keep their init."""
+    torch.manual_seed(0)
+    short = Encoder(ModelConfig(vocab_size=30, d_model=16, n_layers=2, n_heads=2, positions=positions, max_len=600,
+                                attention=AttentionConfig("gmat", {"num_memory": 4, "chunk_size": 32})), n_tags=2)
+    torch.manual_seed(1)
+    long = Encoder(dataclasses.replace(short.cfg, max_len=2048), n_tags=2)
+    before = {k: t.clone() for k, t in long.state_dict().items()}
+    report = warm_start(long, Source("short", short.state_dict(), None))
+    mine, theirs = long.state_dict(), short.state_dict()
+    if positions == "split":  # low: 512 rows in both; high: 2 blocks -> 4
+        assert report["grown"] == ["pos.high.weight"]
+        assert torch.equal(mine["pos.high.weight"], torch.cat([theirs["pos.high.weight"],
+                                                               theirs["pos.high.weight"][-1:].expand(2, -1)]))
+    else:
+        assert report["grown"] == ["pos.weight"]
+        assert torch.equal(mine["pos.weight"][:600], theirs["pos.weight"])
+        assert torch.equal(mine["pos.weight"][600:], before["pos.weight"][600:])
+    assert report["new"] == [] and sorted(theirs) == report["copied"]
+    assert all(torch.equal(mine[k], t) for k, t in theirs.items() if k not in report["grown"])
+    # a shorter table in the model than in the source is not grown: refused
+    with pytest.raises(CheckpointError, match="does not fit this model: pos"):
+        warm_start(short, Source("long", long.state_dict(), None))
+
+
 def test_export_hf_then_warm_start_abc_mlp_from_it(text_file, tmp_path):
     pytest.importorskip("transformers")
     from transformers import AutoModelForCausalLM, AutoTokenizer
