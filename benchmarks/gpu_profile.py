@@ -13,7 +13,8 @@ bf16 on CUDA, forward + backward, inputs [B, T, H, D] as in gpu_kernels.py.
 - Variants, timed alike at the default chunk size, with every kernel's own time (the
   profile's), so that each kernel's launch choices can be taken from the variant that is
   best for it: the earlier defaults (8 warps, diagonal blocks as loops, scans as while
-  loops), the scans' blocks along D capped at 32 and 16, or along M at 16 and D at 32
+  loops), the blocks of the chunk kernels and the scans (`_fwd_chunks`, `_fwd_scan`,
+  `_bwd_chunks`, `_bwd_scan`) along D capped at 32 and 16, or along M at 16 and D at 32
   (more programs for the scans), 1, 2, 4 or 8 warps for every kernel, the scans' chunk
   loops as while loops or software-pipelined with 2 stages (3 by default), sub-blocks of
   32 rows (16 by default), fp32 operands with TF32 products in place of bf16 ones, every

@@ -20,14 +20,16 @@ Per kernel (one call, all launches of it):
     flops          2 × the multiply-adds of its tl.dot products as written (the work of the
                    chunked form, more than the math's 4·T·M·(K + V) a head).
     programs       its grid; per SM on the 132 SMs of an H100 / H200.
-    depth          the chunks one program walks in order (the scans), or the sub-blocks one
-                   program reads (the sub-block kernels).
+    depth          the chunks one program walks in order (the short scans, each step
+                   elementwise on a loaded [M, D] tile), the chunks it reads (1: the kernels
+                   over every chunk at once), or the sub-blocks it reads (the sub-block
+                   kernels).
     bound µs       max(bytes / bandwidth, flops / bf16 peak): the time no kernel of this
                    design can beat; the fraction of it a measured time reaches is bound / time.
 The op's own bound counts only its inputs and outputs (what a single fused kernel would move):
 the gap between it and the sum of the kernels' bounds is the round trips through HBM of the
-tensors the kernels hand each other (the chunk-start memories, a, S, dS, c and the memory
-gradients).
+tensors the kernels hand each other (the chunks' own states, the chunk-start memories, the
+local log-cumsum-exp lc, S, dS, c and the memory gradients).
 """
 
 from __future__ import annotations
@@ -53,7 +55,7 @@ def _kernel(name, launches, read, written, flops, programs, depth) -> dict:
 
 
 def chunked(B: int, H: int, T: int, D: int, M: int, chunk: int = 64) -> list[dict]:
-    """The five kernels of `abc_chunk_triton` forward + backward, K = V = D, for B sequences
+    """The seven kernels of `abc_chunk_triton` forward + backward, K = V = D, for B sequences
     of T tokens and H heads."""
     K = V = D
     n = B * T * H  # (token, head) pairs
@@ -63,35 +65,44 @@ def chunked(B: int, H: int, T: int, D: int, M: int, chunk: int = 64) -> list[dic
     earlier = (per_chunk - 1) / 2  # earlier sub-blocks of its chunk a sub-block reads, on average
     BM = min(64, _pad(M))
 
-    def scan(D):  # programs of one scan launch over D features
-        return max(1, D // min(64, _pad(D))) * max(1, M // BM) * B * H
+    def tiles(D):  # [M, D] tiles of one launch over D features
+        return max(1, D // min(64, _pad(D))) * max(1, M // BM)
 
     # a pass "x -> slots" or "slots -> x" over a sub-block: the memory term, the earlier
     # sub-blocks of the chunk (two dots each), the diagonal block (one dot plus elementwise)
     def sub_pass(width):
         return 2 * SUB * M * width + earlier * (2 * SUB * SUB * width + 2 * SUB * SUB * M) \
             + 2 * SUB * SUB * width
-    memories = nc * M * (K + V) * F32  # the chunk-start memories hk, hv
+    memories = nc * M * (K + V) * F32  # the chunk-start memories hk, hv (or their gradients)
+    final = B * H * M * (K + V + 1) * F32  # the final state (or the initial state's gradients)
     out = [
-        # twice: x = k (also a, zprev, zend, lzT) and x = v
-        _kernel("_fwd_states", 2, n * (K + V) * HALF + 2 * n * M * HALF,
-                memories + n * M * F32 + 2 * nc * M * F32 + B * H * M * (K + V + 1) * F32,
-                2 * n * M * (K + V), scan(K) + scan(V), T // chunk),
-        # q, k, v, s, a, zprev, the memories -> o, S, lse
+        # twice, every chunk at once: x = k (also r and lc) and x = v -> the chunks' own parts u
+        _kernel("_fwd_chunks", 2, n * (K + V) * HALF + 2 * n * M * HALF,
+                memories + n * M * F32 + nc * M * F32, 2 * n * M * (K + V),
+                nc * (tiles(K) + tiles(V)), 1),
+        # twice, elementwise over the chunks of a sequence: u, r -> the chunk-start memories in
+        # u's place (also zprev, zend with x = k) and the final state
+        _kernel("_fwd_scan", 2, memories + 2 * nc * M * F32, memories + 2 * nc * M * F32 + final,
+                0, B * H * (tiles(K) + tiles(V)), T // chunk),
+        # q, k, v, s, lc, zprev, the memories -> o, S, lse
         _kernel("_fwd_output", 1, n * (2 * K + V + M) * HALF + n * M * F32 + nc * M * F32
                 + memories, n * V * HALF + n * (M + 1) * F32,
                 B * H * subs * (sub_pass(K) + sub_pass(V)), B * subs * H, 1 + earlier),
-        # do, v, k, s, a, S, lse, zprev, the memories -> dq, dS, c
+        # do, v, k, s, lc, S, lse, zprev, the memories -> dq, dS, c
         _kernel("_bwd_dq", 1, n * (K + 2 * V + M) * HALF + n * (2 * M + 1) * F32
                 + nc * M * F32 + memories, n * K * HALF + 2 * n * M * F32,
                 B * H * subs * (sub_pass(V) + sub_pass(K)), B * subs * H, 1 + earlier),
-        # K̃ side: q, dS, c, a; Ṽ side: do, S, lse, a; both zprev, zend -> dh, dc per chunk
-        _kernel("_bwd_states", 2, n * (K + V) * HALF + n * (5 * M + 1) * F32 + 4 * nc * M * F32,
-                memories + nc * M * F32 + B * H * M * (K + V + 1) * F32,
-                2 * n * M * (K + V), scan(K) + scan(V), T // chunk),
-        # q, k, v, s, do, a, S, dS, c, lse, zend, dh, dhc -> dk, dv, ds
+        # twice, every chunk at once: K̃ side q, dS, c, lc; Ṽ side do, S, lse, lc; both zprev
+        # -> the chunks' own parts w (and wc on the K̃ side)
+        _kernel("_bwd_chunks", 2, n * (K + V) * HALF + n * (5 * M + 1) * F32 + 2 * nc * M * F32,
+                memories + nc * M * F32, 2 * n * M * (K + V), nc * (tiles(K) + tiles(V)), 1),
+        # twice, elementwise over the chunks, last first: w, wc, zprev, zend -> dh, dc per chunk
+        # in w's place and the initial state's gradients
+        _kernel("_bwd_scan", 2, memories + nc * M * F32 + 4 * nc * M * F32,
+                memories + nc * M * F32 + final, 0, B * H * (tiles(K) + tiles(V)), T // chunk),
+        # q, k, v, s, do, lc, S, dS, c, lse, zprev, zend, dh, dhc -> dk, dv, ds
         _kernel("_bwd_dkv", 1, n * (2 * K + 2 * V + M) * HALF + n * (4 * M + 1) * F32
-                + 2 * nc * M * F32 + memories, n * (K + V + M) * HALF,
+                + 3 * nc * M * F32 + memories, n * (K + V + M) * HALF,
                 B * H * subs * (2 * sub_pass(K) + 2 * sub_pass(V)), B * subs * H,
                 1 + earlier),
     ]

@@ -32,11 +32,11 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-KERNELS = ("fwd_states", "fwd_output", "bwd_dq", "bwd_states", "bwd_dkv")
+KERNELS = ("fwd_chunks", "fwd_scan", "fwd_output", "bwd_dq", "bwd_chunks", "bwd_scan", "bwd_dkv")
 REGS_PER_SM, SMEM_PER_SM, RESERVED_SMEM, MAX_WARPS, MAX_PROGRAMS = 65536, 228 * 1024, 1024, 64, 32
 # pointer arguments in the inputs' dtype (the others are fp32, or int32 for the layout)
 INPUT_POINTERS = {"q", "k", "v", "s", "do", "o", "dq", "dk", "dv", "ds", "x"}
-LAYOUT_POINTERS = {"cu", "boff", "sub_idx"}
+LAYOUT_POINTERS = {"cu", "boff", "sub_idx", "chunk_idx"}
 SIZES = ("H", "K", "V", "M", "D")
 
 
@@ -65,13 +65,17 @@ def builds(name: str, D: int, M: int, dtype: str) -> list[tuple[str, object, dic
     from memattn.kernels import abc_chunk as ac
 
     prec = {"bf16": "bf16", "fp16": "fp16", "fp32": "ieee"}[dtype]
-    if name in ("fwd_states", "bwd_states"):
-        BM, BD = ac._state_blocks(M, D)
-        fn, own = ((ac._fwd_states, {"HAS_INIT": False, "STORE_A": True, "RESET": False})
-                   if name == "fwd_states"
-                   else (ac._bwd_states, {"IS_V": False, "HAS_DFINAL": False}))
+    BM, BD = ac._state_blocks(M, D)
+    if name in ("fwd_chunks", "bwd_chunks"):  # the K̃ launch, every chunk at once
+        own = {"STORE_LC": True} if name == "fwd_chunks" else {"IS_V": False}
+        return [("K̃ launch", getattr(ac, f"_{name}"),
+                 {**own, "BT": 64, "BM": BM, "BD": BD, "PREC": prec})]
+    if name in ("fwd_scan", "bwd_scan"):
+        fn, own = ((ac._fwd_scan, {"HAS_INIT": False, "STORE_Z": True, "RESET": False})
+                   if name == "fwd_scan"
+                   else (ac._bwd_scan, {"IS_V": False, "HAS_DFINAL": False}))
         return [(f"{stages} stages" if stages else "while loop", fn,
-                 {**own, "BT": 64, "BM": BM, "BD": BD, "PREC": prec, "STAGES": stages})
+                 {**own, "BT": 64, "BM": BM, "BD": BD, "STAGES": stages})
                 for stages in (0, 2)]
     fn = getattr(ac, f"_{name}")
     blocks = {"BT": 64, "BC": ac.BC, "BK": ac._pad(D), "BV": ac._pad(D), "BM": ac._pad(M),

@@ -102,7 +102,8 @@ def test_profile_on_the_cpu_reports_the_torch_form(tmp_path):
 
 
 # The kernels memattn.kernels.abc_chunk launches, and those of them that work in sub-blocks.
-KERNELS = ("_fwd_states", "_fwd_output", "_bwd_dq", "_bwd_states", "_bwd_dkv")
+KERNELS = ("_fwd_chunks", "_fwd_scan", "_fwd_output", "_bwd_dq", "_bwd_chunks", "_bwd_scan",
+           "_bwd_dkv")
 SUB_BLOCK = ("_fwd_output", "_bwd_dq", "_bwd_dkv")
 
 
@@ -223,8 +224,9 @@ def test_kernel_registers_compiles_offline(tmp_path):
 
 def test_kernel_model_writes_what_the_kernels_store():
     """The model's bytes written by the forward kernels and by the backward ones are the
-    tensors `_forward` and `_backward` allocate for them (run in the interpreter), and its
-    bytes read include every input of the op."""
+    tensors `_forward` and `_backward` allocate for them (run in the interpreter), the chunks'
+    own parts counted twice (the scans overwrite them with the memories or their gradients),
+    and its bytes read include every input of the op."""
     from memattn.kernels import abc_chunk as ac
 
     model = load("kernel_model")
@@ -239,15 +241,17 @@ def test_kernel_model_writes_what_the_kernels_store():
     grads = ac._backward(q, k, v, s, torch.randn_like(o), saved, final, None, plan)
     dq, dk, dv, ds, init_grads = grads
     kernels = {r["kernel"]: r for r in model.chunked(B, H, T, D, M, 64)}
-    fwd = kernels["_fwd_states"]["written"] + kernels["_fwd_output"]["written"]
-    assert fwd == sum(t.numel() * t.element_size() for t in forward_out)
-    # the backward's handed-on tensors (dS, c, the memory gradients), rebuilt from their shapes
     n, nc = B * T * H, B * H * T // 64
-    handed = 2 * n * M * 4 + nc * M * (2 * D + 1) * 4
-    bwd = sum(kernels[n_]["written"] for n_ in ("_bwd_dq", "_bwd_states", "_bwd_dkv"))
+    # the chunks' own log-normalisers r and parts u, rebuilt from their shapes
+    fwd = sum(kernels[n_]["written"] for n_ in ("_fwd_chunks", "_fwd_scan", "_fwd_output"))
+    assert fwd == nc * M * (2 * D + 1) * 4 + sum(t.numel() * t.element_size() for t in forward_out)
+    # the backward's handed-on tensors (dS, c, the memory gradients, each first the chunks' own
+    # parts), rebuilt from their shapes
+    handed = 2 * n * M * 4 + 2 * nc * M * (2 * D + 1) * 4
+    bwd = sum(kernels[n_]["written"] for n_ in ("_bwd_dq", "_bwd_chunks", "_bwd_scan", "_bwd_dkv"))
     assert bwd == handed + sum(t.numel() * t.element_size() for t in (dq, dk, dv, ds, *init_grads))
     inputs = sum(t.numel() * t.element_size() for t in (q, k, v, s))
-    assert kernels["_fwd_output"]["read"] > inputs > kernels["_fwd_states"]["read"] / 2
+    assert kernels["_fwd_output"]["read"] > inputs > kernels["_fwd_chunks"]["read"] / 2
     assert model.op_bytes(B, H, T, D, M)["fwd"] == inputs + o.numel() * 2
 
 

@@ -14,18 +14,32 @@ so a pair of sub-blocks is two tl.dot; inside I, φ is built per column (a loop 
 BC tokens) or, with `DIAG_3D`, whole as a [BC, BC, M] tile. Earlier chunks are read through
 the memory at the chunk start.
 
-Forward, two passes:
+The memory recurrence over chunks is split in two: each chunk's own part, every chunk at
+once, then a short scan per (sequence, head, tile) that only does elementwise work on loaded
+tiles. For chunk g and slot m, with r_g = log Σ_{t∈g} exp(s_t) and u_g = Σ_{t∈g}
+exp(s_t - r_g) x_t (x = k or v):
 
-    _fwd_states   grid (⌈D/BD⌉, ⌈M/BM⌉, N·H), once for K̃ and once for Ṽ: a scan over the
-                  chunks of a sequence; stores the memory at every chunk start, the
-                  normalisers before / after every chunk, a_t for every token (K̃ launch)
-                  and the final state. With RESET (gated slot attention,
-                  memattn.kernels.gsa_chunk) log_z restarts at 0 at every chunk.
+    z_end = logaddexp(z, r_g),  mem <- exp(z - z_end) mem + exp(r_g - z_end) u_g
+
+(every weight ≤ 1), and a_t = logaddexp(z_prev_g, lc_t) with lc the log-cumsum-exp of s
+inside the chunk. a is never stored: the sub-block kernels build it where they read it
+(`_log_z`), from lc and z_prev, which moves 2·T·H·M·4 bytes less than a scan that writes a
+(it would read lc and write a) and keeps per-token work off the sequential path.
+
+Forward, three passes:
+
+    _fwd_chunks   grid (chunks, tiles of [M, D], H), once for K̃ and once for Ṽ: r_g, u_g of
+                  every chunk (one tl.dot each); the K̃ launch also stores r and lc.
+    _fwd_scan     grid (⌈D/BD⌉, ⌈M/BM⌉, N·H), once for K̃ and once for Ṽ: the short scan over
+                  the chunks of a sequence; stores the memory at every chunk start, the
+                  normalisers before / after every chunk (K̃ launch) and the final state.
+                  With RESET (gated slot attention, memattn.kernels.gsa_chunk) log_z
+                  restarts at 0 at every chunk.
     _fwd_output   grid (sub-blocks, H): both ABC passes for BC tokens fused, keys -> slots
                   (scores, softmax over M), slots -> values; stores o, the scores S and
                   their log-sum-exp.
 
-Backward, three passes. With dp_t[m] = do_t · Ṽ_t[m], dS = p ⊙ (dp - Σ_m p dp), the
+Backward, four passes. With dp_t[m] = do_t · Ṽ_t[m], dS = p ⊙ (dp - Σ_m p dp), the
 gradient reaching the memory at step t is G^K_t[m] = scale dS_t[m] q_t, G^V_t[m] =
 p_t[m] do_t, and c_t[m] = K̃_t[m]·G^K_t[m] + Ṽ_t[m]·G^V_t[m] = dS_t[m] S_t[m] + p_t[m] dp_t[m]
 needs no memory. Then dk_i = Σ_m Σ_{t≥i} φ[t, i] G^K_t[m] (dv alike) and
@@ -34,22 +48,32 @@ gradients join the last token, its log_z gradient as -c.
 
     _bwd_dq       grid (sub-blocks, H): dp (the keys -> slots pass on do, v), dS, c, then
                   dq (the slots -> values pass on dS, k); stores dq, dS, c.
-    _bwd_states   grid (⌈D/BD⌉, ⌈M/BM⌉, N·H), once for K̃ and once for Ṽ: a reverse scan
-                  over the chunks; stores ∂L/∂(memory after each chunk) and the gradient
-                  of the initial state.
+    _bwd_chunks   grid (chunks, tiles of [M, D], H), once for K̃ and once for Ṽ: each
+                  chunk's own part of the gradient reaching the memory before it,
+                  w_g = Σ_t (f_t ⊙ coef_t)ᵀ x_t with f_t = exp(z_prev_g - a_t) ≤ 1 (one tl.dot),
+                  and in the K̃ launch the c term Σ_t f_t c_t.
+    _bwd_scan     grid (⌈D/BD⌉, ⌈M/BM⌉, N·H), once for K̃ and once for Ṽ: the short reverse
+                  scan dh_before(g) = keep_g dh_after(g) + w_g, keep_g = exp(z_prev_g -
+                  z_end_g) ≤ 1 (dc alike); stores ∂L/∂(memory after each chunk) and the
+                  gradient of the initial state.
     _bwd_dkv      grid (sub-blocks, H): dk, dv, ds from the later chunks (through the
                   stored gradients) and from the later tokens of the chunk; with
                   `SPLIT_DKV` two launches, the keys' side (dk) then the values' (dv).
 
-Saved for backward: q, k, v, s, a [T, H, M], S [T, H, M], lse [T, H], the chunk-start
+A chunk's own part is stored where its scan then stores the state it feeds (u_g at the
+memory after chunk g, w_g at the gradient before it): the scan reads it and overwrites it
+with a value computed from it, so no buffer is added and every element is read before it is
+written, pipelined loads included.
+
+Saved for backward: q, k, v, s, lc [T, H, M], S [T, H, M], lse [T, H], the chunk-start
 memories [chunks, H, M, K + V] and the normalisers, the initial and final states.
 
 Tiles: BT = chunk_size (64 by default) tokens a chunk, BC = 16 rows a sub-block; K, V, M
 padded to powers of two ≥ 16 (at most 128) and held whole in the sub-block kernels; the
-scans take blocks of at most 64 along M and D, 4 warps when every tile side is ≤ 32, else
-8; the sub-block kernels' warps and diagonal-block forms are set per kernel (`SUB_WARPS`,
-`DIAG_3D`). Loads are upcast to fp32 and the elementwise work (exp, log-sum-exp, decays)
-is fp32; every tl.dot accumulates in fp32. Its operands are fp32 for fp32 inputs (IEEE precision)
+chunk kernels and the scans take blocks of at most 64 along M and D, 4 warps when every
+tile side is ≤ 32, else 8; the sub-block kernels' warps and diagonal-block forms are set per
+kernel (`SUB_WARPS`, `DIAG_3D`). Loads are upcast to fp32 and the elementwise work (exp,
+log-sum-exp, decays) is fp32; every tl.dot accumulates in fp32. Its operands are fp32 for fp32 inputs (IEEE precision)
 and, for inputs all in bf16 or all in fp16, rounded to that dtype (`HALF_DOTS`; TF32 for
 mixed inputs or with HALF_DOTS off), as flash-linear-attention's kernels and
 memattn/kernels/linear.py do. Sequential loops over chunks are `while` loops (their
@@ -57,7 +81,8 @@ count is read from cu_seqlens, which the interpreter cannot take as the bound of
 see memattn/kernels/__init__.py). The scans also have a `for` form that compiled Triton
 software-pipelines (STAGES > 0, `STATE_STAGES`, 3); compiled for sm_90 it issues
 asynchronous copies for the next chunks' loads, the `while` form none (on an H100 the
-scans took 1.2-1.9x less time with 3 stages).
+earlier scans, which did each chunk's whole work in order, took 1.2-1.9x less time with 3
+stages; the short scans are not timed yet).
 """
 
 from __future__ import annotations
@@ -92,7 +117,8 @@ SUB_WARPS = {"_fwd_output": (2, 1), "_bwd_dq": (4, 1), "_bwd_dkv": (4, 4)}
 # tiles, where they hold at most DIAG_3D_MAX numbers (else a loop over its BC tokens).
 DIAG_3D = ("_bwd_dkv",)
 DIAG_3D_MAX = 16 * 16 * 64
-# Software-pipelining stages of the scans over chunks (0: the while form).
+# Software-pipelining stages of the short scans over chunks (0: the while form); 3 was the
+# fastest for the earlier scans, which did each chunk's whole work in order.
 STATE_STAGES = 3
 # The backward's dk / dv / ds in two launches, the keys' side then the values' (fewer tiles
 # live in one program), instead of one.
@@ -198,12 +224,26 @@ def _locate(cu, boff, sub_idx, BT: tl.constexpr, BC: tl.constexpr):
 
 
 @triton.jit
-def _chunk_decay(a, zprev, rows, r_ok, i_g, i_h, H, M, o_m):
-    """(a of the rows [BC, BM], the weight exp(z_prev - a) [BC, BM] of the memory at the
-    start of their chunk)."""
-    b_a = _tile(a, rows, r_ok, i_h, H, M, o_m, _POS)
+def _log_z(lc, b_zp, rows, r_ok, i_h, H, M, o_m):
+    """a = log_z at the rows [R] of one chunk -> [R, BM]: logaddexp(z_prev, lc_t) of the
+    log-normaliser before the chunk b_zp [BM] and the chunk's own log-cumsum-exp of s,
+    lc [total, H, M] (`_fwd_chunks`); 1e30 where masked, so that exp(x - a) = 0 there."""
+    return _logaddexp(b_zp[None, :], _tile(lc, rows, r_ok, i_h, H, M, o_m, _POS))
+
+
+@triton.jit
+def _log_z_row(lc, b_zp, row, ok, i_h, H, M, o_m):
+    """a = log_z at one row of a chunk -> [BM] (see `_log_z`)."""
+    return _logaddexp(b_zp, _row(lc, row, ok, i_h, H, M, o_m, _POS))
+
+
+@triton.jit
+def _chunk_decay(lc, zprev, rows, r_ok, i_g, i_h, H, M, o_m):
+    """(z_prev of chunk i_g [BM], a of the rows [R, BM], the weight exp(z_prev - a) ≤ 1
+    [R, BM] of the memory at the start of their chunk)."""
     b_zp = tl.load(zprev + (i_g * H + i_h) * M + o_m, mask=o_m < M, other=_NEG)
-    return b_a, tl.exp(b_zp[None, :] - b_a)
+    b_a = _log_z(lc, b_zp, rows, r_ok, i_h, H, M, o_m)
+    return b_zp, b_a, tl.exp(b_zp[None, :] - b_a)
 
 
 # --------------------------------------------------------------------------------------
@@ -211,45 +251,103 @@ def _chunk_decay(a, zprev, rows, r_ok, i_g, i_h, H, M, o_m):
 # --------------------------------------------------------------------------------------
 
 @triton.jit
-def _fwd_states_chunk(t, i_g, b_mem, b_lz, x, s, a, zprev, zend, h, eos, i_h, i_d, H, M, D,
-                      o_t, o_m, o_d, STORE_A: tl.constexpr, PREC: tl.constexpr,
-                      RESET: tl.constexpr):
-    """One chunk of `_fwd_states` (its first token t, global index i_g): stores the memory
-    before it, returns (the memory, log_z) after it (log_z 0 with RESET)."""
+def _chunk_of(cu, chunk_idx, BT: tl.constexpr):
+    """This program's chunk of the packed batch (program id 0) -> (its global index, its
+    sequence, its index in the sequence, the sequence's number of chunks, its tokens [BT] and
+    which of them lie in the sequence)."""
+    i_g = tl.program_id(0).to(tl.int64)
+    i_n = tl.load(chunk_idx + 2 * i_g)
+    i_c = tl.load(chunk_idx + 2 * i_g + 1)
+    bos = tl.load(cu + i_n).to(tl.int64)
+    eos = tl.load(cu + i_n + 1).to(tl.int64)
+    rows = bos + i_c * BT + tl.arange(0, BT)
+    return i_g, i_n, i_c, (eos - bos + BT - 1) // BT, rows, rows < eos
+
+
+@triton.jit
+def _tile_of(M, D, BM: tl.constexpr, BD: tl.constexpr):
+    """This program's slots o_m [BM] and features o_d [BD] (program id 1 over the tiles of
+    [M, D], features fastest) and its feature block's index."""
+    i_t = tl.program_id(1)
+    n_d = tl.cdiv(D, BD)
+    i_d = i_t % n_d
+    return (i_t // n_d) * BM + tl.arange(0, BM), i_d * BD + tl.arange(0, BD), i_d
+
+
+@triton.jit
+def _fwd_chunks(x, s, lc, r, h, xT, cu, chunk_idx,
+                H, M, D,
+                STORE_LC: tl.constexpr, BT: tl.constexpr, BM: tl.constexpr, BD: tl.constexpr,
+                PREC: tl.constexpr):
+    """Each chunk's own part of the memory, every chunk at once: grid (chunks, tiles of
+    [M, D], H).
+
+    x [total, H, D] (k or v), s [total, H, M]. For chunk g and slot m: r_g = log Σ_{t∈g}
+    exp(s_t) (a running-max log-sum-exp) and u_g = Σ_t exp(s_t - r_g) x_t [M, D] (weights ≤ 1,
+    one tl.dot). u_g is stored where `_fwd_scan` stores the memory after chunk g, h [chunks,
+    H, M, D] at the next chunk or, after the last chunk of a sequence, xT [N, H, M, D]: the
+    scan reads it there and overwrites it with a value computed from it, so each element is
+    read before it is written, pipelined loads included. With STORE_LC (the K̃ launch, first
+    feature block) also r [chunks, H, M] and the chunk's own log-cumsum-exp of s, lc [total,
+    H, M] (a_t = logaddexp(z_prev, lc_t), built where it is read: `_log_z`).
+    """
+    i_h = tl.program_id(2)
+    i_g, i_n, i_c, n_c, rows, r_ok = _chunk_of(cu, chunk_idx, BT)
+    o_m, o_d, i_d = _tile_of(M, D, BM, BD)
     m_ok = o_m < M
-    rows = t + o_t
-    r_ok = rows < eos
     b_s = _tile(s, rows, r_ok, i_h, H, M, o_m, _NEG)  # [BT, BM]
-    b_x = _tile(x, rows, r_ok, i_h, H, D, o_d, 0.0)  # [BT, BD]
     mx = tl.max(b_s, 0)
-    b_end = _logaddexp(b_lz, mx + tl.log(tl.sum(tl.exp(b_s - mx[None, :]), 0)))  # [BM]
+    b_r = mx + tl.log(tl.sum(tl.exp(b_s - mx[None, :]), 0))  # [BM]
+    b_u = _dot(tl.trans(tl.exp(b_s - b_r[None, :])), _tile(x, rows, r_ok, i_h, H, D, o_d, 0.0),
+               PREC)  # [BM, BD]
+    if i_c + 1 < n_c:
+        _put_block(h, b_u, i_g + 1, i_h, H, M, D, o_m, o_d)
+    else:
+        _put_block(xT, b_u, i_n, i_h, H, M, D, o_m, o_d)
+    if STORE_LC and i_d == 0:
+        tl.store(r + (i_g * H + i_h) * M + o_m, b_r, mask=m_ok)
+        tl.store(lc + (rows[:, None] * H + i_h) * M + o_m[None, :],
+                 tl.associative_scan(b_s, 0, _logaddexp), mask=r_ok[:, None] & m_ok[None, :])
+
+
+@triton.jit
+def _fwd_scan_chunk(i_g, last, final, b_mem, b_z, r, zprev, zend, h, i_h, i_d, H, M, D, o_m,
+                    o_d, STORE_Z: tl.constexpr, RESET: tl.constexpr):
+    """Chunk i_g of `_fwd_scan` (`last` the sequence's last chunk, `final` its final memory in
+    xT): stores the memory before it, returns (the memory, log_z) after it (log_z 0 with
+    RESET)."""
+    m_ok = o_m < M
+    at = (i_g * H + i_h) * M + o_m
+    b_r = tl.load(r + at, mask=m_ok, other=0.0)
+    after = tl.where(i_g < last, h + ((i_g + 1) * H + i_h) * M * D, final)  # u, `_fwd_chunks`
+    b_u = tl.load(after + o_m[:, None] * D + o_d[None, :],
+                  mask=m_ok[:, None] & (o_d < D)[None, :], other=0.0)
     _put_block(h, b_mem, i_g, i_h, H, M, D, o_m, o_d)
-    if STORE_A and i_d == 0:
-        b_a = _logaddexp(b_lz[None, :], tl.associative_scan(b_s, 0, _logaddexp))
-        tl.store(a + (rows[:, None] * H + i_h) * M + o_m[None, :], b_a,
-                 mask=r_ok[:, None] & m_ok[None, :])
-        tl.store(zprev + (i_g * H + i_h) * M + o_m, b_lz, mask=m_ok)
-        tl.store(zend + (i_g * H + i_h) * M + o_m, b_end, mask=m_ok)
-    write = tl.exp(b_s - b_end[None, :])  # [BT, BM], ≤ 1
-    keep = tl.exp(b_lz - b_end)  # [BM], ≤ 1
-    b_mem = b_mem * keep[:, None] + _dot(tl.trans(write), b_x, PREC)
+    b_end = _logaddexp(b_z, b_r)  # [BM]
+    if STORE_Z and i_d == 0:
+        tl.store(zprev + at, b_z, mask=m_ok)
+        tl.store(zend + at, b_end, mask=m_ok)
+    # both weights ≤ 1
+    b_mem = b_mem * tl.exp(b_z - b_end)[:, None] + tl.exp(b_r - b_end)[:, None] * b_u
     if RESET:  # the next chunk's logits are relative to the memory after this one
         b_end = tl.zeros_like(b_end)
     return b_mem, b_end
 
 
 @triton.jit
-def _fwd_states(x, s, lz0, x0, a, zprev, zend, h, lzT, xT, cu, boff,
-                H, M, D,
-                HAS_INIT: tl.constexpr, STORE_A: tl.constexpr,
-                BT: tl.constexpr, BM: tl.constexpr, BD: tl.constexpr, PREC: tl.constexpr,
-                STAGES: tl.constexpr, RESET: tl.constexpr):
-    """Memories at the chunk starts of one (sequence, head), slots o_m, features o_d.
+def _fwd_scan(lz0, x0, r, zprev, zend, h, lzT, xT, cu, boff,
+              H, M, D,
+              HAS_INIT: tl.constexpr, STORE_Z: tl.constexpr, BT: tl.constexpr,
+              BM: tl.constexpr, BD: tl.constexpr, STAGES: tl.constexpr, RESET: tl.constexpr):
+    """Memories at the chunk starts of one (sequence, head), slots o_m, features o_d, from the
+    chunks' own parts (`_fwd_chunks`): per chunk g, elementwise on loaded tiles,
 
-    x [total, H, D] (k or v), s [total, H, M]; lz0 [N, H, M], x0 [N, H, M, D] the initial
-    state. Stores h [chunks, H, M, D] (memory before each chunk), xT [N, H, M, D]; with
-    STORE_A (the K̃ launch, first feature block) also a [total, H, M], zprev / zend
-    [chunks, H, M] (log_z before / after each chunk) and lzT [N, H, M].
+        z_end = logaddexp(z, r_g),  mem <- exp(z - z_end) mem + exp(r_g - z_end) u_g
+
+    lz0 [N, H, M], x0 [N, H, M, D] the initial state; r [chunks, H, M]. Stores h [chunks, H,
+    M, D] (memory before each chunk), xT [N, H, M, D]; with STORE_Z (the K̃ launch, first
+    feature block) also zprev / zend [chunks, H, M] (log_z before / after each chunk) and
+    lzT [N, H, M].
     STAGES 0: a `while` loop over the chunks; else a `for` loop that compiled Triton
     software-pipelines with that many stages (the interpreter cannot run it).
     RESET: log_z is 0 at the start of every chunk, the first included (whatever lz0 holds):
@@ -260,35 +358,33 @@ def _fwd_states(x, s, lz0, x0, a, zprev, zend, h, lzT, xT, cu, boff,
     i_n, i_h = i_nh // H, i_nh % H
     bos = tl.load(cu + i_n).to(tl.int64)
     eos = tl.load(cu + i_n + 1).to(tl.int64)
-    i_g = tl.load(boff + i_n).to(tl.int64)
-    o_t = tl.arange(0, BT)
+    g0 = tl.load(boff + i_n).to(tl.int64)
+    last = g0 + (eos - bos + BT - 1) // BT - 1
     o_m = i_m * BM + tl.arange(0, BM)
     o_d = i_d * BD + tl.arange(0, BD)
     m_ok = o_m < M
     if HAS_INIT:
-        b_lz = tl.maximum(tl.load(lz0 + i_nh * M + o_m, mask=m_ok, other=_NEG), _NEG)
+        b_z = tl.maximum(tl.load(lz0 + i_nh * M + o_m, mask=m_ok, other=_NEG), _NEG)
         b_mem = _block(x0, i_n, i_h, H, M, D, o_m, o_d)
     else:
-        b_lz = tl.full([BM], _NEG, tl.float32)
+        b_z = tl.full([BM], _NEG, tl.float32)
         b_mem = tl.zeros([BM, BD], tl.float32)
     if RESET:
-        b_lz = tl.zeros([BM], tl.float32)
+        b_z = tl.zeros([BM], tl.float32)
+    final = xT + (i_nh * M).to(tl.int64) * D
     if STAGES > 0:
-        for n in tl.range(0, tl.cdiv(eos - bos, BT), num_stages=STAGES):
-            b_mem, b_lz = _fwd_states_chunk(bos + n * BT, i_g + n, b_mem, b_lz, x, s, a, zprev,
-                                            zend, h, eos, i_h, i_d, H, M, D, o_t, o_m, o_d,
-                                            STORE_A, PREC, RESET)
+        for n in tl.range(0, last - g0 + 1, num_stages=STAGES):
+            b_mem, b_z = _fwd_scan_chunk(g0 + n, last, final, b_mem, b_z, r, zprev, zend, h,
+                                         i_h, i_d, H, M, D, o_m, o_d, STORE_Z, RESET)
     else:
-        t = bos
-        while t < eos:  # the chunks of the sequence, in order
-            b_mem, b_lz = _fwd_states_chunk(t, i_g, b_mem, b_lz, x, s, a, zprev, zend, h, eos,
-                                            i_h, i_d, H, M, D, o_t, o_m, o_d, STORE_A, PREC,
-                                            RESET)
-            t += BT
+        i_g = g0
+        while i_g <= last:  # the chunks of the sequence, in order
+            b_mem, b_z = _fwd_scan_chunk(i_g, last, final, b_mem, b_z, r, zprev, zend, h, i_h,
+                                         i_d, H, M, D, o_m, o_d, STORE_Z, RESET)
             i_g += 1
     _put_block(xT, b_mem, i_n, i_h, H, M, D, o_m, o_d)
-    if STORE_A and i_d == 0:
-        tl.store(lzT + i_nh * M + o_m, b_lz, mask=m_ok)
+    if STORE_Z and i_d == 0:
+        tl.store(lzT + i_nh * M + o_m, b_z, mask=m_ok)
 
 
 @triton.jit
@@ -301,18 +397,20 @@ def _diag_phi(s, b_a, rows, eos, i_h, H, M, o_c, o_m):
 
 
 @triton.jit
-def _keys_to_slots(b_x, b_h, decay, y, s, a, b_a, t0, eos, bos, j0, i_s, i_h, H, D, M,
+def _keys_to_slots(b_x, b_h, decay, y, s, lc, b_zp, b_a, t0, eos, bos, j0, i_s, i_h, H, D, M,
                    o_c, o_d, o_m, BC: tl.constexpr, PREC: tl.constexpr, DIAG3: tl.constexpr):
     """out[t, m] = decay[t, m] (x_t · h[m]) + Σ_{i≤t in the chunk} φ[t, i][m] (x_t · y_i) for
     the rows t of a sub-block -> [BC, BM]. b_x [BC, BD]; b_h [BM, BD] the memory before the
-    chunk; y [total, H, D]. x = scale q, y = k, h = K̃: the scores; x = do, y = v, h = Ṽ: dp."""
+    chunk; y [total, H, D]; b_a [BC, BM] a of the rows, and that of other rows of the chunk from
+    its z_prev b_zp and lc (`_log_z`). x = scale q, y = k, h = K̃: the scores; x = do, y = v,
+    h = Ṽ: dp."""
     b_out = decay * _dot(b_x, tl.trans(b_h), PREC)
     j = j0
     while j < i_s:  # earlier sub-blocks of the chunk, split at r = a at their last token
         rows_j = bos + j * BC + o_c
         b_yj = _tile(y, rows_j, rows_j < eos, i_h, H, D, o_d, 0.0)
         b_sj = _tile(s, rows_j, rows_j < eos, i_h, H, M, o_m, _NEG)
-        b_r = _row(a, bos + j * BC + BC - 1, True, i_h, H, M, o_m, _POS)  # [BM]
+        b_r = _log_z_row(lc, b_zp, bos + j * BC + BC - 1, True, i_h, H, M, o_m)  # [BM]
         b_xy = _dot(b_x, tl.trans(b_yj), PREC)  # [BC, BC]
         b_out += tl.exp(b_r[None, :] - b_a) * _dot(b_xy, tl.exp(b_sj - b_r[None, :]), PREC)
         j += 1
@@ -329,18 +427,19 @@ def _keys_to_slots(b_x, b_h, decay, y, s, a, b_a, t0, eos, bos, j0, i_s, i_h, H,
 
 
 @triton.jit
-def _slots_to_values(b_w, b_h, decay, y, s, a, b_a, t0, eos, bos, j0, i_s, i_h, H, D, M,
+def _slots_to_values(b_w, b_h, decay, y, s, lc, b_zp, b_a, t0, eos, bos, j0, i_s, i_h, H, D, M,
                      o_c, o_d, o_m, BC: tl.constexpr, PREC: tl.constexpr, DIAG3: tl.constexpr):
     """out[t] = Σ_m w[t, m] (decay[t, m] h[m] + Σ_{i≤t in the chunk} φ[t, i][m] y_i) for the
     rows t of a sub-block -> [BC, BD]. b_w [BC, BM]; b_h [BM, BD] the memory before the chunk;
-    y [total, H, D]. w = p, y = v, h = Ṽ: o; w = dS, y = k, h = K̃: dq / scale."""
+    y [total, H, D]; b_a, b_zp, lc as in `_keys_to_slots`. w = p, y = v, h = Ṽ: o; w = dS,
+    y = k, h = K̃: dq / scale."""
     b_out = _dot(b_w * decay, b_h, PREC)
     j = j0
     while j < i_s:
         rows_j = bos + j * BC + o_c
         b_yj = _tile(y, rows_j, rows_j < eos, i_h, H, D, o_d, 0.0)
         b_sj = _tile(s, rows_j, rows_j < eos, i_h, H, M, o_m, _NEG)
-        b_r = _row(a, bos + j * BC + BC - 1, True, i_h, H, M, o_m, _POS)
+        b_r = _log_z_row(lc, b_zp, bos + j * BC + BC - 1, True, i_h, H, M, o_m)
         b_g = _dot(b_w * tl.exp(b_r[None, :] - b_a), tl.trans(tl.exp(b_sj - b_r[None, :])),
                    PREC)  # [BC, BC]
         b_out += _dot(b_g, b_yj, PREC)
@@ -359,7 +458,7 @@ def _slots_to_values(b_w, b_h, decay, y, s, a, b_a, t0, eos, bos, j0, i_s, i_h, 
 
 
 @triton.jit
-def _fwd_output(q, k, v, s, a, zprev, hk, hv, o, S, lse, cu, boff, sub_idx, scale,
+def _fwd_output(q, k, v, s, lc, zprev, hk, hv, o, S, lse, cu, boff, sub_idx, scale,
                 H, K, V, M,
                 BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
                 BM: tl.constexpr, PREC: tl.constexpr, DIAG3: tl.constexpr):
@@ -370,11 +469,12 @@ def _fwd_output(q, k, v, s, a, zprev, hk, hv, o, S, lse, cu, boff, sub_idx, scal
     o_k = tl.arange(0, BK)
     o_v = tl.arange(0, BV)
     o_m = tl.arange(0, BM)
-    b_a, decay = _chunk_decay(a, zprev, rows, r_ok, i_g, i_h, H, M, o_m)
+    b_zp, b_a, decay = _chunk_decay(lc, zprev, rows, r_ok, i_g, i_h, H, M, o_m)
     b_q = _tile(q, rows, r_ok, i_h, H, K, o_k, 0.0) * scale  # [BC, BK]
 
-    b_S = _keys_to_slots(b_q, _block(hk, i_g, i_h, H, M, K, o_m, o_k), decay, k, s, a, b_a,
-                         t0, eos, bos, j0, i_s, i_h, H, K, M, o_c, o_k, o_m, BC, PREC, DIAG3)
+    b_S = _keys_to_slots(b_q, _block(hk, i_g, i_h, H, M, K, o_m, o_k), decay, k, s, lc,
+                         b_zp, b_a, t0, eos, bos, j0, i_s, i_h, H, K, M, o_c, o_k, o_m,
+                         BC, PREC, DIAG3)
     b_S = tl.where((o_m < M)[None, :], b_S, float("-inf"))
     mx = tl.max(b_S, 1)
     b_p = tl.exp(b_S - mx[:, None])
@@ -384,8 +484,9 @@ def _fwd_output(q, k, v, s, a, zprev, hk, hv, o, S, lse, cu, boff, sub_idx, scal
              mask=r_ok[:, None] & (o_m < M)[None, :])
     tl.store(lse + rows * H + i_h, mx + tl.log(den), mask=r_ok)
 
-    b_o = _slots_to_values(b_p, _block(hv, i_g, i_h, H, M, V, o_m, o_v), decay, v, s, a, b_a,
-                           t0, eos, bos, j0, i_s, i_h, H, V, M, o_c, o_v, o_m, BC, PREC, DIAG3)
+    b_o = _slots_to_values(b_p, _block(hv, i_g, i_h, H, M, V, o_m, o_v), decay, v, s, lc,
+                           b_zp, b_a, t0, eos, bos, j0, i_s, i_h, H, V, M, o_c, o_v, o_m,
+                           BC, PREC, DIAG3)
     tl.store(o + (rows[:, None] * H + i_h) * V + o_v[None, :], b_o.to(o.dtype.element_ty),
              mask=r_ok[:, None] & (o_v < V)[None, :])
 
@@ -395,7 +496,7 @@ def _fwd_output(q, k, v, s, a, zprev, hk, hv, o, S, lse, cu, boff, sub_idx, scal
 # --------------------------------------------------------------------------------------
 
 @triton.jit
-def _bwd_dq(q, k, v, s, a, zprev, hk, hv, S, lse, do, dq, dS, c, cu, boff, sub_idx, scale,
+def _bwd_dq(q, k, v, s, lc, zprev, hk, hv, S, lse, do, dq, dS, c, cu, boff, sub_idx, scale,
             H, K, V, M,
             BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
             BM: tl.constexpr, PREC: tl.constexpr, DIAG3: tl.constexpr):
@@ -406,12 +507,13 @@ def _bwd_dq(q, k, v, s, a, zprev, hk, hv, S, lse, do, dq, dS, c, cu, boff, sub_i
     o_k = tl.arange(0, BK)
     o_v = tl.arange(0, BV)
     o_m = tl.arange(0, BM)
-    b_a, decay = _chunk_decay(a, zprev, rows, r_ok, i_g, i_h, H, M, o_m)
+    b_zp, b_a, decay = _chunk_decay(lc, zprev, rows, r_ok, i_g, i_h, H, M, o_m)
     b_do = _tile(do, rows, r_ok, i_h, H, V, o_v, 0.0)  # [BC, BV]
 
     # dp_t[m] = do_t · Ṽ_t[m]
-    b_dp = _keys_to_slots(b_do, _block(hv, i_g, i_h, H, M, V, o_m, o_v), decay, v, s, a, b_a,
-                          t0, eos, bos, j0, i_s, i_h, H, V, M, o_c, o_v, o_m, BC, PREC, DIAG3)
+    b_dp = _keys_to_slots(b_do, _block(hv, i_g, i_h, H, M, V, o_m, o_v), decay, v, s, lc,
+                          b_zp, b_a, t0, eos, bos, j0, i_s, i_h, H, V, M, o_c, o_v, o_m,
+                          BC, PREC, DIAG3)
     b_p, b_S = _probs(S, lse, rows, r_ok, i_h, H, M, o_m)
     b_dS = b_p * (b_dp - tl.sum(b_p * b_dp, 1)[:, None])
     b_c = b_dS * b_S + b_p * b_dp  # K̃_t·G^K_t + Ṽ_t·G^V_t per slot
@@ -420,60 +522,96 @@ def _bwd_dq(q, k, v, s, a, zprev, hk, hv, S, lse, do, dq, dS, c, cu, boff, sub_i
     tl.store(c + (rows[:, None] * H + i_h) * M + o_m[None, :], b_c, mask=ok)
 
     # dq_t = scale Σ_m dS_t[m] K̃_t[m]
-    b_dq = _slots_to_values(b_dS, _block(hk, i_g, i_h, H, M, K, o_m, o_k), decay, k, s, a, b_a,
-                            t0, eos, bos, j0, i_s, i_h, H, K, M, o_c, o_k, o_m, BC, PREC, DIAG3)
+    b_dq = _slots_to_values(b_dS, _block(hk, i_g, i_h, H, M, K, o_m, o_k), decay, k, s, lc,
+                            b_zp, b_a, t0, eos, bos, j0, i_s, i_h, H, K, M, o_c, o_k, o_m,
+                            BC, PREC, DIAG3)
     tl.store(dq + (rows[:, None] * H + i_h) * K + o_k[None, :],
              (b_dq * scale).to(dq.dtype.element_ty), mask=r_ok[:, None] & (o_k < K)[None, :])
 
 
 @triton.jit
-def _bwd_states_chunk(i, b_dh, b_dc, x, coef, lse, c, a, zprev, zend, dh, dc, bos, eos, g0,
-                      scale, i_h, i_d, H, M, D, o_t, o_m, o_d, IS_V: tl.constexpr,
-                      BT: tl.constexpr, PREC: tl.constexpr):
-    """Chunk i of `_bwd_states`: stores the gradient after it, returns (dh, dc) before it."""
+def _bwd_chunks(x, coef, lse, c, lc, zprev, dh, dhc, dx0, dc0, cu, chunk_idx, scale,
+                H, M, D,
+                IS_V: tl.constexpr, BT: tl.constexpr, BM: tl.constexpr, BD: tl.constexpr,
+                PREC: tl.constexpr):
+    """Each chunk's own part of the gradient reaching the memory before it, every chunk at
+    once: grid (chunks, tiles of [M, D], H).
+
+    K̃ launch: x = q, coef = dS, G^K_t[m] = scale dS_t[m] q_t; Ṽ launch: x = do, coef = S
+    (p = exp(S - lse)), G^V_t[m] = p_t[m] do_t. With f_t = exp(z_prev - a_t) ≤ 1 (the weight of
+    the memory before the chunk at token t), w_g = Σ_t (f_t ⊙ coef_t)ᵀ x_t (one tl.dot) and,
+    in the K̃ launch's first feature block, wc_g = Σ_t f_t c_t. Stored where `_bwd_scan`
+    stores the gradient before chunk g (that after the chunk before it, dh [chunks, H, M, D],
+    dhc [chunks, H, M]; before a sequence's first chunk, dx0 [N, H, M, D], dc0 [N, H, M]):
+    the scan reads them there and overwrites them with values computed from them.
+    """
+    i_h = tl.program_id(2)
+    i_g, i_n, i_c, _nc, rows, r_ok = _chunk_of(cu, chunk_idx, BT)
+    o_m, o_d, i_d = _tile_of(M, D, BM, BD)
     m_ok = o_m < M
-    i_g = g0 + i
-    rows = bos + i * BT + o_t
-    r_ok = rows < eos
-    _put_block(dh, b_dh, i_g, i_h, H, M, D, o_m, o_d)
-    if (not IS_V) and i_d == 0:
-        tl.store(dc + (i_g * H + i_h) * M + o_m, b_dc, mask=m_ok)
-    b_zp = tl.load(zprev + (i_g * H + i_h) * M + o_m, mask=m_ok, other=0.0)
-    keep = tl.exp(b_zp - tl.load(zend + (i_g * H + i_h) * M + o_m, mask=m_ok, other=0.0))
-    b_f = tl.exp(b_zp[None, :] - _tile(a, rows, r_ok, i_h, H, M, o_m, _POS))  # [BT, BM]
+    _zp, _a, b_f = _chunk_decay(lc, zprev, rows, r_ok, i_g, i_h, H, M, o_m)  # [BT, BM]
     if IS_V:
-        b_coef, _s = _probs(coef, lse, rows, r_ok, i_h, H, M, o_m)
+        b_coef, _S = _probs(coef, lse, rows, r_ok, i_h, H, M, o_m)
         b_x = _tile(x, rows, r_ok, i_h, H, D, o_d, 0.0)
     else:
         b_coef = _tile(coef, rows, r_ok, i_h, H, M, o_m, 0.0)
         b_x = _tile(x, rows, r_ok, i_h, H, D, o_d, 0.0) * scale
-    b_dh = b_dh * keep[:, None] + _dot(tl.trans(b_f * b_coef), b_x, PREC)
+    b_w = _dot(tl.trans(b_f * b_coef), b_x, PREC)  # [BM, BD]
+    if i_c > 0:
+        _put_block(dh, b_w, i_g - 1, i_h, H, M, D, o_m, o_d)
+    else:
+        _put_block(dx0, b_w, i_n, i_h, H, M, D, o_m, o_d)
     if (not IS_V) and i_d == 0:
-        b_dc = b_dc * keep + tl.sum(b_f * _tile(c, rows, r_ok, i_h, H, M, o_m, 0.0), 0)
+        b_wc = tl.sum(b_f * _tile(c, rows, r_ok, i_h, H, M, o_m, 0.0), 0)  # [BM]
+        at = tl.where(i_c > 0, dhc + ((i_g - 1) * H + i_h) * M, dc0 + (i_n * H + i_h) * M)
+        tl.store(at + o_m, b_wc, mask=m_ok)
+
+
+@triton.jit
+def _bwd_scan_chunk(i_g, g0, first, first_c, b_dh, b_dc, zprev, zend, dh, dhc, i_h, i_d, H, M,
+                    D, o_m, o_d, IS_V: tl.constexpr):
+    """Chunk i_g of `_bwd_scan` (g0 the sequence's first chunk, `first` / `first_c` the
+    gradients before it in dx0 / dc0): stores the gradient after it, returns (dh, dc) before
+    it."""
+    m_ok = o_m < M
+    at = (i_g * H + i_h) * M + o_m
+    before = tl.where(i_g > g0, dh + ((i_g - 1) * H + i_h) * M * D, first)  # w, `_bwd_chunks`
+    b_w = tl.load(before + o_m[:, None] * D + o_d[None, :],
+                  mask=m_ok[:, None] & (o_d < D)[None, :], other=0.0)
+    _put_block(dh, b_dh, i_g, i_h, H, M, D, o_m, o_d)
+    keep = tl.exp(tl.load(zprev + at, mask=m_ok, other=0.0)
+                  - tl.load(zend + at, mask=m_ok, other=0.0))  # [BM], ≤ 1
+    b_dh = b_dh * keep[:, None] + b_w
+    if (not IS_V) and i_d == 0:
+        b_wc = tl.load(tl.where(i_g > g0, dhc + ((i_g - 1) * H + i_h) * M, first_c) + o_m,
+                       mask=m_ok, other=0.0)
+        tl.store(dhc + at, b_dc, mask=m_ok)
+        b_dc = b_dc * keep + b_wc
     return b_dh, b_dc
 
 
 @triton.jit
-def _bwd_states(x, coef, lse, c, a, zprev, zend, dxT, dcT, dh, dc, dx0, dc0, cu, boff, scale,
-                H, M, D,
-                IS_V: tl.constexpr, HAS_DFINAL: tl.constexpr,
-                BT: tl.constexpr, BM: tl.constexpr, BD: tl.constexpr, PREC: tl.constexpr,
-                STAGES: tl.constexpr):
-    """∂L/∂(memory after each chunk) of one (sequence, head), slots o_m, features o_d.
+def _bwd_scan(zprev, zend, dxT, dcT, dh, dhc, dx0, dc0, cu, boff,
+              H, M, D,
+              IS_V: tl.constexpr, HAS_DFINAL: tl.constexpr, BT: tl.constexpr,
+              BM: tl.constexpr, BD: tl.constexpr, STAGES: tl.constexpr):
+    """∂L/∂(memory after each chunk) of one (sequence, head), slots o_m, features o_d, from the
+    chunks' own parts (`_bwd_chunks`): per chunk g, last first, elementwise on loaded tiles,
 
-    K̃ launch: x = q, coef = dS, G^K_t[m] = scale dS_t[m] q_t; the first feature block also
-    scans c. Ṽ launch: x = do, coef = S (p = exp(S - lse)), G^V_t[m] = p_t[m] do_t.
-    dxT / dcT [N, H, M(, D)]: the gradient of the final memory and the c of the final
-    state. Stores dh [chunks, H, M, D], dc [chunks, H, M] and, before the first chunk,
-    dx0 [N, H, M, D] (the initial memory's gradient) and dc0 [N, H, M].
-    STAGES: as in `_fwd_states`.
+        dh_before(g) = keep_g dh_after(g) + w_g,  keep_g = exp(z_prev_g - z_end_g) ≤ 1
+
+    and dc alike in the K̃ launch's first feature block. dxT / dcT [N, H, M(, D)]: the
+    gradient of the final memory and the c of the final state. Stores dh [chunks, H, M, D],
+    dhc [chunks, H, M] (K̃ launch) and, before the first chunk, dx0 [N, H, M, D] (the initial
+    memory's gradient) and dc0 [N, H, M].
+    STAGES: as in `_fwd_scan`.
     """
     i_d, i_m, i_nh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     i_n, i_h = i_nh // H, i_nh % H
     bos = tl.load(cu + i_n).to(tl.int64)
     eos = tl.load(cu + i_n + 1).to(tl.int64)
     g0 = tl.load(boff + i_n).to(tl.int64)
-    o_t = tl.arange(0, BT)
+    last = g0 + (eos - bos + BT - 1) // BT - 1
     o_m = i_m * BM + tl.arange(0, BM)
     o_d = i_d * BD + tl.arange(0, BD)
     m_ok = o_m < M
@@ -483,26 +621,25 @@ def _bwd_states(x, coef, lse, c, a, zprev, zend, dxT, dcT, dh, dc, dx0, dc0, cu,
     else:
         b_dh = tl.zeros([BM, BD], tl.float32)
         b_dc = tl.zeros([BM], tl.float32)
-    last = (eos - bos + BT - 1) // BT - 1
+    first = dx0 + (i_nh * M).to(tl.int64) * D
+    first_c = dc0 + (i_nh * M).to(tl.int64)
     if STAGES > 0:
-        for n in tl.range(0, last + 1, num_stages=STAGES):  # the chunks, last first
-            b_dh, b_dc = _bwd_states_chunk(last - n, b_dh, b_dc, x, coef, lse, c, a, zprev,
-                                           zend, dh, dc, bos, eos, g0, scale, i_h, i_d, H, M,
-                                           D, o_t, o_m, o_d, IS_V, BT, PREC)
+        for n in tl.range(0, last - g0 + 1, num_stages=STAGES):  # the chunks, last first
+            b_dh, b_dc = _bwd_scan_chunk(last - n, g0, first, first_c, b_dh, b_dc, zprev, zend,
+                                         dh, dhc, i_h, i_d, H, M, D, o_m, o_d, IS_V)
     else:
-        i = last
-        while i >= 0:  # the chunks of the sequence, last first
-            b_dh, b_dc = _bwd_states_chunk(i, b_dh, b_dc, x, coef, lse, c, a, zprev, zend, dh,
-                                           dc, bos, eos, g0, scale, i_h, i_d, H, M, D, o_t,
-                                           o_m, o_d, IS_V, BT, PREC)
-            i -= 1
+        i_g = last
+        while i_g >= g0:  # the chunks of the sequence, last first
+            b_dh, b_dc = _bwd_scan_chunk(i_g, g0, first, first_c, b_dh, b_dc, zprev, zend, dh,
+                                         dhc, i_h, i_d, H, M, D, o_m, o_d, IS_V)
+            i_g -= 1
     _put_block(dx0, b_dh, i_n, i_h, H, M, D, o_m, o_d)
     if (not IS_V) and i_d == 0:
         tl.store(dc0 + i_nh * M + o_m, b_dc, mask=m_ok)
 
 
 @triton.jit
-def _bwd_dkv(q, k, v, s, a, zend, S, lse, do, dS, c, dhk, dhv, dhc, dk, dv, ds, ds_part,
+def _bwd_dkv(q, k, v, s, lc, zprev, zend, S, lse, do, dS, c, dhk, dhv, dhc, dk, dv, ds, ds_part,
              cu, boff, sub_idx, scale,
              H, K, V, M,
              BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
@@ -524,6 +661,7 @@ def _bwd_dkv(q, k, v, s, a, zend, S, lse, do, dS, c, dhk, dhv, dhc, dk, dv, ds, 
         b_v = _tile(v, rows, r_ok, i_h, H, V, o_v, 0.0)  # [BC, BV]
 
     # Later chunks, through the gradient of the memory after this chunk.
+    b_zp = tl.load(zprev + (i_g * H + i_h) * M + o_m, mask=o_m < M, other=_NEG)
     b_ze = tl.load(zend + (i_g * H + i_h) * M + o_m, mask=o_m < M, other=0.0)
     b_e = tl.exp(b_s - b_ze[None, :])  # [BC, BM], ≤ 1
     b_ds = tl.zeros([BC, BM], tl.float32)
@@ -540,13 +678,13 @@ def _bwd_dkv(q, k, v, s, a, zend, S, lse, do, dS, c, dhk, dhv, dhc, dk, dv, ds, 
     # Later sub-blocks of the chunk, through r = log_z at the last token of this one.
     n_sub = (eos - bos + BC - 1) // BC
     j_end = tl.minimum(j0 + BT // BC, n_sub)
-    b_r = _row(a, t0 + BC - 1, t0 + BC - 1 < eos, i_h, H, M, o_m, _POS)
+    b_r = _log_z_row(lc, b_zp, t0 + BC - 1, t0 + BC - 1 < eos, i_h, H, M, o_m)
     b_e = tl.exp(b_s - b_r[None, :])  # [BC, BM], ≤ 1
     j = i_s + 1
     while j < j_end:
         rows_j = bos + j * BC + o_c
         rj_ok = rows_j < eos
-        b_f = tl.exp(b_r[None, :] - _tile(a, rows_j, rj_ok, i_h, H, M, o_m, _POS))  # ≤ 1
+        b_f = tl.exp(b_r[None, :] - _log_z(lc, b_zp, rows_j, rj_ok, i_h, H, M, o_m))  # ≤ 1
         if SIDES != 2:
             b_qj = _tile(q, rows_j, rj_ok, i_h, H, K, o_k, 0.0) * scale
             b_fdS = b_f * _tile(dS, rows_j, rj_ok, i_h, H, M, o_m, 0.0)
@@ -570,7 +708,7 @@ def _bwd_dkv(q, k, v, s, a, zend, S, lse, do, dS, c, dhk, dhv, dhc, dk, dv, ds, 
         b_do = _tile(do, rows, r_ok, i_h, H, V, o_v, 0.0)  # [BC, BV]
         b_vdo = _dot(b_v, tl.trans(b_do), PREC)
     if DIAG3:  # φ [t, i, m] with t the reading token (the rows of the tiles below)
-        b_phi = _diag_phi(s, _tile(a, rows, r_ok, i_h, H, M, o_m, _POS), rows, eos, i_h, H, M,
+        b_phi = _diag_phi(s, _log_z(lc, b_zp, rows, r_ok, i_h, H, M, o_m), rows, eos, i_h, H, M,
                           o_c, o_m)
         if SIDES != 2:
             b_dSt = _tile(dS, rows, r_ok, i_h, H, M, o_m, 0.0)  # [BC, BM]
@@ -585,7 +723,7 @@ def _bwd_dkv(q, k, v, s, a, zend, S, lse, do, dS, c, dhk, dhv, dhc, dk, dv, ds, 
     else:
         for i in range(BC):  # token t = t0 + i
             ok = t0 + i < eos
-            b_at = _row(a, t0 + i, ok, i_h, H, M, o_m, _POS)
+            b_at = _log_z_row(lc, b_zp, t0 + i, ok, i_h, H, M, o_m)
             b_phi = tl.exp(tl.where(o_c[:, None] <= i, b_s - b_at[None, :], _NEG))  # [BC, BM]
             if SIDES != 2:
                 b_dSt = _row(dS, t0 + i, ok, i_h, H, M, o_m, 0.0)
@@ -632,6 +770,7 @@ class _Plan(NamedTuple):
     cu: torch.Tensor  # [N + 1] int32, sequence boundaries
     boff: torch.Tensor  # [N] int32, global index of each sequence's first chunk
     sub_idx: torch.Tensor  # [sub-blocks, 2] int32, (sequence, sub-block in it)
+    chunk_idx: torch.Tensor  # [chunks, 2] int32, (sequence, chunk in it)
     n_seq: int
     n_chunks: int
     chunk: int  # BT
@@ -646,19 +785,20 @@ def _plan(bounds: list[int], chunk: int, scale: float, precision: str,
 
 @functools.lru_cache(maxsize=64)
 def _layout(bounds: tuple[int, ...], chunk: int, sub: int, device: torch.device):
-    """(cu, boff, sub_idx, n_seq, n_chunks) of a packed batch in chunks of `chunk` and
-    sub-blocks of `sub` tokens, kept for the next call with the same boundaries: each copy to
-    the GPU would wait for the work queued before it."""
+    """(cu, boff, sub_idx, chunk_idx, n_seq, n_chunks) of a packed batch in chunks of `chunk`
+    and sub-blocks of `sub` tokens, kept for the next call with the same boundaries: each copy
+    to the GPU would wait for the work queued before it."""
     lens = torch.tensor(bounds[1:]) - torch.tensor(bounds[:-1])
     n_chunks = (lens + chunk - 1) // chunk
-    n_sub = (lens + sub - 1) // sub
-    seq = torch.repeat_interleave(torch.arange(len(lens)), n_sub)
-    first = torch.cumsum(n_sub, 0) - n_sub
-    sub = torch.arange(int(n_sub.sum())) - first[seq]
     as_int = {"dtype": torch.int32, "device": device}
+
+    def each(counts):  # [units, 2]: (sequence, index in it) of every unit, sequence by sequence
+        seq = torch.repeat_interleave(torch.arange(len(counts)), counts)
+        first = torch.cumsum(counts, 0) - counts
+        return torch.stack((seq, torch.arange(int(counts.sum())) - first[seq]), dim=1).to(
+            **as_int).contiguous()
     return (torch.tensor(bounds, **as_int), (torch.cumsum(n_chunks, 0) - n_chunks).to(**as_int),
-            torch.stack((seq, sub), dim=1).to(**as_int).contiguous(), len(lens),
-            int(n_chunks.sum()))
+            each((lens + sub - 1) // sub), each(n_chunks), len(lens), int(n_chunks.sum()))
 
 
 def _precision(*inputs: torch.Tensor) -> str:
@@ -681,8 +821,9 @@ def _state_blocks(M: int, D: int) -> tuple[int, int]:
 
 
 def _warps(kernel: str, *blocks: int) -> int:
-    """A sub-block kernel's `SUB_WARPS` for its widest tile side; a scan's 4 warps for small
-    tiles, else 8 (with 4, its tiles of 64 × 64 took longer on an H100)."""
+    """A sub-block kernel's `SUB_WARPS` for its widest tile side; a chunk kernel's or a scan's
+    4 warps for small tiles, else 8 (with 4, the earlier scans' tiles of 64 × 64 took longer
+    on an H100)."""
     if kernel in SUB_WARPS:
         return SUB_WARPS[kernel][max(blocks) > 64]
     return 4 if max(blocks) <= 32 else 8
@@ -697,38 +838,41 @@ def _sub_launch(kernel: str, plan: _Plan, K: int, V: int, M: int) -> dict:
 
 def _forward(q, k, v, s, lz0, k0, v0, plan: _Plan, reset: bool = False):
     """q [T, H, K], k [T, H, K], v [T, H, V], s [T, H, M] packed; initial state fp32 or None
-    (lz0 None with reset: `_fwd_states`' RESET)."""
+    (lz0 None with reset: `_fwd_scan`'s RESET)."""
     T, H, K = q.shape
     V, M = v.shape[-1], s.shape[-1]
     N, NT, BT, prec = plan.n_seq, plan.n_chunks, plan.chunk, plan.precision
     f32 = {"dtype": torch.float32, "device": q.device}
-    a = torch.empty(T, H, M, **f32)
+    lc, r = torch.empty(T, H, M, **f32), torch.empty(NT, H, M, **f32)
     zprev, zend = torch.empty(NT, H, M, **f32), torch.empty(NT, H, M, **f32)
     hk, hv = torch.empty(NT, H, M, K, **f32), torch.empty(NT, H, M, V, **f32)
     lzT = torch.empty(N, H, M, **f32)
     kT, vT = torch.empty(N, H, M, K, **f32), torch.empty(N, H, M, V, **f32)
     has_init = k0 is not None
-    for x, x0, h, xT, store_a in ((k, k0, hk, kT, True), (v, v0, hv, vT, False)):
+    for x, x0, h, xT, first in ((k, k0, hk, kT, True), (v, v0, hv, vT, False)):
         D = x.shape[-1]
         BM, BD = _state_blocks(M, D)
+        tiles = triton.cdiv(D, BD) * triton.cdiv(M, BM)
+        _fwd_chunks[(NT, tiles, H)](x, s, lc, r, h, xT, plan.cu, plan.chunk_idx, H, M, D,
+                                    STORE_LC=first, BT=BT, BM=BM, BD=BD, PREC=prec,
+                                    num_warps=_warps("_fwd_chunks", BT, BM, BD))
         grid = (triton.cdiv(D, BD), triton.cdiv(M, BM), N * H)
-        _fwd_states[grid](x, s, lzT if lz0 is None else lz0, x0 if has_init else xT, a, zprev,
-                          zend, h, lzT, xT, plan.cu, plan.boff, H, M, D,
-                          HAS_INIT=has_init, STORE_A=store_a, BT=BT, BM=BM, BD=BD, PREC=prec,
-                          STAGES=scan_stages(STATE_STAGES), RESET=reset,
-                          num_warps=_warps("_fwd_states", BT, BM, BD))
+        _fwd_scan[grid](lzT if lz0 is None else lz0, x0 if has_init else xT, r, zprev, zend, h,
+                        lzT, xT, plan.cu, plan.boff, H, M, D, HAS_INIT=has_init, STORE_Z=first,
+                        BT=BT, BM=BM, BD=BD, STAGES=scan_stages(STATE_STAGES), RESET=reset,
+                        num_warps=_warps("_fwd_scan", BM, BD))
     o = torch.empty(T, H, V, dtype=q.dtype, device=q.device)
     S, lse = torch.empty(T, H, M, **f32), torch.empty(T, H, **f32)
     _fwd_output[(plan.sub_idx.shape[0], H)](
-        q, k, v, s, a, zprev, hk, hv, o, S, lse, plan.cu, plan.boff, plan.sub_idx, plan.scale,
+        q, k, v, s, lc, zprev, hk, hv, o, S, lse, plan.cu, plan.boff, plan.sub_idx, plan.scale,
         H, K, V, M, **_sub_launch("_fwd_output", plan, K, V, M))
-    return o, (lzT, kT, vT), (a, zprev, zend, hk, hv, S, lse)
+    return o, (lzT, kT, vT), (lc, zprev, zend, hk, hv, S, lse)
 
 
 def _backward(q, k, v, s, do, saved, final, dfinal, plan: _Plan, reset: bool = False):
     """Gradients of q, k, v, s and of the initial memories; dfinal = (dlz, dK̃, dṼ) or None.
     reset: the forward ran with RESET (then dc0 is not a gradient: log_z_0 is not an input)."""
-    a, zprev, zend, hk, hv, S, lse = saved
+    lc, zprev, zend, hk, hv, S, lse = saved
     T, H, K = q.shape
     V, M = v.shape[-1], s.shape[-1]
     N, NT, BT, prec = plan.n_seq, plan.n_chunks, plan.chunk, plan.precision
@@ -737,7 +881,7 @@ def _backward(q, k, v, s, do, saved, final, dfinal, plan: _Plan, reset: bool = F
 
     dq = torch.empty_like(q)
     dS, c = torch.empty(T, H, M, **f32), torch.empty(T, H, M, **f32)
-    _bwd_dq[sub](q, k, v, s, a, zprev, hk, hv, S, lse, do, dq, dS, c, plan.cu, plan.boff,
+    _bwd_dq[sub](q, k, v, s, lc, zprev, hk, hv, S, lse, do, dq, dS, c, plan.cu, plan.boff,
                  plan.sub_idx, plan.scale, H, K, V, M, **_sub_launch("_bwd_dq", plan, K, V, M))
 
     dcT = None
@@ -754,12 +898,15 @@ def _backward(q, k, v, s, do, saved, final, dfinal, plan: _Plan, reset: bool = F
                                         (do, S, dvT, dhv, dv0, True)):
         D = x.shape[-1]
         BM, BD = _state_blocks(M, D)
+        tiles = triton.cdiv(D, BD) * triton.cdiv(M, BM)
+        _bwd_chunks[(NT, tiles, H)](x, coef, lse, c, lc, zprev, dh, dhc, dx0, dc0, plan.cu,
+                                    plan.chunk_idx, plan.scale, H, M, D, IS_V=is_v, BT=BT, BM=BM,
+                                    BD=BD, PREC=prec, num_warps=_warps("_bwd_chunks", BT, BM, BD))
         grid = (triton.cdiv(D, BD), triton.cdiv(M, BM), N * H)
-        _bwd_states[grid](x, coef, lse, c, a, zprev, zend, dx0 if dxT is None else dxT,
-                          dc0 if dcT is None else dcT, dh, dhc, dx0, dc0, plan.cu, plan.boff,
-                          plan.scale, H, M, D, IS_V=is_v, HAS_DFINAL=dfinal is not None,
-                          BT=BT, BM=BM, BD=BD, PREC=prec, STAGES=scan_stages(STATE_STAGES),
-                          num_warps=_warps("_bwd_states", BT, BM, BD))
+        _bwd_scan[grid](zprev, zend, dx0 if dxT is None else dxT, dc0 if dcT is None else dcT,
+                        dh, dhc, dx0, dc0, plan.cu, plan.boff, H, M, D, IS_V=is_v,
+                        HAS_DFINAL=dfinal is not None, BT=BT, BM=BM, BD=BD,
+                        STAGES=scan_stages(STATE_STAGES), num_warps=_warps("_bwd_scan", BM, BD))
 
     if reset:
         # The next chunk reads the memory after a chunk, not its log_z: log_z's gradient there
@@ -770,9 +917,9 @@ def _backward(q, k, v, s, do, saved, final, dfinal, plan: _Plan, reset: bool = F
     dk, dv, ds = torch.empty_like(k), torch.empty_like(v), torch.empty_like(s)
     ds_part = torch.empty(T, H, M, **f32) if SPLIT_DKV else ds
     for sides in (1, 2) if SPLIT_DKV else (0,):
-        _bwd_dkv[sub](q, k, v, s, a, zend, S, lse, do, dS, c, dhk, dhv, dhc, dk, dv, ds, ds_part,
-                      plan.cu, plan.boff, plan.sub_idx, plan.scale, H, K, V, M, SIDES=sides,
-                      **_sub_launch("_bwd_dkv", plan, K, V, M))
+        _bwd_dkv[sub](q, k, v, s, lc, zprev, zend, S, lse, do, dS, c, dhk, dhv, dhc, dk, dv, ds,
+                      ds_part, plan.cu, plan.boff, plan.sub_idx, plan.scale, H, K, V, M,
+                      SIDES=sides, **_sub_launch("_bwd_dkv", plan, K, V, M))
     return dq, dk, dv, ds, (dc0, dk0, dv0)
 
 

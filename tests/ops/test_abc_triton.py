@@ -151,6 +151,18 @@ def test_varlen_matches_each_sequence():
     assert_packed_is_each_sequence(want, abc_reference, xs, bounds, ABCState)  # the torch packed form itself
 
 
+def test_varlen_scans_walk_chunk_counts_that_differ():
+    """Chunks of 16 over packed sequences of 1, 4 and 2 chunks (5, 53 and 17 tokens): the
+    chunks' own parts are computed all at once and the short scans walk each sequence's
+    count, each from its own initial state, with every gradient."""
+    bounds = [0, 5, 58, 75]
+    xs = make_inputs(B=1, T=75, N=3, K=16, V=8, M=5)
+    cu = torch.tensor(bounds, dtype=torch.int32, device=DEVICE)
+    got = run(abc_chunk_triton, xs, torch.float32, cu_seqlens=cu, chunk_size=16)
+    want = run(abc_varlen, xs, torch.float64, cu_seqlens=cu.long())
+    assert_all_close(got, want, **F32)
+
+
 def test_dot_precision_follows_the_inputs(monkeypatch):
     f32, bf16, f16 = (torch.zeros(1, dtype=d) for d in (torch.float32, torch.bfloat16,
                                                         torch.float16))

@@ -142,6 +142,17 @@ def test_varlen_matches_each_sequence():
     assert_packed_is_each_sequence(want, gsa_reference, xs, bounds, GSAState)  # the torch packed form itself
 
 
+def test_varlen_scans_walk_chunk_counts_that_differ():
+    """Chunks of 16 over packed sequences of 1, 4 and 2 chunks (5, 53 and 17 tokens): the
+    log-normaliser restarts at every chunk while the short scans walk each sequence's count."""
+    bounds = [0, 5, 58, 75]
+    xs = make_inputs(B=1, T=75, N=3, M=6)
+    cu = torch.tensor(bounds, dtype=torch.int32, device=DEVICE)
+    got = run(gsa_chunk_triton, xs, torch.float32, cu_seqlens=cu, chunk_size=16)
+    want = run(gsa_varlen, xs, torch.float64, cu_seqlens=cu.long())
+    assert_all_close(got, want, **F32)
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_half_precision(dtype):
     """fp16 / bf16 inputs (fp32 accumulation, matmul operands in the input dtype) against the
