@@ -17,11 +17,13 @@ bf16 on CUDA, forward + backward, inputs [B, T, H, D] as in gpu_kernels.py.
   `_bwd_chunks`, `_bwd_scan`) along D capped at 32 and 16, or along M at 16 and D at 32
   (more programs for the scans), 1, 2, 4 or 8 warps for every kernel, the scans' chunk
   loops as while loops or software-pipelined with 2 stages (3 by default), sub-blocks of
-  32 rows (16 by default), fp32 operands with TF32 products in place of bf16 ones, every
-  sub-block kernel's diagonal blocks in one step (with the default warps and with 4) or as
-  loops, and the backward's dk / dv in two launches (with the diagonal blocks either way);
-  each patches `_state_blocks`, `_warps`, `SUB_WARPS`, `BC`, `HALF_DOTS`, `DIAG_3D`,
-  `STATE_STAGES` or `SPLIT_DKV` of `memattn.kernels.abc_chunk` for its run only.
+  16 or 32 rows in every sub-block kernel (`SUB_ROWS` sets each kernel's; 32 also with the
+  diagonal blocks in one step and with 8 warps), fp32 operands with TF32 products in place
+  of bf16 ones, every sub-block kernel's diagonal blocks in one step (with the default warps
+  and with 4) or as loops, and the backward's dk / dv in two launches (with the diagonal
+  blocks either way);
+  each patches `_state_blocks`, `_warps`, `SUB_WARPS`, `SUB_ROWS`, `HALF_DOTS`, `DIAG_3D`,
+  `DIAG_3D_MAX`, `STATE_STAGES` or `SPLIT_DKV` of `memattn.kernels.abc_chunk` for its run only.
   `--variants NAME ...` times those alone (default: every one).
 `--device cpu` runs the same report on the torch form in float32 (no fla, no chunk sizes): a
 check of the script itself on a machine without a GPU.
@@ -132,9 +134,25 @@ def variants() -> dict:
     out["scan blocks M <= 16, D <= 32"] = {"_state_blocks": blocks(32, 16)}
     out["scans as while loops"] = {"STATE_STAGES": 0}
     out["scans pipelined, 2 stages"] = {"STATE_STAGES": 2}
-    out["sub-blocks of 32 rows"] = {"BC": 32}
+    out.update(sub_rows_variants())
     out.update({f"{w} warps": {"_warps": lambda *b, w=w: w} for w in (8, 1)})
     out["scan blocks D <= 16"] = {"_state_blocks": blocks(16)}
+    return out
+
+
+def sub_rows_variants() -> dict:
+    """Sub-blocks of 16 and of 32 rows in every sub-block kernel (each kernel's own time then
+    sets its `SUB_ROWS`), 32 with the diagonal blocks in one step ([32, 32, M] tiles) and with
+    8 warps; those equal to the default left out."""
+    from memattn.kernels import abc_chunk as ac
+
+    def rows(n):
+        return dict.fromkeys(ac.SUB_ROWS, n)
+    out = {f"sub-blocks of {n} rows": {"SUB_ROWS": rows(n)} for n in (16, 32)
+           if rows(n) != ac.SUB_ROWS}
+    out["sub-blocks of 32 rows, diagonal blocks in one step"] = {
+        "SUB_ROWS": rows(32), "DIAG_3D": tuple(ac.SUB_ROWS), "DIAG_3D_MAX": 32 * 32 * 64}
+    out["sub-blocks of 32 rows, 8 warps"] = {"SUB_ROWS": rows(32), "_warps": lambda *b: 8}
     return out
 
 

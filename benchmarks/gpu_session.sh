@@ -20,8 +20,9 @@
 #                                            the GPU gpu_kernels.py (T 2k-32k, decoding at
 #                                            batch 1 and 64) and gpu_profile.py (every kernel's
 #                                            time against its bound from kernel_model.py, D 64
-#                                            and 128, M 32 and 64), each cut at its share of
-#                                            the time (both keep the rows they measured)
+#                                            and 128, M 32 and 64, at the default sub-block rows
+#                                            and at 32), each cut at its share of the time
+#                                            (both keep the rows they measured)
 #   bash benchmarks/gpu_session.sh verify    after changes to the kernels or the contracts,
 #                                            in one call of at most 9 minutes: the kernel
 #                                            tests beside the rest of the suite, then
@@ -76,11 +77,11 @@ case "$phase" in
   profile) python3 benchmarks/gpu_profile.py --out "$OUT/profile" 2>&1 | tee "$OUT/profile.log" ;;
   all)
     tests_beside 110
-    timeout 250 python3 benchmarks/gpu_kernels.py --skip-tests --lengths 2048 4096 8192 16384 32768 \
+    timeout 210 python3 benchmarks/gpu_kernels.py --skip-tests --lengths 2048 4096 8192 16384 32768 \
       --out "$OUT/kernels" > "$OUT/kernels.log" 2>&1 || true
     tail -n 2 "$OUT/kernels.log"
-    timeout 100 python3 benchmarks/gpu_profile.py --dims 64 128 --slots 32 64 --chunk-sizes 64 \
-      --variants default --out "$OUT/profile" > "$OUT/profile.log" 2>&1 || true
+    timeout 140 python3 benchmarks/gpu_profile.py --dims 64 128 --slots 32 64 --chunk-sizes 64 \
+      --variants default "sub-blocks of 32 rows" --out "$OUT/profile" > "$OUT/profile.log" 2>&1 || true
     grep -E "^Bounds|^\*\*" "$OUT/profile/gpu_profile.md" || tail -n 5 "$OUT/profile.log" ;;
   verify)
     tests_beside 130

@@ -3,13 +3,17 @@ how many programs it runs and how far each walks in sequence, so that a measured
 set against the time the hardware allows.
 
     python3 benchmarks/kernel_model.py [--dims 64 128] [--slots 32 64]
-        [--lengths 2048 8192 32768] [--batch 8] [--heads 8] [--chunk 64] [--gpu H100|H200]
-        [--out DIR]
+        [--lengths 2048 8192 32768] [--batch 8] [--heads 8] [--chunk 64] [--rows 16 32]
+        [--gpu H100|H200] [--out DIR]
 
 Writes kernel_model.md and .json to --out (default benchmarks/results/model). No GPU needed:
 the figures are counts from the kernels' source (memattn/kernels/abc_chunk.py and
-abc_decode.py), for bf16 inputs, fp32 saved tensors and fp32 states, as the kernels store
-them. `gpu_profile.py` puts each kernel's measured time beside its bound from here.
+abc_decode.py), for bf16 inputs, as the kernels store them: the per-token tensors the
+sub-block kernels hand each other (the probabilities p, dS, c) in bf16, the others (lc, lse,
+the normalisers, the memories and their gradients) and the states in fp32. Each case is
+given for sub-blocks of each of --rows rows (BC, `abc_chunk.SUB_ROWS`) in every sub-block
+kernel: the rows change their work, grid and depth, not their bytes.
+`gpu_profile.py` puts each kernel's measured time beside its bound from here.
 
 Per kernel (one call, all launches of it):
     read, written  bytes from and to HBM, every tensor element the kernel touches counted
@@ -42,7 +46,7 @@ ROOT = Path(__file__).resolve().parent.parent
 GPUS = {"H100": {"sms": 132, "tb_s": 3.35, "tflop_s": 989.0},
         "H200": {"sms": 132, "tb_s": 4.8, "tflop_s": 989.0}}
 HALF, F32 = 2, 4  # bytes of a bf16 input element, of an fp32 saved one
-SUB = 16  # rows of a sub-block (abc_chunk.BC)
+SUB = 16  # rows of a sub-block (BC) by default (abc_chunk.SUB_ROWS)
 
 
 def _pad(n: int) -> int:
@@ -54,14 +58,17 @@ def _kernel(name, launches, read, written, flops, programs, depth) -> dict:
             "flops": float(flops), "programs": programs, "depth": depth}
 
 
-def chunked(B: int, H: int, T: int, D: int, M: int, chunk: int = 64) -> list[dict]:
+def chunked(B: int, H: int, T: int, D: int, M: int, chunk: int = 64, rows: int = SUB,
+            saved: int = HALF) -> list[dict]:
     """The seven kernels of `abc_chunk_triton` forward + backward, K = V = D, for B sequences
-    of T tokens and H heads."""
+    of T tokens and H heads, sub-blocks of `rows` rows (at most the chunk) and the handed-on
+    p, dS, c of `saved` bytes an element (bf16 inputs: 2; fp32: 4)."""
     K = V = D
     n = B * T * H  # (token, head) pairs
     nc = B * H * (T // chunk)  # (chunk, head) pairs
-    subs = T // SUB  # sub-blocks a sequence
-    per_chunk = chunk // SUB
+    bc = min(rows, chunk)  # BC
+    subs = T // bc  # sub-blocks a sequence
+    per_chunk = chunk // bc
     earlier = (per_chunk - 1) / 2  # earlier sub-blocks of its chunk a sub-block reads, on average
     BM = min(64, _pad(M))
 
@@ -71,8 +78,8 @@ def chunked(B: int, H: int, T: int, D: int, M: int, chunk: int = 64) -> list[dic
     # a pass "x -> slots" or "slots -> x" over a sub-block: the memory term, the earlier
     # sub-blocks of the chunk (two dots each), the diagonal block (one dot plus elementwise)
     def sub_pass(width):
-        return 2 * SUB * M * width + earlier * (2 * SUB * SUB * width + 2 * SUB * SUB * M) \
-            + 2 * SUB * SUB * width
+        return 2 * bc * M * width + earlier * (2 * bc * bc * width + 2 * bc * bc * M) \
+            + 2 * bc * bc * width
     memories = nc * M * (K + V) * F32  # the chunk-start memories hk, hv (or their gradients)
     final = B * H * M * (K + V + 1) * F32  # the final state (or the initial state's gradients)
     out = [
@@ -84,24 +91,25 @@ def chunked(B: int, H: int, T: int, D: int, M: int, chunk: int = 64) -> list[dic
         # u's place (also zprev, zend with x = k) and the final state
         _kernel("_fwd_scan", 2, memories + 2 * nc * M * F32, memories + 2 * nc * M * F32 + final,
                 0, B * H * (tiles(K) + tiles(V)), T // chunk),
-        # q, k, v, s, lc, zprev, the memories -> o, S, lse
+        # q, k, v, s, lc, zprev, the memories -> o, p, lse
         _kernel("_fwd_output", 1, n * (2 * K + V + M) * HALF + n * M * F32 + nc * M * F32
-                + memories, n * V * HALF + n * (M + 1) * F32,
+                + memories, n * V * HALF + n * M * saved + n * F32,
                 B * H * subs * (sub_pass(K) + sub_pass(V)), B * subs * H, 1 + earlier),
-        # do, v, k, s, lc, S, lse, zprev, the memories -> dq, dS, c
-        _kernel("_bwd_dq", 1, n * (K + 2 * V + M) * HALF + n * (2 * M + 1) * F32
-                + nc * M * F32 + memories, n * K * HALF + 2 * n * M * F32,
+        # do, v, k, s, lc, p, lse, zprev, the memories -> dq, dS, c
+        _kernel("_bwd_dq", 1, n * (K + 2 * V + M) * HALF + n * (M + 1) * F32 + n * M * saved
+                + nc * M * F32 + memories, n * K * HALF + 2 * n * M * saved,
                 B * H * subs * (sub_pass(V) + sub_pass(K)), B * subs * H, 1 + earlier),
-        # twice, every chunk at once: K̃ side q, dS, c, lc; Ṽ side do, S, lse, lc; both zprev
+        # twice, every chunk at once: K̃ side q, dS, c, lc; Ṽ side do, p, lc; both zprev
         # -> the chunks' own parts w (and wc on the K̃ side)
-        _kernel("_bwd_chunks", 2, n * (K + V) * HALF + n * (5 * M + 1) * F32 + 2 * nc * M * F32,
-                memories + nc * M * F32, 2 * n * M * (K + V), nc * (tiles(K) + tiles(V)), 1),
+        _kernel("_bwd_chunks", 2, n * (K + V) * HALF + 2 * n * M * F32 + 3 * n * M * saved
+                + 2 * nc * M * F32, memories + nc * M * F32, 2 * n * M * (K + V),
+                nc * (tiles(K) + tiles(V)), 1),
         # twice, elementwise over the chunks, last first: w, wc, zprev, zend -> dh, dc per chunk
         # in w's place and the initial state's gradients
         _kernel("_bwd_scan", 2, memories + nc * M * F32 + 4 * nc * M * F32,
                 memories + nc * M * F32 + final, 0, B * H * (tiles(K) + tiles(V)), T // chunk),
-        # q, k, v, s, do, lc, S, dS, c, lse, zprev, zend, dh, dhc -> dk, dv, ds
-        _kernel("_bwd_dkv", 1, n * (2 * K + 2 * V + M) * HALF + n * (4 * M + 1) * F32
+        # q, k, v, s, do, lc, p, dS, c, zprev, zend, dh, dhc -> dk, dv, ds
+        _kernel("_bwd_dkv", 1, n * (2 * K + 2 * V + M) * HALF + n * M * F32 + 3 * n * M * saved
                 + 3 * nc * M * F32 + memories, n * (K + V + M) * HALF,
                 B * H * subs * (2 * sub_pass(K) + 2 * sub_pass(V)), B * subs * H,
                 1 + earlier),
@@ -137,12 +145,13 @@ def gpu_of(device: str) -> str:
 def markdown(res: dict) -> str:
     gpu = GPUS[res["gpu"]]
     lines = ["# A bandwidth and work model of the ABC kernels", "", "```", res["command"], "```",
-             "", f"B = {res['batch']}, H = {res['heads']}, chunk {res['chunk']}, bf16 inputs; "
+             "", f"B = {res['batch']}, H = {res['heads']}, chunk {res['chunk']}, bf16 inputs "
+             "(p, dS, c in bf16); "
              f"{res['gpu']}: {gpu['tb_s']} TB/s, {gpu['tflop_s']:.0f} TFLOP/s bf16, "
              f"{gpu['sms']} SMs. See benchmarks/kernel_model.py for what is counted.", ""]
     for case in res["cases"]:
         T, D, M = case["T"], case["D"], case["M"]
-        lines += [f"## T = {T}, D = {D}, M = {M}", "",
+        lines += [f"## T = {T}, D = {D}, M = {M}, sub-blocks of {case['rows']} rows", "",
                   "| kernel | launches | MB read | MB written | GFLOP | FLOP/byte | programs "
                   "| per SM | depth | bound µs |", "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
         total = 0.0
@@ -176,6 +185,8 @@ def main(argv=None) -> None:
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--heads", type=int, default=8)
     p.add_argument("--chunk", type=int, default=64)
+    p.add_argument("--rows", type=int, nargs="+", default=[16, 32],
+                   help="rows of a sub-block (BC) of the sub-block kernels")
     p.add_argument("--gpu", choices=list(GPUS), default="H100")
     p.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "model"))
     args = p.parse_args(argv)
@@ -186,9 +197,10 @@ def main(argv=None) -> None:
     for T in args.lengths:
         for D in args.dims:
             for M in args.slots:
-                res["cases"].append({"T": T, "D": D, "M": M,
-                                     "kernels": chunked(B, H, T, D, M, args.chunk),
-                                     "op_bytes": op_bytes(B, H, T, D, M)})
+                for rows in args.rows:
+                    res["cases"].append({"T": T, "D": D, "M": M, "rows": rows,
+                                         "kernels": chunked(B, H, T, D, M, args.chunk, rows),
+                                         "op_bytes": op_bytes(B, H, T, D, M)})
     for Bd in (1, 64):
         for D in args.dims:
             for M in args.slots:

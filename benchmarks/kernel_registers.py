@@ -2,11 +2,12 @@
 offline for a GPU architecture: no GPU needed.
 
     python3 benchmarks/kernel_registers.py [--dims 64 128] [--slots 32 64] [--warps 1 2 4 8]
-        [--kernels fwd_output bwd_dkv ...] [--arch 90] [--dtype bf16] [--out DIR]
+        [--kernels fwd_output bwd_dkv ...] [--rows 16 32] [--arch 90] [--dtype bf16] [--out DIR]
 
 Each kernel of `memattn.kernels.abc_chunk` is built as its launch builds it (block sizes,
-PREC, chunk of 64 tokens, sub-blocks of BC rows; the sub-block kernels with their diagonal
-block as a loop and in one step, `DIAG_3D`; `_bwd_dkv` whole and split, `SPLIT_DKV`) with the divisibility the JIT gives head sizes
+PREC, chunk of 64 tokens; the sub-block kernels with sub-blocks of each of --rows rows (BC,
+`SUB_ROWS`), their diagonal block as a loop and in one step, `DIAG_3D`; `_bwd_dkv` whole and
+split, `SPLIT_DKV`) with the divisibility the JIT gives head sizes
 that are multiples of 16, compiled by Triton for `sm_<arch>` and assembled by the ptxas
 Triton ships, whose report gives the registers per thread and the bytes spilled. Programs
 per SM: the fewest that the registers (65,536 per SM, allocated 256 per warp), the shared
@@ -46,6 +47,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--slots", type=int, nargs="+", default=[32, 64])
     p.add_argument("--warps", type=int, nargs="+", default=[1, 2, 4, 8])
     p.add_argument("--kernels", nargs="+", default=list(KERNELS), choices=KERNELS)
+    p.add_argument("--rows", type=int, nargs="+", default=[16, 32], choices=[16, 32],
+                   help="rows of a sub-block (BC) of the sub-block kernels")
     p.add_argument("--arch", type=int, default=90)
     p.add_argument("--dtype", default="bf16", choices=["bf16", "fp16", "fp32"])
     p.add_argument("--out", default=None)
@@ -60,8 +63,10 @@ def programs_per_sm(regs: int, smem: int, warps: int) -> int:
     return max(0, min(by_regs, by_smem, MAX_WARPS // warps, MAX_PROGRAMS))
 
 
-def builds(name: str, D: int, M: int, dtype: str) -> list[tuple[str, object, dict]]:
-    """(variant, jit function, constexprs) of one kernel as `abc_chunk` launches it."""
+def builds(name: str, D: int, M: int, dtype: str,
+           rows: tuple[int, ...] = (16,)) -> list[tuple[str, object, dict]]:
+    """(variant, jit function, constexprs) of one kernel as `abc_chunk` launches it; a sub-block
+    kernel with sub-blocks of each of `rows` rows."""
     from memattn.kernels import abc_chunk as ac
 
     prec = {"bf16": "bf16", "fp16": "fp16", "fp32": "ieee"}[dtype]
@@ -78,12 +83,12 @@ def builds(name: str, D: int, M: int, dtype: str) -> list[tuple[str, object, dic
                  {**own, "BT": 64, "BM": BM, "BD": BD, "STAGES": stages})
                 for stages in (0, 2)]
     fn = getattr(ac, f"_{name}")
-    blocks = {"BT": 64, "BC": ac.BC, "BK": ac._pad(D), "BV": ac._pad(D), "BM": ac._pad(M),
-              "PREC": prec}
+    blocks = {"BT": 64, "BK": ac._pad(D), "BV": ac._pad(D), "BM": ac._pad(M), "PREC": prec}
     sides = {"": {}} if name != "bwd_dkv" else {
         "": {"SIDES": 0}, ", keys' side": {"SIDES": 1}, ", values' side": {"SIDES": 2}}
-    return [(f"diagonal: {diag}{side}", fn, {**blocks, "DIAG3": diag == "one step", **extra})
-            for side, extra in sides.items() for diag in ("loop", "one step")]
+    return [(f"{bc} rows, diagonal: {diag}{side}", fn,
+             {**blocks, "BC": bc, "DIAG3": diag == "one step", **extra})
+            for bc in rows for side, extra in sides.items() for diag in ("loop", "one step")]
 
 
 def compile_report(fn, constexprs: dict, *, D: int, M: int, dtype: str, warps: int,
@@ -162,7 +167,7 @@ def main(argv=None) -> dict:
             case = {"D": D, "M": M, "rows": []}
             res["cases"].append(case)
             for name in args.kernels:
-                for variant, fn, constexprs in builds(name, D, M, args.dtype):
+                for variant, fn, constexprs in builds(name, D, M, args.dtype, tuple(args.rows)):
                     row = {"kernel": name, "variant": variant, "warps": {}}
                     for w in args.warps:
                         try:

@@ -110,9 +110,10 @@ SUB_BLOCK = ("_fwd_output", "_bwd_dq", "_bwd_dkv")
 def launch_choices(ac) -> dict:
     """What abc_chunk's kernels launch with, for tiles of 64 and 128 rows and M = 32 slots."""
     return {"warps": tuple(ac._warps(k, b) for k in KERNELS for b in (64, 128)),
-            "diagonal in one step": tuple(ac._diag3(k, 32) for k in SUB_BLOCK),
+            "diagonal in one step": tuple(ac._diag3(k, 32, ac._rows(k, 64))
+                                          for k in SUB_BLOCK),
             "scan blocks": ac._state_blocks(64, 64), "scan stages": ac.STATE_STAGES,
-            "sub-block rows": ac.BC, "bf16 dots": ac._precision(torch.zeros(1, dtype=torch.bfloat16)),
+            "sub-block rows": tuple(ac._rows(k, 64) for k in SUB_BLOCK), "bf16 dots": ac._precision(torch.zeros(1, dtype=torch.bfloat16)),
             "dk, dv apart": ac.SPLIT_DKV}
 
 
@@ -123,6 +124,7 @@ def test_the_per_kernel_settings_name_kernels_of_the_module():
     jit = type(ac._fwd_output)
     assert all(isinstance(getattr(ac, name, None), jit) for name in KERNELS)
     assert set(ac.SUB_WARPS) <= set(SUB_BLOCK) and set(ac.DIAG_3D) <= set(SUB_BLOCK)
+    assert set(ac.SUB_ROWS) == set(SUB_BLOCK) and set(ac.SUB_ROWS.values()) <= {16, 32}
     assert all(w in (1, 2, 4, 8, 16) for pair in ac.SUB_WARPS.values() for w in pair)  # Triton: a power of two
 
 
@@ -156,7 +158,7 @@ def test_profile_variants_do_what_they_are_named_only_meanwhile():
         if m := re.search(r"scan blocks (?:M <= (\d+), )?D <= (\d+)", name):
             assert c["scan blocks"] == (int(m[1] or 64), int(m[2])), name  # M = 64 unless capped
         if m := re.search(r"sub-blocks of (\d+) rows", name):
-            assert c["sub-block rows"] == int(m[1]), name
+            assert set(c["sub-block rows"]) == {int(m[1])}, name
         if "two launches" in name:
             assert c["dk, dv apart"], name
         if "TF32" in name:
@@ -209,17 +211,17 @@ def test_kernel_registers_compiles_offline(tmp_path):
     # in a process of its own: the tests define the kernels for Triton's interpreter
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     subprocess.run([sys.executable, str(ROOT / "benchmarks" / "kernel_registers.py"), "--dims", "16",
-                    "--slots", "16", "--kernels", "fwd_output", "--warps", "2", "--out",
+                    "--slots", "16", "--kernels", "fwd_output", "--warps", "2", "--rows", "16", "--out",
                     str(tmp_path)], env=env, check=True, capture_output=True)
     res = json.loads((tmp_path / "kernel_registers.json").read_text())
     rows = res["cases"][0]["rows"]
-    assert [r["variant"] for r in rows] == ["diagonal: loop", "diagonal: one step"]
+    assert [r["variant"] for r in rows] == ["16 rows, diagonal: loop", "16 rows, diagonal: one step"]
     for r in rows:
         cell = r["warps"]["2"]
         assert 16 <= cell["registers"] <= 255 and cell["spill_bytes"] >= 0
         assert cell["programs_per_sm"] == registers.programs_per_sm(
             cell["registers"], cell["shared_bytes"], 2) >= 1
-    assert "| `fwd_output` | diagonal: loop |" in (tmp_path / "kernel_registers.md").read_text()
+    assert "| `fwd_output` | 16 rows, diagonal: loop |" in (tmp_path / "kernel_registers.md").read_text()
 
 
 def test_kernel_model_writes_what_the_kernels_store():
@@ -247,7 +249,7 @@ def test_kernel_model_writes_what_the_kernels_store():
     assert fwd == nc * M * (2 * D + 1) * 4 + sum(t.numel() * t.element_size() for t in forward_out)
     # the backward's handed-on tensors (dS, c, the memory gradients, each first the chunks' own
     # parts), rebuilt from their shapes
-    handed = 2 * n * M * 4 + 2 * nc * M * (2 * D + 1) * 4
+    handed = 2 * n * M * 2 + 2 * nc * M * (2 * D + 1) * 4  # dS, c in bf16
     bwd = sum(kernels[n_]["written"] for n_ in ("_bwd_dq", "_bwd_chunks", "_bwd_scan", "_bwd_dkv"))
     assert bwd == handed + sum(t.numel() * t.element_size() for t in (dq, dk, dv, ds, *init_grads))
     inputs = sum(t.numel() * t.element_size() for t in (q, k, v, s))

@@ -7,7 +7,7 @@ a_t = log_z_t = logaddexp(log_z_0, logcumsumexp(s)_t) and φ[t, i] = exp(s_i - a
     p_t = softmax_M(S_t),            o_t = Σ_m p_t[m] Ṽ_t[m]   (Ṽ alike)
 
 Every weight is written as a product of factors ≤ 1, so any finite s is safe. Tokens are
-split into chunks of BT (the memory recurrence) and sub-blocks of BC = 16 (the matmuls).
+split into chunks of BT (the memory recurrence) and sub-blocks of BC rows (the matmuls).
 For a token t of sub-block I and i of an earlier sub-block J of the same chunk, with r the
 log-normaliser at the last token of J: φ[t, i] = exp(s_i - r) · exp(r - a_t), both ≤ 1,
 so a pair of sub-blocks is two tl.dot; inside I, φ is built per column (a loop over the
@@ -36,14 +36,14 @@ Forward, three passes:
                   With RESET (gated slot attention, memattn.kernels.gsa_chunk) log_z
                   restarts at 0 at every chunk.
     _fwd_output   grid (sub-blocks, H): both ABC passes for BC tokens fused, keys -> slots
-                  (scores, softmax over M), slots -> values; stores o, the scores S and
-                  their log-sum-exp.
+                  (scores, softmax over M), slots -> values; stores o, the probabilities p
+                  and the scores' log-sum-exp lse.
 
 Backward, four passes. With dp_t[m] = do_t · Ṽ_t[m], dS = p ⊙ (dp - Σ_m p dp), the
 gradient reaching the memory at step t is G^K_t[m] = scale dS_t[m] q_t, G^V_t[m] =
 p_t[m] do_t, and c_t[m] = K̃_t[m]·G^K_t[m] + Ṽ_t[m]·G^V_t[m] = dS_t[m] S_t[m] + p_t[m] dp_t[m]
-needs no memory. Then dk_i = Σ_m Σ_{t≥i} φ[t, i] G^K_t[m] (dv alike) and
-ds_i[m] = Σ_{t≥i} φ[t, i][m] (k_i·G^K_t[m] + v_i·G^V_t[m] - c_t[m]); the final state's
+needs no memory (S comes back as log p + lse). Then dk_i = Σ_m Σ_{t≥i} φ[t, i] G^K_t[m] (dv
+alike) and ds_i[m] = Σ_{t≥i} φ[t, i][m] (k_i·G^K_t[m] + v_i·G^V_t[m] - c_t[m]); the final state's
 gradients join the last token, its log_z gradient as -c.
 
     _bwd_dq       grid (sub-blocks, H): dp (the keys -> slots pass on do, v), dS, c, then
@@ -65,14 +65,33 @@ memory after chunk g, w_g at the gradient before it): the scan reads it and over
 with a value computed from it, so no buffer is added and every element is read before it is
 written, pipelined loads included.
 
-Saved for backward: q, k, v, s, lc [T, H, M], S [T, H, M], lse [T, H], the chunk-start
+Saved for backward: q, k, v, s, lc [T, H, M], p [T, H, M], lse [T, H], the chunk-start
 memories [chunks, H, M, K + V] and the normalisers, the initial and final states.
 
-Tiles: BT = chunk_size (64 by default) tokens a chunk, BC = 16 rows a sub-block; K, V, M
-padded to powers of two ≥ 16 (at most 128) and held whole in the sub-block kernels; the
-chunk kernels and the scans take blocks of at most 64 along M and D, 4 warps when every
-tile side is ≤ 32, else 8; the sub-block kernels' warps and diagonal-block forms are set per
-kernel (`SUB_WARPS`, `DIAG_3D`). Loads are upcast to fp32 and the elementwise work (exp,
+The per-token tensors the sub-block kernels hand each other, p (saved), dS and c [T, H, M],
+are stored in the inputs' dtype when those are all bf16 or all fp16 and so are the dots'
+operands (PREC "bf16" / "fp16", `_saved_dtype`), which halves their bytes; else fp32. lse,
+lc, the normalisers, the memories and their gradients stay fp32, loads are upcast and all
+arithmetic is fp32. p is stored rather than S: rounding S
+to bf16 moves p = exp(S - lse) by up to |S| · 2^-8 relative, which grows with the scores,
+where a rounded p is off by 2^-8 relative whatever its size (in fp16, p under 6e-5 loses
+bits and under 3e-8 is 0: terms too small to count), and S, which c needs, comes back as
+log p + lse, off by 2^-8 absolute; reading p also takes no exp. Measured against the float64
+reference (max |error| / max |value| over o, the final state and every gradient; bf16
+rounded to nearest as compiled code rounds; T = 128, K = V = 64, M = 32, several sub-blocks
+and chunks): fp32 handed-on tensors 4.0e-3, p, dS, c in bf16 4.2e-3; with q × 4 (larger
+scores) 4.8e-3 and 6.7e-3, where S in bf16 in place of p gave 5.0e-2 and S in fp32 with dS,
+c in bf16 6.1e-3. fp16: 5.3e-4 and 6.0e-4; with q × 4 5.4e-4 and 1.2e-3 (S in fp16: 5.2e-3;
+S in fp32: 9.3e-4). The tests' tolerances for half inputs (4e-2) did not move.
+
+Tiles: BT = chunk_size (64 by default) tokens a chunk; BC rows a sub-block, 16 or 32, set
+per sub-block kernel (`SUB_ROWS`; at most BT): each splits the chunk its own way, since they
+hand each other only per-token tensors. K, V, M padded to powers of two ≥ 16 (at most 128)
+and held whole in the sub-block kernels; the chunk kernels and the scans take blocks of at
+most 64 along M and D, 4 warps when every tile side is ≤ 32, else 8; the sub-block kernels'
+warps and diagonal-block forms are set per kernel (`SUB_WARPS`, `DIAG_3D`; a [BC, BC, BM]
+tile only up to DIAG_3D_MAX numbers, so at BC = 32 and M = 32 the diagonal block is a loop
+unless DIAG_3D_MAX is raised). Loads are upcast to fp32 and the elementwise work (exp,
 log-sum-exp, decays) is fp32; every tl.dot accumulates in fp32. Its operands are fp32 for fp32 inputs (IEEE precision)
 and, for inputs all in bf16 or all in fp16, rounded to that dtype (`HALF_DOTS`; TF32 for
 mixed inputs or with HALF_DOTS off), as flash-linear-attention's kernels and
@@ -103,7 +122,9 @@ from memattn.ops.abc.varlen import check_varlen
 # The largest K, V and M the sub-block kernels hold whole: at 256 their tiles outgrow the
 # shared memory of an H100.
 MAX_DIM = 128
-BC = 16  # rows of a sub-block, the smallest tl.dot
+# The smallest chunk_size: a chunk holds at least one sub-block of the fewest rows (16, the
+# smallest tl.dot).
+MIN_CHUNK = 16
 # Matmul operands of bf16 / fp16 inputs in that dtype (else fp32 operands, TF32 products).
 HALF_DOTS = True
 # Launch choices of the sub-block kernels and the scans: the fastest per kernel on an H100
@@ -113,6 +134,14 @@ HALF_DOTS = True
 # Warps of each sub-block kernel when its widest tile side (K, V, M padded) is at most 64,
 # and when it is 128.
 SUB_WARPS = {"_fwd_output": (2, 1), "_bwd_dq": (4, 1), "_bwd_dkv": (4, 4)}
+# Rows of a sub-block (BC) of each sub-block kernel, 16 or 32 (at most the chunk size). Each
+# kernel has its own: they hand each other per-token tensors only (p, lse, dS, c). 16 until
+# 32 is timed (benchmarks/gpu_profile.py, "sub-blocks of 32 rows"): the bytes from HBM are the
+# same (benchmarks/kernel_model.py), but at 32 the diagonal block's exps a token double (BC · M
+# a pass) and, compiled for sm_90 at D = 64, M = 32 and 4 warps, `_fwd_output` and `_bwd_dq`
+# take 216-230 registers a thread instead of 122-126, so an SM holds half the programs
+# (benchmarks/results/sm_90/sub-rows-16-32).
+SUB_ROWS = {"_fwd_output": 16, "_bwd_dq": 16, "_bwd_dkv": 16}
 # The kernels that take a sub-block's own (diagonal) block in one step over [BC, BC, BM]
 # tiles, where they hold at most DIAG_3D_MAX numbers (else a loop over its BC tokens).
 DIAG_3D = ("_bwd_dkv",)
@@ -195,15 +224,6 @@ def _put_block(ptr, x, i_g, i_h, H, M, D, o_m, o_d):
 def _col(x, o_c, j):
     """Column j of x [R, BC] -> [R]."""
     return tl.sum(tl.where(o_c[None, :] == j, x, 0.0), 1)
-
-
-@triton.jit
-def _probs(S_ptr, lse_ptr, rows, r_ok, i_h, H, M, o_m):
-    """p = softmax_M(S) of some rows from the stored scores and their log-sum-exp."""
-    b_S = _tile(S_ptr, rows, r_ok, i_h, H, M, o_m, 0.0)
-    b_lse = tl.load(lse_ptr + rows * H + i_h, mask=r_ok, other=0.0)
-    ok = r_ok[:, None] & (o_m < M)[None, :]
-    return tl.where(ok, tl.exp(b_S - b_lse[:, None]), 0.0), b_S
 
 
 @triton.jit
@@ -458,11 +478,12 @@ def _slots_to_values(b_w, b_h, decay, y, s, lc, b_zp, b_a, t0, eos, bos, j0, i_s
 
 
 @triton.jit
-def _fwd_output(q, k, v, s, lc, zprev, hk, hv, o, S, lse, cu, boff, sub_idx, scale,
+def _fwd_output(q, k, v, s, lc, zprev, hk, hv, o, p, lse, cu, boff, sub_idx, scale,
                 H, K, V, M,
                 BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
                 BM: tl.constexpr, PREC: tl.constexpr, DIAG3: tl.constexpr):
-    """o, S, lse of one sub-block of BC tokens of one head."""
+    """o, the probabilities p = softmax_M(S) (in p's dtype: `_saved_dtype`) and the scores'
+    log-sum-exp lse of one sub-block of BC tokens of one head."""
     i_h = tl.program_id(1)
     t0, rows, r_ok, eos, bos, i_s, j0, i_g = _locate(cu, boff, sub_idx, BT, BC)
     o_c = tl.arange(0, BC)
@@ -480,7 +501,7 @@ def _fwd_output(q, k, v, s, lc, zprev, hk, hv, o, S, lse, cu, boff, sub_idx, sca
     b_p = tl.exp(b_S - mx[:, None])
     den = tl.sum(b_p, 1)
     b_p = b_p / den[:, None]  # [BC, BM]
-    tl.store(S + (rows[:, None] * H + i_h) * M + o_m[None, :], b_S,
+    tl.store(p + (rows[:, None] * H + i_h) * M + o_m[None, :], b_p.to(p.dtype.element_ty),
              mask=r_ok[:, None] & (o_m < M)[None, :])
     tl.store(lse + rows * H + i_h, mx + tl.log(den), mask=r_ok)
 
@@ -496,11 +517,11 @@ def _fwd_output(q, k, v, s, lc, zprev, hk, hv, o, S, lse, cu, boff, sub_idx, sca
 # --------------------------------------------------------------------------------------
 
 @triton.jit
-def _bwd_dq(q, k, v, s, lc, zprev, hk, hv, S, lse, do, dq, dS, c, cu, boff, sub_idx, scale,
+def _bwd_dq(q, k, v, s, lc, zprev, hk, hv, p, lse, do, dq, dS, c, cu, boff, sub_idx, scale,
             H, K, V, M,
             BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
             BM: tl.constexpr, PREC: tl.constexpr, DIAG3: tl.constexpr):
-    """dq, dS, c of one sub-block of one head."""
+    """dq, dS, c of one sub-block of one head (dS and c in their buffers' dtype)."""
     i_h = tl.program_id(1)
     t0, rows, r_ok, eos, bos, i_s, j0, i_g = _locate(cu, boff, sub_idx, BT, BC)
     o_c = tl.arange(0, BC)
@@ -514,12 +535,18 @@ def _bwd_dq(q, k, v, s, lc, zprev, hk, hv, S, lse, do, dq, dS, c, cu, boff, sub_
     b_dp = _keys_to_slots(b_do, _block(hv, i_g, i_h, H, M, V, o_m, o_v), decay, v, s, lc,
                           b_zp, b_a, t0, eos, bos, j0, i_s, i_h, H, V, M, o_c, o_v, o_m,
                           BC, PREC, DIAG3)
-    b_p, b_S = _probs(S, lse, rows, r_ok, i_h, H, M, o_m)
+    b_p = _tile(p, rows, r_ok, i_h, H, M, o_m, 0.0)  # [BC, BM]
+    # S = log p + lse; 0 where p = 0 (rounded to 0, or masked), where dS = 0 too
+    seen = b_p > 0.0
+    b_S = tl.where(seen, tl.log(tl.where(seen, b_p, 1.0))
+                   + tl.load(lse + rows * H + i_h, mask=r_ok, other=0.0)[:, None], 0.0)
+    ok = r_ok[:, None] & (o_m < M)[None, :]
     b_dS = b_p * (b_dp - tl.sum(b_p * b_dp, 1)[:, None])
     b_c = b_dS * b_S + b_p * b_dp  # K̃_t·G^K_t + Ṽ_t·G^V_t per slot
-    ok = r_ok[:, None] & (o_m < M)[None, :]
-    tl.store(dS + (rows[:, None] * H + i_h) * M + o_m[None, :], b_dS, mask=ok)
-    tl.store(c + (rows[:, None] * H + i_h) * M + o_m[None, :], b_c, mask=ok)
+    tl.store(dS + (rows[:, None] * H + i_h) * M + o_m[None, :], b_dS.to(dS.dtype.element_ty),
+             mask=ok)
+    tl.store(c + (rows[:, None] * H + i_h) * M + o_m[None, :], b_c.to(c.dtype.element_ty),
+             mask=ok)
 
     # dq_t = scale Σ_m dS_t[m] K̃_t[m]
     b_dq = _slots_to_values(b_dS, _block(hk, i_g, i_h, H, M, K, o_m, o_k), decay, k, s, lc,
@@ -530,15 +557,15 @@ def _bwd_dq(q, k, v, s, lc, zprev, hk, hv, S, lse, do, dq, dS, c, cu, boff, sub_
 
 
 @triton.jit
-def _bwd_chunks(x, coef, lse, c, lc, zprev, dh, dhc, dx0, dc0, cu, chunk_idx, scale,
+def _bwd_chunks(x, coef, c, lc, zprev, dh, dhc, dx0, dc0, cu, chunk_idx, scale,
                 H, M, D,
                 IS_V: tl.constexpr, BT: tl.constexpr, BM: tl.constexpr, BD: tl.constexpr,
                 PREC: tl.constexpr):
     """Each chunk's own part of the gradient reaching the memory before it, every chunk at
     once: grid (chunks, tiles of [M, D], H).
 
-    K̃ launch: x = q, coef = dS, G^K_t[m] = scale dS_t[m] q_t; Ṽ launch: x = do, coef = S
-    (p = exp(S - lse)), G^V_t[m] = p_t[m] do_t. With f_t = exp(z_prev - a_t) ≤ 1 (the weight of
+    K̃ launch: x = q, coef = dS, G^K_t[m] = scale dS_t[m] q_t; Ṽ launch: x = do, coef = p,
+    G^V_t[m] = p_t[m] do_t. With f_t = exp(z_prev - a_t) ≤ 1 (the weight of
     the memory before the chunk at token t), w_g = Σ_t (f_t ⊙ coef_t)ᵀ x_t (one tl.dot) and,
     in the K̃ launch's first feature block, wc_g = Σ_t f_t c_t. Stored where `_bwd_scan`
     stores the gradient before chunk g (that after the chunk before it, dh [chunks, H, M, D],
@@ -550,12 +577,10 @@ def _bwd_chunks(x, coef, lse, c, lc, zprev, dh, dhc, dx0, dc0, cu, chunk_idx, sc
     o_m, o_d, i_d = _tile_of(M, D, BM, BD)
     m_ok = o_m < M
     _zp, _a, b_f = _chunk_decay(lc, zprev, rows, r_ok, i_g, i_h, H, M, o_m)  # [BT, BM]
-    if IS_V:
-        b_coef, _S = _probs(coef, lse, rows, r_ok, i_h, H, M, o_m)
-        b_x = _tile(x, rows, r_ok, i_h, H, D, o_d, 0.0)
-    else:
-        b_coef = _tile(coef, rows, r_ok, i_h, H, M, o_m, 0.0)
-        b_x = _tile(x, rows, r_ok, i_h, H, D, o_d, 0.0) * scale
+    b_coef = _tile(coef, rows, r_ok, i_h, H, M, o_m, 0.0)
+    b_x = _tile(x, rows, r_ok, i_h, H, D, o_d, 0.0)
+    if not IS_V:
+        b_x = b_x * scale
     b_w = _dot(tl.trans(b_f * b_coef), b_x, PREC)  # [BM, BD]
     if i_c > 0:
         _put_block(dh, b_w, i_g - 1, i_h, H, M, D, o_m, o_d)
@@ -639,7 +664,7 @@ def _bwd_scan(zprev, zend, dxT, dcT, dh, dhc, dx0, dc0, cu, boff,
 
 
 @triton.jit
-def _bwd_dkv(q, k, v, s, lc, zprev, zend, S, lse, do, dS, c, dhk, dhv, dhc, dk, dv, ds, ds_part,
+def _bwd_dkv(q, k, v, s, lc, zprev, zend, p, do, dS, c, dhk, dhv, dhc, dk, dv, ds, ds_part,
              cu, boff, sub_idx, scale,
              H, K, V, M,
              BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
@@ -694,7 +719,7 @@ def _bwd_dkv(q, k, v, s, lc, zprev, zend, S, lse, do, dS, c, dhk, dhv, dhc, dk, 
             b_ds += b_e * (_dot(b_kq, b_fdS, PREC) - b_fc[None, :])
         if SIDES != 1:
             b_doj = _tile(do, rows_j, rj_ok, i_h, H, V, o_v, 0.0)
-            b_pj, _sj = _probs(S, lse, rows_j, rj_ok, i_h, H, M, o_m)
+            b_pj = _tile(p, rows_j, rj_ok, i_h, H, M, o_m, 0.0)
             b_fp = b_f * b_pj
             b_dv += _dot(_dot(b_e, tl.trans(b_fp), PREC), b_doj, PREC)
             b_ds += b_e * _dot(_dot(b_v, tl.trans(b_doj), PREC), b_fp, PREC)
@@ -717,7 +742,7 @@ def _bwd_dkv(q, k, v, s, lc, zprev, zend, S, lse, do, dS, c, dhk, dhv, dhc, dk, 
             b_ds += tl.sum(b_phi * (tl.trans(b_kq)[:, :, None] * b_dSt[:, None, :]
                                     - b_ct[:, None, :]), 0)
         if SIDES != 1:
-            b_pt, _St = _probs(S, lse, rows, r_ok, i_h, H, M, o_m)
+            b_pt = _tile(p, rows, r_ok, i_h, H, M, o_m, 0.0)  # [BC, BM]
             b_dv += _dot(tl.trans(tl.sum(b_phi * b_pt[:, None, :], 2)), b_do, PREC)
             b_ds += tl.sum(b_phi * tl.trans(b_vdo)[:, :, None] * b_pt[:, None, :], 0)
     else:
@@ -732,9 +757,7 @@ def _bwd_dkv(q, k, v, s, lc, zprev, zend, S, lse, do, dS, c, dhk, dhv, dhc, dk, 
                 b_dk += tl.sum(b_phi * b_dSt[None, :], 1)[:, None] * b_qt[None, :]
                 b_ds += b_phi * (_col(b_kq, o_c, i)[:, None] * b_dSt[None, :] - b_ct[None, :])
             if SIDES != 1:
-                b_St = _row(S, t0 + i, ok, i_h, H, M, o_m, 0.0)
-                b_lse = tl.load(lse + (t0 + i) * H + i_h, mask=ok, other=0.0)
-                b_pt = tl.where(ok & (o_m < M), tl.exp(b_St - b_lse), 0.0)
+                b_pt = _row(p, t0 + i, ok, i_h, H, M, o_m, 0.0)
                 b_dot = _row(do, t0 + i, ok, i_h, H, V, o_v, 0.0)
                 b_dv += tl.sum(b_phi * b_pt[None, :], 1)[:, None] * b_dot[None, :]
                 b_ds += b_phi * _col(b_vdo, o_c, i)[:, None] * b_pt[None, :]
@@ -765,14 +788,15 @@ def _pad(n: int) -> int:
 
 
 class _Plan(NamedTuple):
-    """Where the chunks and sub-blocks of a packed batch lie (on the device)."""
+    """Where the chunks of a packed batch lie (on the device); its sub-blocks of each size:
+    `_sub_blocks`."""
 
     cu: torch.Tensor  # [N + 1] int32, sequence boundaries
     boff: torch.Tensor  # [N] int32, global index of each sequence's first chunk
-    sub_idx: torch.Tensor  # [sub-blocks, 2] int32, (sequence, sub-block in it)
     chunk_idx: torch.Tensor  # [chunks, 2] int32, (sequence, chunk in it)
     n_seq: int
     n_chunks: int
+    bounds: tuple[int, ...]  # the sequence boundaries on the host
     chunk: int  # BT
     scale: float
     precision: str
@@ -780,25 +804,39 @@ class _Plan(NamedTuple):
 
 def _plan(bounds: list[int], chunk: int, scale: float, precision: str,
           device: torch.device) -> _Plan:
-    return _Plan(*_layout(tuple(bounds), chunk, BC, device), chunk, scale, precision)
+    return _Plan(*_layout(tuple(bounds), chunk, device), tuple(bounds), chunk, scale, precision)
+
+
+def _units(lens: torch.Tensor, size: int, device: torch.device) -> torch.Tensor:
+    """[units, 2] int32: (sequence, index in it) of every unit of `size` tokens of sequences
+    of lengths `lens`, sequence by sequence."""
+    counts = (lens + size - 1) // size
+    seq = torch.repeat_interleave(torch.arange(len(counts)), counts)
+    first = torch.cumsum(counts, 0) - counts
+    return torch.stack((seq, torch.arange(int(counts.sum())) - first[seq]), dim=1).to(
+        dtype=torch.int32, device=device).contiguous()
+
+
+def _lengths(bounds: tuple[int, ...]) -> torch.Tensor:
+    return torch.tensor(bounds[1:]) - torch.tensor(bounds[:-1])
+
+
+# Both kept for the next call with the same boundaries: each copy to the GPU would wait for the
+# work queued before it.
+@functools.lru_cache(maxsize=64)
+def _layout(bounds: tuple[int, ...], chunk: int, device: torch.device):
+    """(cu, boff, chunk_idx, n_seq, n_chunks) of a packed batch in chunks of `chunk` tokens."""
+    lens = _lengths(bounds)
+    n_chunks = (lens + chunk - 1) // chunk
+    as_int = {"dtype": torch.int32, "device": device}
+    return (torch.tensor(bounds, **as_int), (torch.cumsum(n_chunks, 0) - n_chunks).to(**as_int),
+            _units(lens, chunk, device), len(lens), int(n_chunks.sum()))
 
 
 @functools.lru_cache(maxsize=64)
-def _layout(bounds: tuple[int, ...], chunk: int, sub: int, device: torch.device):
-    """(cu, boff, sub_idx, chunk_idx, n_seq, n_chunks) of a packed batch in chunks of `chunk`
-    and sub-blocks of `sub` tokens, kept for the next call with the same boundaries: each copy
-    to the GPU would wait for the work queued before it."""
-    lens = torch.tensor(bounds[1:]) - torch.tensor(bounds[:-1])
-    n_chunks = (lens + chunk - 1) // chunk
-    as_int = {"dtype": torch.int32, "device": device}
-
-    def each(counts):  # [units, 2]: (sequence, index in it) of every unit, sequence by sequence
-        seq = torch.repeat_interleave(torch.arange(len(counts)), counts)
-        first = torch.cumsum(counts, 0) - counts
-        return torch.stack((seq, torch.arange(int(counts.sum())) - first[seq]), dim=1).to(
-            **as_int).contiguous()
-    return (torch.tensor(bounds, **as_int), (torch.cumsum(n_chunks, 0) - n_chunks).to(**as_int),
-            each((lens + sub - 1) // sub), each(n_chunks), len(lens), int(n_chunks.sum()))
+def _sub_blocks(bounds: tuple[int, ...], rows: int, device: torch.device) -> torch.Tensor:
+    """[sub-blocks, 2] int32: (sequence, sub-block in it) of sub-blocks of `rows` tokens."""
+    return _units(_lengths(bounds), rows, device)
 
 
 def _precision(*inputs: torch.Tensor) -> str:
@@ -811,9 +849,22 @@ def _precision(*inputs: torch.Tensor) -> str:
     return "tf32"
 
 
-def _diag3(kernel: str, M: int) -> bool:
-    """Whether sub-block kernel `kernel` takes its diagonal blocks in one step (`DIAG_3D`)."""
-    return kernel in DIAG_3D and BC * BC * _pad(M) <= DIAG_3D_MAX
+def _saved_dtype(precision: str) -> torch.dtype:
+    """dtype of the probabilities p, dS and c the kernels hand each other: that of the
+    inputs when they are all bf16 or all fp16 (PREC "bf16" / "fp16"), else fp32."""
+    return {"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision, torch.float32)
+
+
+def _rows(kernel: str, chunk: int) -> int:
+    """BC, the rows of a sub-block of sub-block kernel `kernel` (`SUB_ROWS`) in chunks of
+    `chunk` tokens."""
+    return min(SUB_ROWS[kernel], chunk)
+
+
+def _diag3(kernel: str, M: int, rows: int) -> bool:
+    """Whether sub-block kernel `kernel` takes its diagonal blocks of `rows` × `rows` tokens in
+    one step (`DIAG_3D`)."""
+    return kernel in DIAG_3D and rows * rows * _pad(M) <= DIAG_3D_MAX
 
 
 def _state_blocks(M: int, D: int) -> tuple[int, int]:
@@ -829,11 +880,14 @@ def _warps(kernel: str, *blocks: int) -> int:
     return 4 if max(blocks) <= 32 else 8
 
 
-def _sub_launch(kernel: str, plan: _Plan, K: int, V: int, M: int) -> dict:
-    """The tile sizes, precision and launch choices of sub-block kernel `kernel`."""
-    return {"BT": plan.chunk, "BC": BC, "BK": _pad(K), "BV": _pad(V), "BM": _pad(M),
-            "PREC": plan.precision, "DIAG3": _diag3(kernel, M),
-            "num_warps": _warps(kernel, _pad(K), _pad(V), _pad(M))}
+def _sub_launch(kernel: str, plan: _Plan, K: int, V: int, M: int) -> tuple[torch.Tensor, dict]:
+    """Sub-block kernel `kernel`'s sub-blocks ([sub-blocks, 2], `_sub_blocks`: its grid's first
+    axis and its sub_idx argument), and its tile sizes, precision and launch choices."""
+    rows = _rows(kernel, plan.chunk)
+    return _sub_blocks(plan.bounds, rows, plan.cu.device), {
+        "BT": plan.chunk, "BC": rows, "BK": _pad(K), "BV": _pad(V), "BM": _pad(M),
+        "PREC": plan.precision, "DIAG3": _diag3(kernel, M, rows),
+        "num_warps": _warps(kernel, _pad(K), _pad(V), _pad(M))}
 
 
 def _forward(q, k, v, s, lz0, k0, v0, plan: _Plan, reset: bool = False):
@@ -862,27 +916,27 @@ def _forward(q, k, v, s, lz0, k0, v0, plan: _Plan, reset: bool = False):
                         BT=BT, BM=BM, BD=BD, STAGES=scan_stages(STATE_STAGES), RESET=reset,
                         num_warps=_warps("_fwd_scan", BM, BD))
     o = torch.empty(T, H, V, dtype=q.dtype, device=q.device)
-    S, lse = torch.empty(T, H, M, **f32), torch.empty(T, H, **f32)
-    _fwd_output[(plan.sub_idx.shape[0], H)](
-        q, k, v, s, lc, zprev, hk, hv, o, S, lse, plan.cu, plan.boff, plan.sub_idx, plan.scale,
-        H, K, V, M, **_sub_launch("_fwd_output", plan, K, V, M))
-    return o, (lzT, kT, vT), (lc, zprev, zend, hk, hv, S, lse)
+    p = torch.empty(T, H, M, dtype=_saved_dtype(prec), device=q.device)
+    lse = torch.empty(T, H, **f32)
+    subs, launch = _sub_launch("_fwd_output", plan, K, V, M)
+    _fwd_output[(subs.shape[0], H)](q, k, v, s, lc, zprev, hk, hv, o, p, lse, plan.cu,
+                                    plan.boff, subs, plan.scale, H, K, V, M, **launch)
+    return o, (lzT, kT, vT), (lc, zprev, zend, hk, hv, p, lse)
 
 
 def _backward(q, k, v, s, do, saved, final, dfinal, plan: _Plan, reset: bool = False):
     """Gradients of q, k, v, s and of the initial memories; dfinal = (dlz, dK̃, dṼ) or None.
     reset: the forward ran with RESET (then dc0 is not a gradient: log_z_0 is not an input)."""
-    lc, zprev, zend, hk, hv, S, lse = saved
+    lc, zprev, zend, hk, hv, p, lse = saved
     T, H, K = q.shape
     V, M = v.shape[-1], s.shape[-1]
     N, NT, BT, prec = plan.n_seq, plan.n_chunks, plan.chunk, plan.precision
     f32 = {"dtype": torch.float32, "device": q.device}
-    sub = (plan.sub_idx.shape[0], H)
-
     dq = torch.empty_like(q)
-    dS, c = torch.empty(T, H, M, **f32), torch.empty(T, H, M, **f32)
-    _bwd_dq[sub](q, k, v, s, lc, zprev, hk, hv, S, lse, do, dq, dS, c, plan.cu, plan.boff,
-                 plan.sub_idx, plan.scale, H, K, V, M, **_sub_launch("_bwd_dq", plan, K, V, M))
+    dS, c = (torch.empty(T, H, M, dtype=_saved_dtype(prec), device=q.device) for _ in range(2))
+    subs, launch = _sub_launch("_bwd_dq", plan, K, V, M)
+    _bwd_dq[(subs.shape[0], H)](q, k, v, s, lc, zprev, hk, hv, p, lse, do, dq, dS, c, plan.cu,
+                                plan.boff, subs, plan.scale, H, K, V, M, **launch)
 
     dcT = None
     if dfinal is not None:
@@ -895,11 +949,11 @@ def _backward(q, k, v, s, do, saved, final, dfinal, plan: _Plan, reset: bool = F
                      torch.empty(N, H, M, **f32))
     dkT, dvT = (None, None) if dfinal is None else dfinal[1:]
     for x, coef, dxT, dh, dx0, is_v in ((q, dS, dkT, dhk, dk0, False),
-                                        (do, S, dvT, dhv, dv0, True)):
+                                        (do, p, dvT, dhv, dv0, True)):
         D = x.shape[-1]
         BM, BD = _state_blocks(M, D)
         tiles = triton.cdiv(D, BD) * triton.cdiv(M, BM)
-        _bwd_chunks[(NT, tiles, H)](x, coef, lse, c, lc, zprev, dh, dhc, dx0, dc0, plan.cu,
+        _bwd_chunks[(NT, tiles, H)](x, coef, c, lc, zprev, dh, dhc, dx0, dc0, plan.cu,
                                     plan.chunk_idx, plan.scale, H, M, D, IS_V=is_v, BT=BT, BM=BM,
                                     BD=BD, PREC=prec, num_warps=_warps("_bwd_chunks", BT, BM, BD))
         grid = (triton.cdiv(D, BD), triton.cdiv(M, BM), N * H)
@@ -916,10 +970,11 @@ def _backward(q, k, v, s, do, saved, final, dfinal, plan: _Plan, reset: bool = F
                + (torch.cat((hv, final[2]))[after] * dhv).sum(-1))
     dk, dv, ds = torch.empty_like(k), torch.empty_like(v), torch.empty_like(s)
     ds_part = torch.empty(T, H, M, **f32) if SPLIT_DKV else ds
+    subs, launch = _sub_launch("_bwd_dkv", plan, K, V, M)
     for sides in (1, 2) if SPLIT_DKV else (0,):
-        _bwd_dkv[sub](q, k, v, s, lc, zprev, zend, S, lse, do, dS, c, dhk, dhv, dhc, dk, dv, ds,
-                      ds_part, plan.cu, plan.boff, plan.sub_idx, plan.scale, H, K, V, M,
-                      SIDES=sides, **_sub_launch("_bwd_dkv", plan, K, V, M))
+        _bwd_dkv[(subs.shape[0], H)](q, k, v, s, lc, zprev, zend, p, do, dS, c, dhk, dhv, dhc,
+                                     dk, dv, ds, ds_part, plan.cu, plan.boff, subs, plan.scale,
+                                     H, K, V, M, SIDES=sides, **launch)
     return dq, dk, dv, ds, (dc0, dk0, dv0)
 
 
@@ -987,8 +1042,9 @@ def abc_chunk_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, s: torch
         bounds = check_varlen(q, k, v, s, cu_seqlens, initial_state)
         B, T, H, K = q.shape
         V, M = v.shape[-1], s.shape[-1]
-    if not isinstance(chunk_size, int) or chunk_size < BC or chunk_size & (chunk_size - 1):
-        raise ConfigError(f"chunk_size: expected a power of two ≥ {BC}, got {chunk_size!r}")
+    if not isinstance(chunk_size, int) or chunk_size < MIN_CHUNK or chunk_size & (chunk_size - 1):
+        raise ConfigError(f"chunk_size: expected a power of two ≥ {MIN_CHUNK}, "
+                          f"got {chunk_size!r}")
     named = {"q": q, "k": k, "v": v, "s": s,
              **{f"initial_state.{f}": t for f, t in zip(ABCState._fields, initial_state or ())}}
     for name, t in named.items():

@@ -24,7 +24,7 @@ import functools
 import torch
 
 from memattn.errors import ConfigError, ShapeError
-from memattn.kernels.abc_chunk import BC, MAX_DIM, _backward, _forward, _plan, _precision
+from memattn.kernels.abc_chunk import MAX_DIM, MIN_CHUNK, _backward, _forward, _plan, _precision
 from memattn.kernels.abc_decode import check_kernel_inputs
 from memattn.ops.abc.varlen import check_varlen
 from memattn.ops.contract import default_scale
@@ -130,8 +130,9 @@ def gsa_chunk_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch
         check_gates(g)
         B, T, H, K = q.shape
         V, M = v.shape[-1], g.shape[-1]
-    if not isinstance(chunk_size, int) or chunk_size < BC or chunk_size & (chunk_size - 1):
-        raise ConfigError(f"chunk_size: expected a power of two ≥ {BC}, got {chunk_size!r}")
+    if not isinstance(chunk_size, int) or chunk_size < MIN_CHUNK or chunk_size & (chunk_size - 1):
+        raise ConfigError(f"chunk_size: expected a power of two ≥ {MIN_CHUNK}, "
+                          f"got {chunk_size!r}")
     check_kernel_inputs("gsa_chunk_triton", {
         "q": q, "k": k, "v": v, "g": g,
         **{f"initial_state.{f}": t for f, t in zip(GSAState._fields, initial_state or ())}},

@@ -113,22 +113,47 @@ def test_kernel_variants(monkeypatch, diag3, split):
     monkeypatch.setattr(abc_chunk, "DIAG_3D", tuple(abc_chunk.SUB_WARPS) if diag3 else ())
     monkeypatch.setattr(abc_chunk, "SPLIT_DKV", split)
     for kernel in abc_chunk.SUB_WARPS:  # at most DIAG_3D_MAX numbers a tile
-        assert abc_chunk._diag3(kernel, 64) == diag3 and not abc_chunk._diag3(kernel, 65)
-    xs = make_inputs(T=37)
+        assert abc_chunk._diag3(kernel, 64, 16) == diag3 and not abc_chunk._diag3(kernel, 65, 16)
+    check_launch_choices(37, (16, 32), [0, 1, 20, 45])
+
+
+def check_launch_choices(T: int, chunks: tuple[int, ...], bounds: list[int]):
+    """The kernels as abc_chunk is set now against the float64 reference: fp32 inputs of T
+    tokens in chunks of each of `chunks`, and in the last of them bf16 inputs, logits of 1e3
+    (37 tokens: longer, float32's rounding of log_z ~ 1e3 alone misses ds by more than 1e-4)
+    and sequences packed at `bounds`."""
+    xs = make_inputs(T=T)
     want = run(abc_reference, xs, torch.float64)
-    for chunk in (16, 32):
+    for chunk in chunks:
         assert_all_close(run(abc_chunk_triton, xs, torch.float32, chunk_size=chunk), want, **F32)
-    xs = make_inputs(T=37, dtype=torch.bfloat16)
-    assert_all_close(run(abc_chunk_triton, xs, torch.bfloat16, chunk_size=16),
+    xs = make_inputs(T=T, dtype=torch.bfloat16)
+    assert_all_close(run(abc_chunk_triton, xs, torch.bfloat16, chunk_size=chunks[-1]),
                      run(abc_reference, xs, torch.float64), **HALF)
     xs = make_inputs(B=1, T=37, s_scale=1e3)
-    assert_all_close(run(abc_chunk_triton, xs, torch.float32, chunk_size=32),
+    assert_all_close(run(abc_chunk_triton, xs, torch.float32, chunk_size=chunks[-1]),
                      run(abc_reference, xs, torch.float64), atol=1e-4, rtol=1e-4)
-    bounds = [0, 1, 20, 45]
-    xs = make_inputs(B=1, T=45, N=3, M=6)
+    xs = make_inputs(B=1, T=bounds[-1], N=len(bounds) - 1, M=6)
     cu = torch.tensor(bounds, dtype=torch.int32, device=DEVICE)
-    assert_all_close(run(abc_attention, xs, torch.float32, cu_seqlens=cu, backend="triton"),
+    assert_all_close(run(abc_chunk_triton, xs, torch.float32, cu_seqlens=cu,
+                         chunk_size=chunks[-1]),
                      run(abc_varlen, xs, torch.float64, cu_seqlens=cu.long()), **F32)
+
+
+@pytest.mark.parametrize("rows, diag3", [
+    ({"_fwd_output": 32, "_bwd_dq": 32, "_bwd_dkv": 32}, False),
+    ({"_fwd_output": 32, "_bwd_dq": 32, "_bwd_dkv": 32}, True),
+    ({"_fwd_output": 32, "_bwd_dq": 16, "_bwd_dkv": 32}, False),
+    ({"_fwd_output": 16, "_bwd_dq": 32, "_bwd_dkv": 16}, True)])
+def test_sub_blocks_of_32_rows(monkeypatch, rows, diag3):
+    """SUB_ROWS: sub-blocks of 32 rows, in every sub-block kernel or in some (each kernel
+    splits the chunk its own way), their diagonal blocks as loops or in one step (DIAG_3D_MAX
+    raised to hold [32, 32, 16]); chunks of 32 (one sub-block) and 64 (two), lengths that are
+    not multiples of 32 (75; packed 1, 39 and 67), fp32 and bf16, logits of 1e3."""
+    monkeypatch.setattr(abc_chunk, "SUB_ROWS", rows)
+    monkeypatch.setattr(abc_chunk, "DIAG_3D", tuple(rows) if diag3 else ())
+    monkeypatch.setattr(abc_chunk, "DIAG_3D_MAX", 32 * 32 * 16)
+    assert abc_chunk._rows("_fwd_output", 16) == 16  # never more than the chunk
+    check_launch_choices(75, (32, 64), [0, 1, 40, 107])
 
 
 def test_large_logits():
@@ -300,7 +325,7 @@ def test_kernel_variants_on_gpu(monkeypatch, stages, sub, half_dots, diag3, spli
     step, the backward's dk / dv in two launches. Several chunks, bf16, and a packed batch
     of 1, 129, 1 and 269 tokens."""
     monkeypatch.setattr(abc_chunk, "STATE_STAGES", stages)
-    monkeypatch.setattr(abc_chunk, "BC", sub)
+    monkeypatch.setattr(abc_chunk, "SUB_ROWS", dict.fromkeys(abc_chunk.SUB_ROWS, sub))
     monkeypatch.setattr(abc_chunk, "HALF_DOTS", half_dots)
     monkeypatch.setattr(abc_chunk, "DIAG_3D", tuple(abc_chunk.SUB_WARPS) if diag3 else ())
     monkeypatch.setattr(abc_chunk, "SPLIT_DKV", split)
