@@ -10,21 +10,21 @@ bf16 on CUDA, forward + backward, inputs [B, T, H, D] as in gpu_kernels.py.
   kernel's own device time per call, its launches per call and its share of the op.
 - Chunk sizes: memattn's op (`abc_chunk_triton(chunk_size=...)`) timed with CUDA events,
   fwd and fwd+bwd (median of 10 after 3 warm-up calls).
-- Variants, timed alike at the default chunk size, with every kernel's own time (the
-  profile's), so that each kernel's launch choices can be taken from the variant that is
-  best for it: the earlier defaults (8 warps, diagonal blocks as loops, scans as while
-  loops), the blocks of the chunk kernels and the scans (`_fwd_chunks`, `_fwd_scan`,
-  `_bwd_chunks`, `_bwd_scan`) along D capped at 32 and 16, or along M at 16 and D at 32
-  (more programs for the scans), 1, 2, 4 or 8 warps for every kernel, the scans' chunk
-  loops as while loops or software-pipelined with 2 stages (3 by default), sub-blocks of
-  16 or 32 rows in every sub-block kernel (`SUB_ROWS` sets each kernel's; 32 also with the
-  diagonal blocks in one step and with 8 warps), fp32 operands with TF32 products in place
-  of bf16 ones, every sub-block kernel's diagonal blocks in one step (with the default warps
-  and with 4) or as loops, and the backward's dk / dv in two launches (with the diagonal
-  blocks either way);
-  each patches `_state_blocks`, `_warps`, `SUB_WARPS`, `SUB_ROWS`, `HALF_DOTS`, `DIAG_3D`,
-  `DIAG_3D_MAX`, `STATE_STAGES` or `SPLIT_DKV` of `memattn.kernels.abc_chunk` for its run only.
-  `--variants NAME ...` times those alone (default: every one).
+- Variants, timed alike at the default chunk size, with every kernel's own time (the profile's),
+  so that each kernel's launch choices can be taken from the variant that is best for it: the
+  earlier defaults (8 warps, diagonal blocks as loops, scans as while loops), the blocks of
+  the chunk kernels and the scans (`_fwd_chunks`, `_fwd_scan`, `_bwd_chunks`, `_bwd_scan`)
+  along D capped at 32 and 16, or along M at 16 and D at 32 (more programs for the scans), 1,
+  2, 4 or 8 warps for every kernel, the scans' chunk loops as while loops or
+  software-pipelined with 2 stages (3 by default), sub-blocks of 16 or 32 rows in every
+  sub-block kernel (`SUB_ROWS` sets each kernel's; 32 also with the diagonal blocks in one
+  step and with 8 warps), fp32 operands with TF32 products in place of bf16 ones (and with
+  them p, dS, c handed on in fp32: `abc_chunk._saved_dtype`), every sub-block kernel's
+  diagonal blocks in one step (with the default warps and with 4) or as loops, and the
+  backward's dk / dv in two launches (with the diagonal blocks either way); each patches
+  `_state_blocks`, `_warps`, `SUB_WARPS`, `SUB_ROWS`, `HALF_DOTS`, `DIAG_3D`, `DIAG_3D_MAX`,
+  `STATE_STAGES` or `SPLIT_DKV` of `memattn.kernels.abc_chunk` for its run only. `--variants
+  NAME ...` times those alone (default: every one).
 `--device cpu` runs the same report on the torch form in float32 (no fla, no chunk sizes): a
 check of the script itself on a machine without a GPU.
 On CUDA, each memattn kernel's time is set against its bound from benchmarks/kernel_model.py

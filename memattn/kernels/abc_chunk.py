@@ -135,12 +135,15 @@ HALF_DOTS = True
 # and when it is 128.
 SUB_WARPS = {"_fwd_output": (2, 1), "_bwd_dq": (4, 1), "_bwd_dkv": (4, 4)}
 # Rows of a sub-block (BC) of each sub-block kernel, 16 or 32 (at most the chunk size). Each
-# kernel has its own: they hand each other per-token tensors only (p, lse, dS, c). 16 until
-# 32 is timed (benchmarks/gpu_profile.py, "sub-blocks of 32 rows"): the bytes from HBM are the
-# same (benchmarks/kernel_model.py), but at 32 the diagonal block's exps a token double (BC · M
-# a pass) and, compiled for sm_90 at D = 64, M = 32 and 4 warps, `_fwd_output` and `_bwd_dq`
-# take 216-230 registers a thread instead of 122-126, so an SM holds half the programs
-# (benchmarks/results/sm_90/sub-rows-16-32).
+# kernel has its own: they hand each other per-token tensors only (p, lse, dS, c). 16 in each
+# until 32 is timed per kernel under today's launch choices (benchmarks/gpu_profile.py,
+# "sub-blocks of 32 rows"): on an H100 at 8 warps with diagonal loops, 32 rows took 1.1-2.0x
+# the time of 16 in every sub-block kernel (benchmarks/results/nvidia-h100/
+# gpu_profile_variants.md); the bytes from HBM are the same (benchmarks/kernel_model.py), but at
+# 32 the diagonal block's exps a token double (BC · M a pass) and, compiled for sm_90 at
+# D = 64, M = 32 and 4 warps, `_fwd_output` and `_bwd_dq` take 216-230 registers a thread
+# instead of 122-126, so an SM holds half the programs (benchmarks/results/sm_90/
+# sub-rows-16-32).
 SUB_ROWS = {"_fwd_output": 16, "_bwd_dq": 16, "_bwd_dkv": 16}
 # The kernels that take a sub-block's own (diagonal) block in one step over [BC, BC, BM]
 # tiles, where they hold at most DIAG_3D_MAX numbers (else a loop over its BC tokens).
