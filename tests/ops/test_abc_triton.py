@@ -142,7 +142,6 @@ def check_launch_choices(T: int, chunks: tuple[int, ...], bounds: list[int]):
 @pytest.mark.parametrize("rows, diag3", [
     ({"_fwd_output": 32, "_bwd_dq": 32, "_bwd_dkv": 32}, False),
     ({"_fwd_output": 32, "_bwd_dq": 32, "_bwd_dkv": 32}, True),
-    ({"_fwd_output": 32, "_bwd_dq": 16, "_bwd_dkv": 32}, False),
     ({"_fwd_output": 16, "_bwd_dq": 32, "_bwd_dkv": 16}, True)])
 def test_sub_blocks_of_32_rows(monkeypatch, rows, diag3):
     """SUB_ROWS: sub-blocks of 32 rows, in every sub-block kernel or in some (each kernel
