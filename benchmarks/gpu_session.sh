@@ -77,10 +77,10 @@ case "$phase" in
   profile) python3 benchmarks/gpu_profile.py --out "$OUT/profile" 2>&1 | tee "$OUT/profile.log" ;;
   all)
     tests_beside 110
-    timeout 210 python3 benchmarks/gpu_kernels.py --skip-tests --lengths 2048 4096 8192 16384 32768 \
+    timeout 290 python3 benchmarks/gpu_kernels.py --skip-tests --lengths 2048 4096 8192 16384 32768 \
       --out "$OUT/kernels" > "$OUT/kernels.log" 2>&1 || true
     tail -n 2 "$OUT/kernels.log"
-    timeout 140 python3 benchmarks/gpu_profile.py --dims 64 128 --slots 32 64 --chunk-sizes 64 \
+    timeout 60 python3 benchmarks/gpu_profile.py --dims 64 128 --slots 32 64 --chunk-sizes 64 \
       --variants default "sub-blocks of 32 rows" --out "$OUT/profile" > "$OUT/profile.log" 2>&1 || true
     grep -E "^Bounds|^\*\*" "$OUT/profile/gpu_profile.md" || tail -n 5 "$OUT/profile.log" ;;
   verify)
