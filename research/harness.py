@@ -57,7 +57,7 @@ def write_tasks(root: Path, docs: list[str], choices: list[dict], prompts: list[
 def run_lm_eval(folder: Path, root: Path, tasks: Path, *, timeout: float = 3600) -> tuple[dict, dict[str, list]]:
     """The `lm_eval` command on a Hugging Face folder, offline, with the task files in `tasks`,
     its caches and output under root: (results by task, logged samples by task). ConfigError
-    when lm-evaluation-harness is not installed or the command fails (its last lines)."""
+    when lm-evaluation-harness is not installed or the command fails (its last line)."""
     command = Path(sys.executable).with_name("lm_eval")
     if not command.exists():
         raise ConfigError(f"harness: the lm_eval command is not installed beside {sys.executable} "
@@ -84,8 +84,8 @@ def split_tasks(text: str, *, documents: int, document_chars: int, items: int, c
     its start; `items` multiple-choice items (the `context_chars` before a word, then that word
     against three other words of the text of the same length) and `items` one-word
     continuations (the same contexts with their space, the word as the target). Word starts
-    are drawn with `seed`; a word is a run of lower-case letters between spaces (or a space and a line's
-    end), as words are what a character model can be asked to finish."""
+    are drawn with `seed`; a word is a run of lower-case letters after a space and before a
+    space or a line's end, as words are what a character model can be asked to finish."""
     if len(text) < documents * document_chars or len(text) < context_chars + 1:
         raise ConfigError(f"harness: the test text has {len(text):,} characters; the tasks need "
                           f"{max(documents * document_chars, context_chars + 1):,}")
