@@ -248,6 +248,7 @@ def markdown(result: dict) -> str:
     budgets = sorted({g["budget"] for g in grid})
     steps = {g["budget"]: g["steps"] + g["transfer_steps"] for g in grid if g["recipe"] == "copy"}
     far = length_figure(teacher, "16x")
+    rows = grid_rows(grid, by, budgets)
     lines = [
         "# Converting a softmax model: students, recipes and budgets",
         "",
@@ -282,28 +283,29 @@ def markdown(result: dict) -> str:
                   + (f"{length_figure(teacher, key)['bpc']:.3f}." if length_figure(teacher, key) else "not read."), "",
                   "| student | recipe | " + " | ".join(f"{b:g} %" for b in budgets) + " | state bytes, one stream |",
                   "|---|---|" + "---:|" * len(budgets) + "---:|"]
-        for student in dict.fromkeys(g["student"] for g in grid):
-            for recipe in dict.fromkeys(g["recipe"] for g in grid):
-                cells, state = [], "—"
-                for b in budgets:
-                    row = by.get(next(g["model"] for g in grid if (g["student"], g["recipe"], g["budget"]) ==
-                                      (student, recipe, b)))
-                    figure = length_figure(row, key) if row else None
-                    if row:
-                        state = state_cell(row)
-                    cells.append("—" if figure is None else f"{figure['bpc']:.3f}" if key == "1x" else
-                                 f"{figure['bpc']:.3f} ({100 * (figure['bpc'] / figure['bpc_windows'] - 1):+.1f} %)")
-                if any(c != "—" for c in cells):
-                    lines.append(f"| {student} | {recipe} | " + " | ".join(cells) + f" | {state} |")
+        for student, recipe, runs in rows:
+            cells, state = [], "—"
+            for row in runs:
+                figure = length_figure(row, key) if row else None
+                if row:
+                    state = state_cell(row)
+                cells.append("—" if figure is None else f"{figure['bpc']:.3f}" if key == "1x" else
+                             f"{figure['bpc']:.3f} ({100 * (figure['bpc'] / figure['bpc_windows'] - 1):+.1f} %)")
+            if any(c != "—" for c in cells):
+                lines.append(f"| {student} | {recipe} | " + " | ".join(cells) + f" | {state} |")
         lines.append("")
-    lines += harness_lines(teacher, [(student, recipe, [by.get(next(g["model"] for g in grid if (
-        g["student"], g["recipe"], g["budget"]) == (student, recipe, b))) for b in budgets])
-        for student in dict.fromkeys(g["student"] for g in grid) for recipe in dict.fromkeys(g["recipe"] for g in grid)],
-        budgets)
+    lines += harness_lines(teacher, rows, budgets)
     lines += [setup_line(result["config"]), "",
               "Figures: `learning_curves.png`; logs under `logs/`, every run's figures in `results.json` "
               "(`test_bpc_by_length`: 1x, 4x, 16x, 64x).", ""]
     return "\n".join(lines)
+
+
+def grid_rows(grid: list[dict], by: dict[str, dict], budgets: list[float]) -> list[tuple[str, str, list[dict | None]]]:
+    """(student, recipe, its finished row at each budget or None) of every student and recipe of the grid."""
+    place = {(g["student"], g["recipe"], g["budget"]): g["model"] for g in grid}
+    return [(student, recipe, [by.get(place.get((student, recipe, b))) for b in budgets])
+            for student in dict.fromkeys(g["student"] for g in grid) for recipe in dict.fromkeys(g["recipe"] for g in grid)]
 
 
 def harness_cell(row: dict | None) -> str:
