@@ -396,6 +396,43 @@ def test_drifting_logits_halve_the_chunks(monkeypatch, drift, exact):
     assert taken == ([16] if exact else [])  # the exact path, on chunks of 16, or none
 
 
+def test_float32_gradients_at_the_fast_paths_edge(monkeypatch):
+    """Logits drifting so that the normaliser grows by just under the fast path's threshold in
+    each half of a chunk: every chunk takes the fast path (none the exact path), where 1 / z
+    reaches nearly e^threshold and its gradient, −1 / z², must stay inside float32. Outputs,
+    final state and gradients in float32 are within 1e-3 of the float64 reference (relative to
+    each tensor's largest entry; the recurrent form's error here is 1e-4); a threshold of e^60
+    fails here (1 / z² overflows)."""
+    import memattn.ops.abc.chunked as chunked
+
+    taken, real_exact = [], chunked._Exact
+    monkeypatch.setattr(chunked, "_Exact", lambda q, *a: taken.append(q.shape[1]) or
+                        real_exact(q, *a))
+    T, C = 192, 64
+    drift = (-math.log(chunked._MIN_Z) - 2.0) / (C // 2)  # a token
+    q, k, v, s = inputs(T=T, M=3, seed=9)
+    s = s * 0.1 + drift * torch.arange(T, dtype=s.dtype)[:, None, None]
+    weights = None
+
+    def outputs_and_grads(fn, dtype):
+        nonlocal weights
+        leaves = [x.detach().to(dtype).requires_grad_() for x in (q, k, v, s)]
+        o, final = fn(*leaves, output_final_state=True)
+        outs = [o, *final]
+        if weights is None:  # one random functional, drawn in float64, for both dtypes
+            g = torch.Generator().manual_seed(123)
+            weights = [torch.randn(t.shape, generator=g, dtype=torch.float64) for t in outs]
+        loss = sum((t * w.to(dtype)).sum() for t, w in zip(outs, weights))
+        return [t.detach().double() for t in (*outs, *torch.autograd.grad(loss, leaves))]
+
+    want = outputs_and_grads(abc_reference, torch.float64)
+    got = outputs_and_grads(functools.partial(abc_chunked, chunk_size=C), torch.float32)
+    assert taken == []
+    for a, b in zip(got, want, strict=True):
+        assert a.isfinite().all()
+        assert (a - b).abs().max() <= 1e-3 * b.abs().max()
+
+
 def test_float32_close_to_float64_reference():
     q, k, v, s = inputs(T=300, s_scale=3.0, seed=7)
     state = abc_state(seed=8)
