@@ -59,12 +59,13 @@ def bounded_state(B=2, H=2, K=5, V=3, M=4, *, seed=1, grad=False):
 
 
 def run_with_grads(fn, q, k, v, w, state, **kw):
-    """Outputs, final state and the gradients of a fixed random functional of both."""
+    """Outputs, final state and the gradients of a fixed random functional of both (its
+    weights drawn in float64, so that runs in different dtypes share it)."""
     o, final = fn(q, k, v, w, initial_state=state, output_final_state=True, **kw)
     g = torch.Generator().manual_seed(123)
-    loss = (o * torch.randn(o.shape, generator=g, dtype=o.dtype)).sum()
+    loss = (o * torch.randn(o.shape, generator=g, dtype=torch.float64).to(o.dtype)).sum()
     for t in final:
-        loss = loss + (t * torch.randn(t.shape, generator=g, dtype=t.dtype)).sum()
+        loss = loss + (t * torch.randn(t.shape, generator=g, dtype=torch.float64).to(t.dtype)).sum()
     leaves = [q, k, v, w, *(state or ())]
     grads = torch.autograd.grad(loss, leaves)
     return o.detach(), [t.detach() for t in final], grads
@@ -412,25 +413,13 @@ def test_float32_gradients_at_the_fast_paths_edge(monkeypatch):
     drift = (-math.log(chunked._MIN_Z) - 2.0) / (C // 2)  # a token
     q, k, v, s = inputs(T=T, M=3, seed=9)
     s = s * 0.1 + drift * torch.arange(T, dtype=s.dtype)[:, None, None]
-    weights = None
-
-    def outputs_and_grads(fn, dtype):
-        nonlocal weights
-        leaves = [x.detach().to(dtype).requires_grad_() for x in (q, k, v, s)]
-        o, final = fn(*leaves, output_final_state=True)
-        outs = [o, *final]
-        if weights is None:  # one random functional, drawn in float64, for both dtypes
-            g = torch.Generator().manual_seed(123)
-            weights = [torch.randn(t.shape, generator=g, dtype=torch.float64) for t in outs]
-        loss = sum((t * w.to(dtype)).sum() for t, w in zip(outs, weights))
-        return [t.detach().double() for t in (*outs, *torch.autograd.grad(loss, leaves))]
-
-    want = outputs_and_grads(abc_reference, torch.float64)
-    got = outputs_and_grads(functools.partial(abc_chunked, chunk_size=C), torch.float32)
+    want = run_with_grads(abc_reference, *(x.requires_grad_() for x in (q, k, v, s)), None)
+    o, final, grads = run_with_grads(functools.partial(abc_chunked, chunk_size=C),
+                                     *(x.detach().float().requires_grad_() for x in (q, k, v, s)), None)
     assert taken == []
-    for a, b in zip(got, want, strict=True):
+    for a, b in zip((o, *final, *grads), (want[0], *want[1], *want[2]), strict=True):
         assert a.isfinite().all()
-        assert (a - b).abs().max() <= 1e-3 * b.abs().max()
+        assert (a.double() - b).abs().max() <= 1e-3 * b.abs().max()
 
 
 def test_float32_close_to_float64_reference():
