@@ -824,8 +824,8 @@ def _lengths(bounds: tuple[int, ...]) -> torch.Tensor:
     return torch.tensor(bounds[1:]) - torch.tensor(bounds[:-1])
 
 
-# Both kept for the next call with the same boundaries: each copy to the GPU would wait for the
-# work queued before it.
+# `_layout` and `_sub_blocks` are kept for the next call with the same boundaries: each copy to
+# the GPU would wait for the work queued before it.
 @functools.lru_cache(maxsize=64)
 def _layout(bounds: tuple[int, ...], chunk: int, device: torch.device):
     """(cu, boff, chunk_idx, n_seq, n_chunks) of a packed batch in chunks of `chunk` tokens."""
