@@ -133,6 +133,7 @@ def study(text_file, tmp_path, out, *settings):
     """`memattn experiment abc-warmstart --quick parts=[conversion] ...`: the conversion table."""
     from memattn.cli import main
 
+    pytest.importorskip("lm_eval", reason="the conversion table scores each model through lm-evaluation-harness")
     data = ["data.corpus=text", f"data.path={text_file}", f"data.cache_dir={tmp_path / 'cache'}"]
     assert main(["experiment", "abc-warmstart", *data, "parts=[conversion]", *settings, "--quick",
                  "--out-dir", str(out)]) == 0
