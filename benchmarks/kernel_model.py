@@ -1,4 +1,5 @@
-"""A bandwidth and work model of memattn's ABC kernels: what each one must move and compute,
+"""A bandwidth and work model of memattn's ABC kernels (and gated slot attention's gate kernels
+beside them): what each one must move and compute,
 how many programs it runs and how far each walks in sequence, so that a measured time can be
 set against the time the hardware allows.
 
@@ -117,6 +118,16 @@ def chunked(B: int, H: int, T: int, D: int, M: int, chunk: int = 64, rows: int =
     return out
 
 
+def gate_kernels(B: int, H: int, T: int, M: int, chunk: int = 64) -> list[dict]:
+    """Gated slot attention's two kernels beside ABC's (memattn/kernels/gsa_chunk.py): the log
+    gates g -> the fp32 logits s, and ds (fp32) with g -> dg; one program per (chunk, head,
+    block of up to 32 slots), elementwise but for a cumulative sum inside the chunk."""
+    n = B * T * H
+    programs = B * H * (T // chunk) * max(1, M // 32)
+    return [_kernel("_gate_logits", 1, n * M * HALF, n * M * F32, 0, programs, 1),
+            _kernel("_gate_grads", 1, n * M * (HALF + F32), n * M * HALF, 0, programs, 1)]
+
+
 def op_bytes(B: int, H: int, T: int, D: int, M: int) -> dict:
     """The op's inputs and outputs: forward q, k, v, s -> o; backward also do -> dq, dk, dv, ds."""
     n = B * T * H
@@ -168,6 +179,9 @@ def markdown(res: dict) -> str:
                   f"outputs only) {op / 1e6:.0f} MB, {op / (gpu['tb_s'] * 1e6):.0f} µs: "
                   f"{total / (op / (gpu['tb_s'] * 1e6)):.1f}x of it is the tensors the kernels "
                   "hand each other through HBM.", ""]
+        gates = "; ".join(f"`{k['kernel']}` {(k['read'] + k['written']) / 1e6:.0f} MB, "
+                          f"{bound_us(k, gpu):.0f} µs" for k in case["gates"])
+        lines += [f"Gated slot attention adds its gate kernels: {gates}.", ""]
     lines += ["## Decoding, one step", "", "| batch | D | M | state MB | MB moved | bound µs |",
               "|---:|---:|---:|---:|---:|---:|"]
     for d in res["decode"]:
@@ -200,6 +214,7 @@ def main(argv=None) -> None:
                 for rows in args.rows:
                     res["cases"].append({"T": T, "D": D, "M": M, "rows": rows,
                                          "kernels": chunked(B, H, T, D, M, args.chunk, rows),
+                                         "gates": gate_kernels(B, H, T, M, args.chunk),
                                          "op_bytes": op_bytes(B, H, T, D, M)})
     for Bd in (1, 64):
         for D in args.dims:

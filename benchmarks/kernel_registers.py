@@ -7,7 +7,8 @@ offline for a GPU architecture: no GPU needed.
 Each kernel of `memattn.kernels.abc_chunk` is built as its launch builds it (block sizes,
 PREC, chunk of 64 tokens; the sub-block kernels with sub-blocks of each of --rows rows (BC,
 `SUB_ROWS`), their diagonal block as a loop and in one step, `DIAG_3D`; `_bwd_dkv` whole and
-split, `SPLIT_DKV`) with the divisibility the JIT gives head sizes
+split, `SPLIT_DKV`; and gated slot attention's gate kernels of `memattn.kernels.gsa_chunk`)
+with the divisibility the JIT gives head sizes
 that are multiples of 16, compiled by Triton for `sm_<arch>` and assembled by the ptxas
 Triton ships, whose report gives the registers per thread and the bytes spilled. Programs
 per SM: the fewest that the registers (65,536 per SM, allocated 256 per warp), the shared
@@ -33,10 +34,11 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-KERNELS = ("fwd_chunks", "fwd_scan", "fwd_output", "bwd_dq", "bwd_chunks", "bwd_scan", "bwd_dkv")
+KERNELS = ("fwd_chunks", "fwd_scan", "fwd_output", "bwd_dq", "bwd_chunks", "bwd_scan", "bwd_dkv",
+           "gate_logits", "gate_grads")
 REGS_PER_SM, SMEM_PER_SM, RESERVED_SMEM, MAX_WARPS, MAX_PROGRAMS = 65536, 228 * 1024, 1024, 64, 32
 # pointer arguments in the inputs' dtype (the others are fp32, or int32 for the layout)
-INPUT_POINTERS = {"q", "k", "v", "s", "do", "o", "dq", "dk", "dv", "ds", "x"}
+INPUT_POINTERS = {"q", "k", "v", "s", "do", "o", "dq", "dk", "dv", "ds", "x", "g", "dg"}
 LAYOUT_POINTERS = {"cu", "boff", "sub_idx", "chunk_idx"}
 SIZES = ("H", "K", "V", "M", "D")
 
@@ -67,8 +69,10 @@ def builds(name: str, D: int, M: int, dtype: str,
            rows: tuple[int, ...] = (16,)) -> list[tuple[str, object, dict]]:
     """(variant, jit function, constexprs) of one kernel as `abc_chunk` launches it; a sub-block
     kernel with sub-blocks of each of `rows` rows."""
-    from memattn.kernels import abc_chunk as ac
+    from memattn.kernels import abc_chunk as ac, gsa_chunk as gc
 
+    if name in ("gate_logits", "gate_grads"):  # gated slot attention's gates <-> ABC's logits
+        return [("chunk of 64", getattr(gc, f"_{name}"), {"BT": 64, "BM": gc._gate_block(M)})]
     prec = {"bf16": "bf16", "fp16": "fp16", "fp32": "ieee"}[dtype]
     BM, BD = ac._state_blocks(M, D)
     if name in ("fwd_chunks", "bwd_chunks"):  # the K̃ launch, every chunk at once

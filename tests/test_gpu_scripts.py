@@ -257,6 +257,24 @@ def test_kernel_model_writes_what_the_kernels_store():
     assert model.op_bytes(B, H, T, D, M)["fwd"] == inputs + o.numel() * 2
 
 
+def test_kernel_model_gate_kernels_move_what_they_read_and_write():
+    """The gate kernels' bytes are the tensors they take and give (run in the interpreter):
+    g in bf16 -> s in fp32, and ds in fp32 with g -> dg in bf16."""
+    from memattn.kernels import abc_chunk as ac, gsa_chunk as gc
+
+    model = load("kernel_model")
+    B, H, T, M = 2, 2, 128, 16
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    g = -torch.rand(B * T, H, M, generator=torch.Generator().manual_seed(0)).bfloat16().to(device)
+    plan = ac._plan(list(range(0, B * T + 1, T)), 64, 1.0, "bf16", g.device)
+    s = gc.gate_logits(g, plan)
+    dg = gc.gate_grads(g, torch.randn_like(s), plan)
+    size = {name: t.numel() * t.element_size() for name, t in (("g", g), ("s", s), ("dg", dg))}
+    logits, grads = model.gate_kernels(B, H, T, M)
+    assert (logits["read"], logits["written"]) == (size["g"], size["s"])
+    assert (grads["read"], grads["written"]) == (size["g"] + size["s"], size["dg"])
+
+
 def test_kernel_model_bounds_and_report(tmp_path):
     model = load("kernel_model")
     k = model.decode(64, 8, 64, 32)
@@ -268,6 +286,7 @@ def test_kernel_model_bounds_and_report(tmp_path):
     model.main(["--lengths", "2048", "--dims", "64", "--slots", "32", "--out", str(tmp_path)])
     text = (tmp_path / "kernel_model.md").read_text()
     assert "| `_bwd_dkv` | 1 |" in text and "## Decoding, one step" in text
+    assert "Gated slot attention adds its gate kernels: `_gate_logits`" in text
 
 
 def test_profile_sets_each_kernel_against_its_bound():

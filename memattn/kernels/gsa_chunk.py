@@ -12,19 +12,22 @@ log(1 + Σ_{i≤t} (1 - α_i) exp(-ΔG_i)) = -ΔG_t, since the sum telescopes
 ((1 - α_i) exp(-ΔG_i) = exp(-ΔG_i) - exp(-ΔG_{i-1})), so ABC's weights exp(s_i - a_t) and
 exp(0 - a_t) are GSA's, exactly. The kernels' RESET flag restarts the log-normaliser at 0 at
 every chunk, so the logits never hold more than one chunk's gates (float32 resolves them to
-about 6e-8 · |ΔG|: 4e-7 for 64 gates of -0.1, 8e-5 for 64 gates at GATE_FLOOR). The cumulative
-sums ΔG are taken per chunk ([chunks, BT] laid out, never a difference of long sums), and the
-gradient of g comes back from that of s: dg_i = -ds_i α_i / (1 - α_i) - Σ_{j≥i in the chunk} ds_j.
+about 6e-8 · |ΔG|: 4e-7 for 64 gates of -0.1, 8e-5 for 64 gates at GATE_FLOOR). One kernel
+turns the gates into s, chunk by chunk (`_gate_logits`: ΔG a cumulative sum inside the chunk,
+never a difference of long sums), and one turns the gradient of s into that of g
+(`_gate_grads`: dg_i = -ds_i α_i / (1 - α_i) - Σ_{j≥i in the chunk} ds_j), each reading and
+writing every element once.
 """
 
 from __future__ import annotations
 
-import functools
-
 import torch
+import triton
+import triton.language as tl
 
 from memattn.errors import ConfigError, ShapeError
-from memattn.kernels.abc_chunk import MAX_DIM, MIN_CHUNK, _backward, _forward, _plan, _precision
+from memattn.kernels.abc_chunk import (MAX_DIM, MIN_CHUNK, _backward, _chunk_of, _forward, _plan,
+                                       _precision, _tile)
 from memattn.kernels.abc_decode import check_kernel_inputs
 from memattn.ops.abc.varlen import check_varlen
 from memattn.ops.contract import default_scale
@@ -37,34 +40,84 @@ GATE_FLOOR = -20.0
 # Write weights 1 - α are at least this (α = 1 exactly writes nothing: log 0 would be -inf
 # and a chunk of padding NaN); its gradient divides by the same floor, so it stays exact.
 WRITE_FLOOR = 1e-30
+_GATE_FLOOR = tl.constexpr(GATE_FLOOR)
+_WRITE_FLOOR = tl.constexpr(WRITE_FLOOR)
 
 
-@functools.lru_cache(maxsize=64)
-def _chunk_slots(bounds: tuple[int, ...], chunk: int, device: torch.device) -> tuple[torch.Tensor, int]:
-    """(where each packed token lies in the chunks laid end to end, [total] into
-    [chunks · chunk]; the number of chunks): token j of sequence n at (n's first chunk) ·
-    chunk + j, as the kernels split them. Kept for the next call with the same boundaries."""
-    lens = torch.tensor(bounds[1:]) - torch.tensor(bounds[:-1])
-    n_chunks = (lens + chunk - 1) // chunk
-    first = (torch.cumsum(n_chunks, 0) - n_chunks) * chunk - torch.tensor(bounds[:-1])
-    slots = torch.arange(bounds[-1]) + torch.repeat_interleave(first, lens)
-    return slots.to(device), int(n_chunks.sum())
+@triton.jit
+def _write_weight(g):
+    """1 - exp(g) for log gates g ≤ 0, to float32's precision also near 0, where 1 - exp(g)
+    cancels: there the series -g (1 + g/2 + g²/6 + ... + g⁶/5040), whose next term is below
+    2e-8 of the sum for |g| < 0.35 (libdevice's expm1 does not run in the interpreter)."""
+    series = 1.0 + g / 7.0
+    for n in tl.static_range(6, 1, -1):
+        series = 1.0 + g / n * series
+    return tl.where(g > -0.35, -g * series, 1.0 - tl.exp(g))
 
 
-def _chunk_cumsum(x: torch.Tensor, slots: torch.Tensor, n_chunks: int, chunk: int,
-                  reverse: bool = False) -> torch.Tensor:
-    """x [total, H, M] -> the inclusive sums of x over each token's chunk, up to the token
-    (reverse: from it to the chunk's end), each a plain sum of its own terms."""
-    grid = x.new_zeros(n_chunks * chunk, *x.shape[1:]).index_copy_(0, slots, x)
-    grid = grid.view(n_chunks, chunk, *x.shape[1:])
-    grid = grid.flip(1).cumsum(1).flip(1) if reverse else grid.cumsum(1)
-    return grid.view(n_chunks * chunk, *x.shape[1:])[slots]
+@triton.jit
+def _gate_tile(g, rows, r_ok, i_h, H, M, o_m):
+    """(the log gates as given, clamped to GATE_FLOOR (NaN stays NaN), the write weights
+    1 - α ≥ WRITE_FLOOR) of a chunk's rows, [BT, BM] fp32."""
+    b_g = _tile(g, rows, r_ok, i_h, H, M, o_m, 0.0)
+    b_c = tl.where(b_g < _GATE_FLOOR, _GATE_FLOOR, b_g)
+    b_w = _write_weight(b_c)
+    return b_g, b_c, tl.where(b_w < _WRITE_FLOOR, _WRITE_FLOOR, b_w)
 
 
-def _gates(g: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """g [total, H, M] -> (the clamped log gates, the write weights 1 - α ≥ WRITE_FLOOR, α)."""
-    g = g.float().clamp_min(GATE_FLOOR)
-    return g, (-torch.expm1(g)).clamp_min(WRITE_FLOOR), torch.exp(g)
+@triton.jit
+def _gate_logits(g, logits, cu, chunk_idx, H, M, BT: tl.constexpr, BM: tl.constexpr):
+    """Grid (chunks, slot blocks, H): g [total, H, M] -> the logits s = log(1 - α) - ΔG
+    [total, H, M] fp32, ΔG the sums of the clamped log gates from the chunk's start."""
+    i_h = tl.program_id(2)
+    _, _, _, _, rows, r_ok = _chunk_of(cu, chunk_idx, BT)
+    o_m = tl.program_id(1) * BM + tl.arange(0, BM)
+    _, b_c, b_w = _gate_tile(g, rows, r_ok, i_h, H, M, o_m)
+    tl.store(logits + (rows[:, None] * H + i_h) * M + o_m[None, :], tl.log(b_w) - tl.cumsum(b_c, 0),
+             mask=r_ok[:, None] & (o_m < M)[None, :])
+
+
+@triton.jit
+def _gate_grads(g, d_logits, dg, cu, chunk_idx, H, M, BT: tl.constexpr, BM: tl.constexpr):
+    """Grid (chunks, slot blocks, H): the gradient of s -> that of g, dg_i = -ds_i α_i /
+    (1 - α_i) - Σ_{j≥i in the chunk} ds_j; 0 for gates below GATE_FLOOR (clamped), NaN for NaN."""
+    i_h = tl.program_id(2)
+    _, _, _, _, rows, r_ok = _chunk_of(cu, chunk_idx, BT)
+    o_m = tl.program_id(1) * BM + tl.arange(0, BM)
+    b_g, b_c, b_w = _gate_tile(g, rows, r_ok, i_h, H, M, o_m)
+    b_ds = _tile(d_logits, rows, r_ok, i_h, H, M, o_m, 0.0)
+    b_dg = -b_ds * tl.exp(b_c) / b_w - tl.cumsum(b_ds, 0, reverse=True)
+    tl.store(dg + (rows[:, None] * H + i_h) * M + o_m[None, :],
+             tl.where(b_g < _GATE_FLOOR, 0.0, b_dg), mask=r_ok[:, None] & (o_m < M)[None, :])
+
+
+def _gate_block(M: int) -> int:
+    """Slots a program of the gate kernels takes."""
+    return min(32, max(16, triton.next_power_of_2(M)))
+
+
+def _gate_launch(plan, H: int, M: int) -> tuple[tuple[int, int, int], dict]:
+    BM = _gate_block(M)
+    return (plan.n_chunks, triton.cdiv(M, BM), H), {"BT": plan.chunk, "BM": BM}
+
+
+def gate_logits(g: torch.Tensor, plan) -> torch.Tensor:
+    """Packed log gates g [total, H, M] -> the logits s [total, H, M] (fp32) of ABC's kernels
+    with RESET."""
+    total, H, M = g.shape
+    s = torch.empty(total, H, M, dtype=torch.float32, device=g.device)
+    grid, sizes = _gate_launch(plan, H, M)
+    _gate_logits[grid](g, s, plan.cu, plan.chunk_idx, H, M, **sizes)
+    return s
+
+
+def gate_grads(g: torch.Tensor, ds: torch.Tensor, plan) -> torch.Tensor:
+    """The gradient of `gate_logits`'s s, ds [total, H, M] -> that of g, in g's dtype."""
+    total, H, M = g.shape
+    dg = torch.empty_like(g)
+    grid, sizes = _gate_launch(plan, H, M)
+    _gate_grads[grid](g, ds.contiguous(), dg, plan.cu, plan.chunk_idx, H, M, **sizes)
+    return dg
 
 
 class _GSAChunk(torch.autograd.Function):
@@ -72,14 +125,12 @@ class _GSAChunk(torch.autograd.Function):
     (or None) -> o [T, H, V] and the final memories K̃, Ṽ, all differentiable."""
 
     @staticmethod
-    def forward(ctx, q, k, v, g, k0, v0, plan, slots):
+    def forward(ctx, q, k, v, g, k0, v0, plan):
         ctx.set_materialize_grads(False)
-        n_chunks, chunk = plan.n_chunks, plan.chunk
-        g_c, w, _ = _gates(g)
-        s = torch.log(w) - _chunk_cumsum(g_c, slots, n_chunks, chunk)  # [T, H, M] fp32
+        s = gate_logits(g, plan)
         o, final, saved = _forward(q, k, v, s, None, k0, v0, plan, reset=True)
         ctx.save_for_backward(q, k, v, g, s, *final, *saved)
-        ctx.plan, ctx.slots, ctx.has_init = plan, slots, k0 is not None
+        ctx.plan, ctx.has_init = plan, k0 is not None
         return o, final[1], final[2]
 
     @staticmethod
@@ -95,12 +146,8 @@ class _GSAChunk(torch.autograd.Function):
             do = torch.zeros(*q.shape[:2], v.shape[-1], dtype=q.dtype, device=q.device)
         dq, dk, dv, ds, (_, dk0, dv0) = _backward(q, k, v, s, do.contiguous(), saved,
                                                   (lzT, kT, vT), dfinal, plan, reset=True)
-        g_c, w, alpha = _gates(g)
-        dg = -ds * alpha / w - _chunk_cumsum(ds, ctx.slots, plan.n_chunks, plan.chunk,
-                                            reverse=True)
-        dg = torch.where(g >= GATE_FLOOR, dg, 0.0).to(g.dtype)  # clamped gates: no gradient
         dinit = (dk0, dv0) if ctx.has_init else (None, None)
-        return dq, dk, dv, dg, *dinit, None, None
+        return dq, dk, dv, gate_grads(g, ds, plan), *dinit, None
 
 
 def gsa_chunk_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, *,
@@ -142,11 +189,10 @@ def gsa_chunk_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch
             raise ShapeError(f"q: the Triton kernels take {name} ≤ {MAX_DIM}, got {name}={size}")
 
     plan = _plan(bounds, chunk_size, default_scale(scale, K), _precision(q, k, v), q.device)
-    slots, _ = _chunk_slots(tuple(bounds), chunk_size, q.device)
     packed = [x.reshape(B * T, H, x.shape[-1]).contiguous() for x in (q, k, v, g)]
     init = (None, None) if initial_state is None else \
         tuple(t.float().contiguous() for t in initial_state)
-    o, kT, vT = _GSAChunk.apply(*packed, *init, plan, slots)
+    o, kT, vT = _GSAChunk.apply(*packed, *init, plan)
     state = GSAState(kT, vT) if output_final_state else None
     return o.view(B, T, H, V), state
 

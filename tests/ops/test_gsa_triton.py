@@ -119,6 +119,35 @@ def test_extreme_gates():
     assert_all_close(got, want, atol=5e-5, rtol=5e-5)
 
 
+def test_gate_logits_and_their_gradient_against_float64():
+    """The kernels between the log gates and ABC's logits: s = log(1 - α) - ΔG and g's gradient
+    from that of s, against the closed form in float64 over the same float32 gates: gates
+    near 0 (where 1 - exp(g) cancels in float32), both sides of the series' edge at -0.35, at
+    and below GATE_FLOOR (no gradient below it), over chunks of 16 with a partial last one;
+    a NaN gate stays NaN in s and in the gradient."""
+    values = torch.tensor([-1e-8, -3e-7, -1e-4, -0.01, -0.3, -0.3499, -0.3501, -0.5, -2.0,
+                           -19.9, -20.0, -25.0])
+    gen = torch.Generator().manual_seed(0)
+    T, H, M, C = 37, 2, 12, 16
+    g = values[torch.randint(len(values), (T, H, M), generator=gen)].to(DEVICE)
+    ds = torch.randn(T, H, M, generator=gen, dtype=torch.float64).float().to(DEVICE)
+    plan = abc_chunk._plan([0, T], C, 1.0, "ieee", g.device)
+
+    g64 = g.double().clamp_min(gsa_chunk.GATE_FLOOR)
+    w = (-torch.expm1(g64)).clamp_min(gsa_chunk.WRITE_FLOOR)
+    starts = torch.arange(T, device=g.device) // C * C
+    cum = torch.stack([g64[starts[t]:t + 1].sum(0) for t in range(T)])
+    rev = torch.stack([ds.double()[t:min(starts[t] + C, T)].sum(0) for t in range(T)])
+    want_s = torch.log(w) - cum
+    want_dg = torch.where(g >= gsa_chunk.GATE_FLOOR, -ds * torch.exp(g64) / w - rev, 0.0)
+    torch.testing.assert_close(gsa_chunk.gate_logits(g, plan).double(), want_s, rtol=4e-6, atol=1e-6)
+    torch.testing.assert_close(gsa_chunk.gate_grads(g, ds, plan).double(), want_dg, rtol=1e-5, atol=1e-6)
+
+    g[5, 1, 3] = float("nan")
+    assert torch.isnan(gsa_chunk.gate_logits(g, plan)[5:C, 1, 3]).all()
+    assert torch.isnan(gsa_chunk.gate_grads(g, ds, plan)[5, 1, 3])
+
+
 def test_logits_of_a_chunk_of_strong_gates():
     """Every gate at GATE_FLOOR over a chunk of 64: the logits reach 64 · 20, where float32
     rounds them by about 1e-4, which is the tolerance."""
