@@ -8,8 +8,8 @@ and M×V tiles are held whole (M, K, V padded to powers of two and masked).
                            K̃' = K̃ + w (k_t − K̃), w = exp(s_t − log_z') = sigmoid(s_t − log_z)
                            (Ṽ alike; the two weights exp(log_z − log_z') and w sum to 1)
     general ABC:           K̃' = K̃ + φ_t ⊗ k_t,  Ṽ' = Ṽ + φ_t ⊗ v_t
-    gated slot (GSA):      ABC_MLP's step from log_z = 0 with s_t = log((1 - α_t) / α_t):
-                           its write sigmoid(s_t - 0) is 1 - α_t, so K̃' = K̃ + (1 - α_t)(k_t − K̃)
+    gated slot (GSA):      K̃' = K̃ + (1 - α_t)(k_t − K̃), Ṽ alike, α_t = exp(g_t) from the
+                           log gates g_t (1 - α_t to float32's precision also near g = 0)
     read:                  o_t = softmax_M(scale · K̃' q_t)ᵀ Ṽ'
 
 Every program reads its whole tile before it writes, so the new state may overwrite the
@@ -63,15 +63,27 @@ def check_kernel_inputs(name: str, tensors: dict[str, torch.Tensor | None], *,
 if triton is not None:
 
     @triton.jit
+    def write_weight(g):
+        """1 - exp(g) for log gates g ≤ 0, to float32's precision also near 0, where 1 - exp(g)
+        cancels: there the series -g (1 + g/2 + g²/6 + ... + g⁶/5040), whose next term is
+        below 2e-8 of the sum for |g| < 0.35 (libdevice's expm1 does not run in the
+        interpreter)."""
+        series = 1.0 + g / 7.0
+        for n in tl.static_range(6, 1, -1):
+            series = 1.0 + g / n * series
+        return tl.where(g > -0.35, -g * series, 1.0 - tl.exp(g))
+
+    @triton.jit
     def _abc_step_kernel(q_ptr, k_ptr, v_ptr, w_ptr, lz_ptr, mk_ptr, mv_ptr,
                          o_ptr, lz_out, mk_out, mv_out,
                          H, M, K, V, scale,
                          sq_b, sq_h, sk_b, sk_h, sv_b, sv_h, sw_b, sw_h,
-                         NORMALISED: tl.constexpr,
+                         RULE: tl.constexpr,
                          BM: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr):
-        """One (batch, head) pair per program. q, k [B, H, K], v [B, H, V], w (s or φ)
-        [B, H, M] with the strides given (last dim contiguous); state and out tensors
-        contiguous: log_z [B·H, M], K̃ [B·H, M, K], Ṽ [B·H, M, V]; o [B·H, V]."""
+        """One (batch, head) pair per program. q, k [B, H, K], v [B, H, V], w (φ, s or g for
+        RULE "additive", "normalised" or "gated") [B, H, M] with the strides given (last dim
+        contiguous); state and out tensors contiguous: log_z [B·H, M] (normalised only),
+        K̃ [B·H, M, K], Ṽ [B·H, M, V]; o [B·H, V]."""
         bh = tl.program_id(0)
         b = bh // H
         h = bh % H
@@ -93,7 +105,7 @@ if triton is not None:
         mem_k = tl.load(mk_ptr + mk_off, mask=mk_mask, other=0.0)  # [BM, BK]
         mem_v = tl.load(mv_ptr + mv_off, mask=mv_mask, other=0.0)  # [BM, BV]
 
-        if NORMALISED:
+        if RULE == "normalised":
             log_z = tl.load(lz_ptr + bh * M + om, mask=m_m, other=0.0)  # [BM]
             top = tl.maximum(log_z, w)
             top = tl.where(top == float("-inf"), 0.0, top)  # both -inf: keep exp finite
@@ -104,6 +116,10 @@ if triton is not None:
             mem_k = mem_k + write[:, None] * (k[None, :] - mem_k)
             mem_v = mem_v + write[:, None] * (v[None, :] - mem_v)
             tl.store(lz_out + bh * M + om, new_log_z, mask=m_m)
+        elif RULE == "gated":
+            write = write_weight(w)
+            mem_k = mem_k + write[:, None] * (k[None, :] - mem_k)
+            mem_v = mem_v + write[:, None] * (v[None, :] - mem_v)
         else:
             mem_k = mem_k + w[:, None] * k[None, :]
             mem_v = mem_v + w[:, None] * v[None, :]
@@ -122,8 +138,9 @@ def _last_dim_contiguous(t: torch.Tensor) -> torch.Tensor:
     return t if t.stride(-1) == 1 else t.contiguous()
 
 
-def _launch(q, k, v, w, state, normalised: bool, scale: float, inplace: bool):
-    """Run the step kernel; state is a full state tuple (float32). Returns (o, new state)."""
+def _launch(q, k, v, w, state, rule: str, scale: float, inplace: bool):
+    """Run the step kernel for a write `rule` (additive, normalised, gated); state is a full
+    state tuple (float32). Returns (o, new state)."""
     B, H, K = q.shape
     V, M = v.shape[-1], w.shape[-1]
     q, k, v, w = (_last_dim_contiguous(t) for t in (q, k, v, w))
@@ -132,6 +149,7 @@ def _launch(q, k, v, w, state, normalised: bool, scale: float, inplace: bool):
     else:
         state = type(state)(*(t.to(torch.float32).contiguous() for t in state))
         out = type(state)(*(torch.empty_like(t) for t in state))
+    normalised = rule == "normalised"
     log_z, mem_k, mem_v = state if normalised else (None, *state)
     lz_out, mk_out, mv_out = out if normalised else (None, *out)
     o = torch.empty(B, H, V, device=q.device, dtype=q.dtype)
@@ -142,7 +160,7 @@ def _launch(q, k, v, w, state, normalised: bool, scale: float, inplace: bool):
         H, M, K, V, scale,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1),
         v.stride(0), v.stride(1), w.stride(0), w.stride(1),
-        NORMALISED=normalised, BM=BM, BK=BK, BV=BV,
+        RULE=rule, BM=BM, BK=BK, BV=BV,
         num_warps=min(16, max(4, BM * max(BK, BV) // 512)))  # two M×D tiles in registers
     return o, out
 
@@ -159,7 +177,8 @@ def _step(name: str, q, k, v, w, w_name: str, state, state_type: type, normalise
         check_inplace_state(state, state_type, torch.float32)
     if state is None:
         state = state_type.empty(B, H, M, K, V, device=q.device)
-    return _launch(q, k, v, w, state, normalised, default_scale(scale, K), inplace)
+    return _launch(q, k, v, w, state, "normalised" if normalised else "additive",
+                   default_scale(scale, K), inplace)
 
 
 def abc_step_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, s: torch.Tensor,
@@ -192,8 +211,8 @@ def bounded_memory_step_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
 def gsa_step_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
                     state: GSAState | None = None, *, scale: float | None = None,
                     inplace: bool = False) -> tuple[torch.Tensor, GSAState]:
-    """`gated_slot_attention_step` in one kernel launch (and three small elementwise ops for
-    the logits): K̃' = α K̃ + (1 - α) k_t, Ṽ alike, read.
+    """`gated_slot_attention_step` in one kernel launch: K̃' = α K̃ + (1 - α) k_t, Ṽ alike,
+    read.
 
     q [B, H, K], k [B, H, K], v [B, H, V], g [B, H, M] log forget gates (≤ 0); state:
     GSAState (k [B, H, M, K], v [B, H, M, V]) or None before the first token. inplace as in
@@ -208,11 +227,7 @@ def gsa_step_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.
         check_inplace_state(state, GSAState, torch.float32)
     if state is None:
         state = GSAState.empty(B, H, M, K, V, device=q.device)
-    g = g.float()
-    s = torch.log(-torch.expm1(g)) - g  # -inf for α = 1: no write
-    log_z = torch.zeros(B, H, M, device=q.device)  # the kernel writes log_z' over it; unused
-    o, out = _launch(q, k, v, s, ABCState(log_z, *state), True, default_scale(scale, K), inplace)
-    return o, GSAState(out.k, out.v)
+    return _launch(q, k, v, g, state, "gated", default_scale(scale, K), inplace)
 
 
 __all__ = ["abc_step_triton", "bounded_memory_step_triton", "check_kernel_inputs",

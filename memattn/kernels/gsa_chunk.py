@@ -28,7 +28,7 @@ import triton.language as tl
 from memattn.errors import ConfigError, ShapeError
 from memattn.kernels.abc_chunk import (MAX_DIM, MIN_CHUNK, _backward, _chunk_of, _forward, _plan,
                                        _precision, _tile)
-from memattn.kernels.abc_decode import check_kernel_inputs
+from memattn.kernels.abc_decode import check_kernel_inputs, write_weight
 from memattn.ops.abc.varlen import check_varlen
 from memattn.ops.contract import default_scale
 from memattn.ops.gsa.common import GSAState, check_gates, check_gsa_inputs
@@ -45,23 +45,12 @@ _WRITE_FLOOR = tl.constexpr(WRITE_FLOOR)
 
 
 @triton.jit
-def _write_weight(g):
-    """1 - exp(g) for log gates g ≤ 0, to float32's precision also near 0, where 1 - exp(g)
-    cancels: there the series -g (1 + g/2 + g²/6 + ... + g⁶/5040), whose next term is below
-    2e-8 of the sum for |g| < 0.35 (libdevice's expm1 does not run in the interpreter)."""
-    series = 1.0 + g / 7.0
-    for n in tl.static_range(6, 1, -1):
-        series = 1.0 + g / n * series
-    return tl.where(g > -0.35, -g * series, 1.0 - tl.exp(g))
-
-
-@triton.jit
 def _gate_tile(g, rows, r_ok, i_h, H, M, o_m):
     """(the log gates as given, clamped to GATE_FLOOR (NaN stays NaN), the write weights
     1 - α ≥ WRITE_FLOOR) of a chunk's rows, [BT, BM] fp32."""
     b_g = _tile(g, rows, r_ok, i_h, H, M, o_m, 0.0)
     b_c = tl.where(b_g < _GATE_FLOOR, _GATE_FLOOR, b_g)
-    b_w = _write_weight(b_c)
+    b_w = write_weight(b_c)
     return b_g, b_c, tl.where(b_w < _WRITE_FLOOR, _WRITE_FLOOR, b_w)
 
 
