@@ -22,8 +22,10 @@
 #                                            decoding at batch 1 and 64, contexts 4k and
 #                                            32k) and gpu_profile.py (every kernel's
 #                                            time against its bound from kernel_model.py, D 64
-#                                            and 128, M 32 and 64, at the default sub-block rows
-#                                            and at 32), each cut at its share of the time
+#                                            and 128, M 32 and 64, the default launch choices
+#                                            against a sub-block's own block without its
+#                                            factors and with them in every sub-block
+#                                            kernel), each cut at its share of the time
 #                                            (both keep the rows they measured)
 #   bash benchmarks/gpu_session.sh verify    after changes to the kernels or the contracts,
 #                                            in one call of at most 9 minutes: the kernel
@@ -82,12 +84,13 @@ case "$phase" in
   all)
     tests_beside 120
     # not fla's chunk_gsa: on the H200 it did not finish its first configuration in 266 s
-    timeout 270 python3 benchmarks/gpu_kernels.py --skip-tests --modes fwd+bwd --lengths 4096 8192 16384 32768 \
+    timeout 230 python3 benchmarks/gpu_kernels.py --skip-tests --modes fwd+bwd --lengths 4096 8192 16384 32768 \
       --contexts 4096 32768 --ops softmax memattn-abc fla-abc memattn-gsa linear abc-step-graph gsa-step-graph \
       softmax-kv --out "$OUT/kernels" > "$OUT/kernels.log" 2>&1 || true
     tail -n 2 "$OUT/kernels.log"
-    timeout 90 python3 benchmarks/gpu_profile.py --dims 64 128 --slots 32 64 --chunk-sizes 64 \
-      --variants default "sub-blocks of 32 rows" --out "$OUT/profile" > "$OUT/profile.log" 2>&1 || true
+    timeout 120 python3 benchmarks/gpu_profile.py --dims 64 128 --slots 32 64 --chunk-sizes 64 \
+      --variants default "own blocks without factors" \
+      "own blocks as factors in every sub-block kernel" --out "$OUT/profile" > "$OUT/profile.log" 2>&1 || true
     grep -E "^Bounds|^\*\*" "$OUT/profile/gpu_profile.md" || tail -n 5 "$OUT/profile.log" ;;
   verify)
     tests_beside 130

@@ -77,10 +77,11 @@ def chunked(B: int, H: int, T: int, D: int, M: int, chunk: int = 64, rows: int =
         return max(1, D // min(64, _pad(D))) * max(1, M // BM)
 
     # a pass "x -> slots" or "slots -> x" over a sub-block: the memory term, the earlier
-    # sub-blocks of the chunk (two dots each), the diagonal block (one dot plus elementwise)
-    def sub_pass(width):
+    # sub-blocks of the chunk (two dots each), the diagonal block (one dot, plus one of its
+    # factors u, v in the kernels of abc_chunk.FACTOR_DIAG, else elementwise)
+    def sub_pass(width, factors=False):
         return 2 * bc * M * width + earlier * (2 * bc * bc * width + 2 * bc * bc * M) \
-            + 2 * bc * bc * width
+            + 2 * bc * bc * width + factors * 2 * bc * bc * M
     memories = nc * M * (K + V) * F32  # the chunk-start memories hk, hv (or their gradients)
     final = B * H * M * (K + V + 1) * F32  # the final state (or the initial state's gradients)
     out = [
@@ -95,11 +96,13 @@ def chunked(B: int, H: int, T: int, D: int, M: int, chunk: int = 64, rows: int =
         # q, k, v, s, lc, zprev, the memories -> o, p, lse
         _kernel("_fwd_output", 1, n * (2 * K + V + M) * HALF + n * M * F32 + nc * M * F32
                 + memories, n * V * HALF + n * M * saved + n * F32,
-                B * H * subs * (sub_pass(K) + sub_pass(V)), B * subs * H, 1 + earlier),
+                B * H * subs * (sub_pass(K, True) + sub_pass(V, True)), B * subs * H,
+                1 + earlier),
         # do, v, k, s, lc, p, lse, zprev, the memories -> dq, dS, c
         _kernel("_bwd_dq", 1, n * (K + 2 * V + M) * HALF + n * (M + 1) * F32 + n * M * saved
                 + nc * M * F32 + memories, n * K * HALF + 2 * n * M * saved,
-                B * H * subs * (sub_pass(V) + sub_pass(K)), B * subs * H, 1 + earlier),
+                B * H * subs * (sub_pass(V, True) + sub_pass(K, True)), B * subs * H,
+                1 + earlier),
         # twice, every chunk at once: K̃ side q, dS, c, lc; Ṽ side do, p, lc; both zprev
         # -> the chunks' own parts w (and wc on the K̃ side)
         _kernel("_bwd_chunks", 2, n * (K + V) * HALF + 2 * n * M * F32 + 3 * n * M * saved

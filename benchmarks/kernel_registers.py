@@ -7,7 +7,7 @@ offline for a GPU architecture: no GPU needed.
 Each kernel of `memattn.kernels.abc_chunk` is built as its launch builds it (block sizes,
 PREC, chunk of 64 tokens; the sub-block kernels with sub-blocks of each of --rows rows (BC,
 `SUB_ROWS`), their diagonal block as a loop and in one step, `DIAG_3D`; `_bwd_dkv` whole and
-split, `SPLIT_DKV`; and gated slot attention's gate kernels of `memattn.kernels.gsa_chunk`)
+split, `SPLIT_DKV`; the own block's factors where `FACTOR_DIAG` takes them; and gated slot attention's gate kernels of `memattn.kernels.gsa_chunk`)
 with the divisibility the JIT gives head sizes
 that are multiples of 16, compiled by Triton for `sm_<arch>` and assembled by the ptxas
 Triton ships, whose report gives the registers per thread and the bytes spilled. Programs
@@ -87,7 +87,8 @@ def builds(name: str, D: int, M: int, dtype: str,
                  {**own, "BT": 64, "BM": BM, "BD": BD, "STAGES": stages})
                 for stages in (0, 2)]
     fn = getattr(ac, f"_{name}")
-    blocks = {"BT": 64, "BK": ac._pad(D), "BV": ac._pad(D), "BM": ac._pad(M), "PREC": prec}
+    blocks = {"BT": 64, "BK": ac._pad(D), "BV": ac._pad(D), "BM": ac._pad(M), "PREC": prec,
+              "FACTORS": f"_{name}" in ac.FACTOR_DIAG}
     sides = {"": {}} if name != "bwd_dkv" else {
         "": {"SIDES": 0}, ", keys' side": {"SIDES": 1}, ", values' side": {"SIDES": 2}}
     return [(f"{bc} rows, diagonal: {diag}{side}", fn,

@@ -114,7 +114,8 @@ def launch_choices(ac) -> dict:
                                           for k in SUB_BLOCK),
             "scan blocks": ac._state_blocks(64, 64), "scan stages": ac.STATE_STAGES,
             "sub-block rows": tuple(ac._rows(k, 64) for k in SUB_BLOCK), "bf16 dots": ac._precision(torch.zeros(1, dtype=torch.bfloat16)),
-            "dk, dv apart": ac.SPLIT_DKV}
+            "dk, dv apart": ac.SPLIT_DKV,
+            "own block as factors": tuple(k in ac.FACTOR_DIAG for k in SUB_BLOCK)}
 
 
 def test_the_per_kernel_settings_name_kernels_of_the_module():
@@ -124,6 +125,7 @@ def test_the_per_kernel_settings_name_kernels_of_the_module():
     jit = type(ac._fwd_output)
     assert all(isinstance(getattr(ac, name, None), jit) for name in KERNELS)
     assert set(ac.SUB_WARPS) <= set(SUB_BLOCK) and set(ac.DIAG_3D) <= set(SUB_BLOCK)
+    assert set(ac.FACTOR_DIAG) <= set(SUB_BLOCK)
     assert set(ac.SUB_ROWS) == set(SUB_BLOCK) and set(ac.SUB_ROWS.values()) <= {16, 32}
     assert all(w in (1, 2, 4, 8, 16) for pair in ac.SUB_WARPS.values() for w in pair)  # Triton: a power of two
 
@@ -163,6 +165,10 @@ def test_profile_variants_do_what_they_are_named_only_meanwhile():
             assert c["dk, dv apart"], name
         if "TF32" in name:
             assert c["bf16 dots"] == "tf32", name
+        if "as factors in every" in name:
+            assert all(c["own block as factors"]), name
+        if "without factors" in name:
+            assert not any(c["own block as factors"]), name
     assert len({tuple(c.items()) for c in seen.values()}) == len(seen)
 
 

@@ -10,9 +10,11 @@ Every weight is written as a product of factors ≤ 1, so any finite s is safe. 
 split into chunks of BT (the memory recurrence) and sub-blocks of BC rows (the matmuls).
 For a token t of sub-block I and i of an earlier sub-block J of the same chunk, with r the
 log-normaliser at the last token of J: φ[t, i] = exp(s_i - r) · exp(r - a_t), both ≤ 1,
-so a pair of sub-blocks is two tl.dot; inside I, φ is built per column (a loop over the
-BC tokens) or, with `DIAG_3D`, whole as a [BC, BC, M] tile. Earlier chunks are read through
-the memory at the chunk start.
+so a pair of sub-blocks is two tl.dot; inside I, φ[t, i] = exp(s_i - r) · exp(r - a_t) with
+r = a at I's first token, the first factor up to e^40 and the second down to e^-40 while a grows
+by less than 40 over I (`FACTOR_DIAG`: a masked tl.dot more), else φ is built per column (a
+loop over the BC tokens) or, with `DIAG_3D`, whole as a [BC, BC, M] tile. Earlier chunks are
+read through the memory at the chunk start.
 
 The memory recurrence over chunks is split in two: each chunk's own part, every chunk at
 once, then a short scan per (sequence, head, tile) that only does elementwise work on loaded
@@ -148,6 +150,11 @@ SUB_ROWS = {"_fwd_output": 16, "_bwd_dq": 16, "_bwd_dkv": 16}
 # The kernels that take a sub-block's own (diagonal) block in one step over [BC, BC, BM]
 # tiles, where they hold at most DIAG_3D_MAX numbers (else a loop over its BC tokens).
 DIAG_3D = ("_bwd_dkv",)
+# The kernels that take a sub-block's own block as masked dots of the factors u = exp(s - r),
+# v = exp(r - a) where they are exact (`_diag_factors`), the form above where not. Not in
+# `_bwd_dkv`: compiled for sm_90 at 4 warps, its spills there grow from 0-224 bytes a thread to
+# 32-2,396 (D 64-128, M 32-64), the two forms' tiles live in one kernel.
+FACTOR_DIAG = ("_fwd_output", "_bwd_dq")
 DIAG_3D_MAX = 16 * 16 * 64
 # Software-pipelining stages of the short scans over chunks (0: the while form); 3 was the
 # fastest for the earlier scans, which did each chunk's whole work in order.
@@ -158,6 +165,12 @@ SPLIT_DKV = False
 _INTERPRETED = tl.constexpr(interpreting())
 _NEG = tl.constexpr(-1e30)  # logit of padding: exp(_NEG - x) = 0, logaddexp(x, _NEG) = x
 _POS = tl.constexpr(1e30)  # log-normaliser of padding: exp(x - _POS) = 0
+# A sub-block's own block is taken as dots while log_z grows by less than this over it
+# (`_diag_factors`), else token by token: e^40 is far from float32's and bfloat16's overflow;
+# with float16 operands, e^8 stays below their largest (65,504) and e^-8 above their smallest
+# normal number (6.1e-5).
+_FACTOR_SPAN = tl.constexpr(40.0)
+_FACTOR_SPAN_FP16 = tl.constexpr(8.0)
 
 
 # --------------------------------------------------------------------------------------
@@ -420,8 +433,24 @@ def _diag_phi(s, b_a, rows, eos, i_h, H, M, o_c, o_m):
 
 
 @triton.jit
+def _diag_factors(b_s, b_a, r_ok, PREC: tl.constexpr):
+    """A sub-block's own weights φ[t, i][m] = exp(s_i[m] - a_t[m]) (i ≤ t) as u_i[m] v_t[m]:
+    b_s [BC, BM] its logits, b_a [BC, BM] its a (_NEG and _POS where masked) -> (u = exp(s -
+    r), v = exp(r - a), whether the factors are exact), r = a at its first token. Exact while a
+    grows by less than _FACTOR_SPAN (_FACTOR_SPAN_FP16 for float16 dots) over the sub-block,
+    per slot: then u ≤ e^40 and v ≥ e^-40, and the block is a masked dot of the factors
+    instead of a pass per token."""
+    limit = _FACTOR_SPAN_FP16 if PREC == "fp16" else _FACTOR_SPAN
+    b_r = tl.min(tl.where(r_ok[:, None], b_a, _POS), 0)  # [BM]; a grows along the sub-block
+    span = tl.max(tl.max(tl.where(r_ok[:, None], b_a - b_r[None, :], 0.0), 1), 0)
+    b_u = tl.exp(tl.minimum(b_s - b_r[None, :], limit))  # the cap binds only if inexact
+    return b_u, tl.exp(b_r[None, :] - b_a), span < limit
+
+
+@triton.jit
 def _keys_to_slots(b_x, b_h, decay, y, s, lc, b_zp, b_a, t0, eos, bos, j0, i_s, i_h, H, D, M,
-                   o_c, o_d, o_m, BC: tl.constexpr, PREC: tl.constexpr, DIAG3: tl.constexpr):
+                   o_c, o_d, o_m, BC: tl.constexpr, PREC: tl.constexpr, DIAG3: tl.constexpr,
+                   FACTORS: tl.constexpr):
     """out[t, m] = decay[t, m] (x_t · h[m]) + Σ_{i≤t in the chunk} φ[t, i][m] (x_t · y_i) for
     the rows t of a sub-block -> [BC, BM]. b_x [BC, BD]; b_h [BM, BD] the memory before the
     chunk; y [total, H, D]; b_a [BC, BM] a of the rows, and that of other rows of the chunk from
@@ -439,7 +468,13 @@ def _keys_to_slots(b_x, b_h, decay, y, s, lc, b_zp, b_a, t0, eos, bos, j0, i_s, 
         j += 1
     rows = t0 + o_c
     b_xy = _dot(b_x, tl.trans(_tile(y, rows, rows < eos, i_h, H, D, o_d, 0.0)), PREC)
-    if DIAG3:
+    exact = False
+    if FACTORS:
+        b_u, b_v, exact = _diag_factors(_tile(s, rows, rows < eos, i_h, H, M, o_m, _NEG), b_a,
+                                        rows < eos, PREC)
+    if exact:
+        b_out += b_v * _dot(tl.where(o_c[:, None] >= o_c[None, :], b_xy, 0.0), b_u, PREC)
+    elif DIAG3:
         b_out += tl.sum(b_xy[:, :, None] * _diag_phi(s, b_a, rows, eos, i_h, H, M, o_c, o_m), 1)
     else:
         for i in range(BC):  # token i of the sub-block, read by the tokens t ≥ i
@@ -451,7 +486,8 @@ def _keys_to_slots(b_x, b_h, decay, y, s, lc, b_zp, b_a, t0, eos, bos, j0, i_s, 
 
 @triton.jit
 def _slots_to_values(b_w, b_h, decay, y, s, lc, b_zp, b_a, t0, eos, bos, j0, i_s, i_h, H, D, M,
-                     o_c, o_d, o_m, BC: tl.constexpr, PREC: tl.constexpr, DIAG3: tl.constexpr):
+                     o_c, o_d, o_m, BC: tl.constexpr, PREC: tl.constexpr, DIAG3: tl.constexpr,
+                     FACTORS: tl.constexpr):
     """out[t] = Σ_m w[t, m] (decay[t, m] h[m] + Σ_{i≤t in the chunk} φ[t, i][m] y_i) for the
     rows t of a sub-block -> [BC, BD]. b_w [BC, BM]; b_h [BM, BD] the memory before the chunk;
     y [total, H, D]; b_a, b_zp, lc as in `_keys_to_slots`. w = p, y = v, h = Ṽ: o; w = dS,
@@ -467,8 +503,16 @@ def _slots_to_values(b_w, b_h, decay, y, s, lc, b_zp, b_a, t0, eos, bos, j0, i_s
                    PREC)  # [BC, BC]
         b_out += _dot(b_g, b_yj, PREC)
         j += 1
-    if DIAG3:
-        rows = t0 + o_c
+    rows = t0 + o_c
+    exact = False
+    if FACTORS:
+        b_u, b_v, exact = _diag_factors(_tile(s, rows, rows < eos, i_h, H, M, o_m, _NEG), b_a,
+                                        rows < eos, PREC)
+    if exact:
+        b_g = _dot(b_w * b_v, tl.trans(b_u), PREC)  # [BC (t), BC (i)]
+        b_out += _dot(tl.where(o_c[:, None] >= o_c[None, :], b_g, 0.0),
+                      _tile(y, rows, rows < eos, i_h, H, D, o_d, 0.0), PREC)
+    elif DIAG3:
         b_g = tl.sum(b_w[:, None, :] * _diag_phi(s, b_a, rows, eos, i_h, H, M, o_c, o_m), 2)
         b_out += _dot(b_g, _tile(y, rows, rows < eos, i_h, H, D, o_d, 0.0), PREC)
     else:
@@ -484,7 +528,7 @@ def _slots_to_values(b_w, b_h, decay, y, s, lc, b_zp, b_a, t0, eos, bos, j0, i_s
 def _fwd_output(q, k, v, s, lc, zprev, hk, hv, o, p, lse, cu, boff, sub_idx, scale,
                 H, K, V, M,
                 BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-                BM: tl.constexpr, PREC: tl.constexpr, DIAG3: tl.constexpr):
+                BM: tl.constexpr, PREC: tl.constexpr, DIAG3: tl.constexpr, FACTORS: tl.constexpr):
     """o, the probabilities p = softmax_M(S) (in p's dtype: `_saved_dtype`) and the scores'
     log-sum-exp lse of one sub-block of BC tokens of one head."""
     i_h = tl.program_id(1)
@@ -498,7 +542,7 @@ def _fwd_output(q, k, v, s, lc, zprev, hk, hv, o, p, lse, cu, boff, sub_idx, sca
 
     b_S = _keys_to_slots(b_q, _block(hk, i_g, i_h, H, M, K, o_m, o_k), decay, k, s, lc,
                          b_zp, b_a, t0, eos, bos, j0, i_s, i_h, H, K, M, o_c, o_k, o_m,
-                         BC, PREC, DIAG3)
+                         BC, PREC, DIAG3, FACTORS)
     b_S = tl.where((o_m < M)[None, :], b_S, float("-inf"))
     mx = tl.max(b_S, 1)
     b_p = tl.exp(b_S - mx[:, None])
@@ -510,7 +554,7 @@ def _fwd_output(q, k, v, s, lc, zprev, hk, hv, o, p, lse, cu, boff, sub_idx, sca
 
     b_o = _slots_to_values(b_p, _block(hv, i_g, i_h, H, M, V, o_m, o_v), decay, v, s, lc,
                            b_zp, b_a, t0, eos, bos, j0, i_s, i_h, H, V, M, o_c, o_v, o_m,
-                           BC, PREC, DIAG3)
+                           BC, PREC, DIAG3, FACTORS)
     tl.store(o + (rows[:, None] * H + i_h) * V + o_v[None, :], b_o.to(o.dtype.element_ty),
              mask=r_ok[:, None] & (o_v < V)[None, :])
 
@@ -523,7 +567,7 @@ def _fwd_output(q, k, v, s, lc, zprev, hk, hv, o, p, lse, cu, boff, sub_idx, sca
 def _bwd_dq(q, k, v, s, lc, zprev, hk, hv, p, lse, do, dq, dS, c, cu, boff, sub_idx, scale,
             H, K, V, M,
             BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-            BM: tl.constexpr, PREC: tl.constexpr, DIAG3: tl.constexpr):
+            BM: tl.constexpr, PREC: tl.constexpr, DIAG3: tl.constexpr, FACTORS: tl.constexpr):
     """dq, dS, c of one sub-block of one head (dS and c in their buffers' dtype)."""
     i_h = tl.program_id(1)
     t0, rows, r_ok, eos, bos, i_s, j0, i_g = _locate(cu, boff, sub_idx, BT, BC)
@@ -537,7 +581,7 @@ def _bwd_dq(q, k, v, s, lc, zprev, hk, hv, p, lse, do, dq, dS, c, cu, boff, sub_
     # dp_t[m] = do_t · Ṽ_t[m]
     b_dp = _keys_to_slots(b_do, _block(hv, i_g, i_h, H, M, V, o_m, o_v), decay, v, s, lc,
                           b_zp, b_a, t0, eos, bos, j0, i_s, i_h, H, V, M, o_c, o_v, o_m,
-                          BC, PREC, DIAG3)
+                          BC, PREC, DIAG3, FACTORS)
     b_p = _tile(p, rows, r_ok, i_h, H, M, o_m, 0.0)  # [BC, BM]
     # S = log p + lse; 0 where p = 0 (rounded to 0, or masked), where dS = 0 too
     seen = b_p > 0.0
@@ -554,7 +598,7 @@ def _bwd_dq(q, k, v, s, lc, zprev, hk, hv, p, lse, do, dq, dS, c, cu, boff, sub_
     # dq_t = scale Σ_m dS_t[m] K̃_t[m]
     b_dq = _slots_to_values(b_dS, _block(hk, i_g, i_h, H, M, K, o_m, o_k), decay, k, s, lc,
                             b_zp, b_a, t0, eos, bos, j0, i_s, i_h, H, K, M, o_c, o_k, o_m,
-                            BC, PREC, DIAG3)
+                            BC, PREC, DIAG3, FACTORS)
     tl.store(dq + (rows[:, None] * H + i_h) * K + o_k[None, :],
              (b_dq * scale).to(dq.dtype.element_ty), mask=r_ok[:, None] & (o_k < K)[None, :])
 
@@ -671,7 +715,8 @@ def _bwd_dkv(q, k, v, s, lc, zprev, zend, p, do, dS, c, dhk, dhv, dhc, dk, dv, d
              cu, boff, sub_idx, scale,
              H, K, V, M,
              BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-             BM: tl.constexpr, PREC: tl.constexpr, DIAG3: tl.constexpr, SIDES: tl.constexpr):
+             BM: tl.constexpr, PREC: tl.constexpr, DIAG3: tl.constexpr, FACTORS: tl.constexpr,
+             SIDES: tl.constexpr):
     """dk, dv, ds of one sub-block of one head. ds has a term from the keys' side (K̃: with
     k, q, dS and c) and one from the values' side (Ṽ: with v, do and p). SIDES 0: both, in one
     program; 1: the keys' side, dk and its ds term, stored to ds_part [total, H, M] fp32; 2:
@@ -735,9 +780,24 @@ def _bwd_dkv(q, k, v, s, lc, zprev, zend, p, do, dS, c, dhk, dhv, dhc, dk, dv, d
     if SIDES != 1:
         b_do = _tile(do, rows, r_ok, i_h, H, V, o_v, 0.0)  # [BC, BV]
         b_vdo = _dot(b_v, tl.trans(b_do), PREC)
-    if DIAG3:  # φ [t, i, m] with t the reading token (the rows of the tiles below)
-        b_phi = _diag_phi(s, _log_z(lc, b_zp, rows, r_ok, i_h, H, M, o_m), rows, eos, i_h, H, M,
-                          o_c, o_m)
+    b_ar = _log_z(lc, b_zp, rows, r_ok, i_h, H, M, o_m)  # [BC, BM], a of the reading tokens
+    exact = False
+    if FACTORS:
+        b_fu, b_fv, exact = _diag_factors(b_s, b_ar, r_ok, PREC)
+    later = o_c[:, None] <= o_c[None, :]  # [i, t]: token t reads token i
+    if exact:  # φ[t, i] = u_i v_t: sums over t of v_t-weighted tiles, then u_i
+        if SIDES != 2:
+            b_vdS = b_fv * _tile(dS, rows, r_ok, i_h, H, M, o_m, 0.0)  # [BC (t), BM]
+            b_dk += _dot(tl.where(later, _dot(b_fu, tl.trans(b_vdS), PREC), 0.0), b_qs, PREC)
+            b_vc = b_fv * _tile(c, rows, r_ok, i_h, H, M, o_m, 0.0)
+            b_ds += b_fu * (_dot(tl.where(later, b_kq, 0.0), b_vdS, PREC)
+                            - tl.cumsum(b_vc, 0, reverse=True))
+        if SIDES != 1:
+            b_vp = b_fv * _tile(p, rows, r_ok, i_h, H, M, o_m, 0.0)
+            b_dv += _dot(tl.where(later, _dot(b_fu, tl.trans(b_vp), PREC), 0.0), b_do, PREC)
+            b_ds += b_fu * _dot(tl.where(later, b_vdo, 0.0), b_vp, PREC)
+    elif DIAG3:  # φ [t, i, m] with t the reading token (the rows of the tiles below)
+        b_phi = _diag_phi(s, b_ar, rows, eos, i_h, H, M, o_c, o_m)
         if SIDES != 2:
             b_dSt = _tile(dS, rows, r_ok, i_h, H, M, o_m, 0.0)  # [BC, BM]
             b_ct = _tile(c, rows, r_ok, i_h, H, M, o_m, 0.0)
@@ -890,6 +950,7 @@ def _sub_launch(kernel: str, plan: _Plan, K: int, V: int, M: int) -> tuple[torch
     return _sub_blocks(plan.bounds, rows, plan.cu.device), {
         "BT": plan.chunk, "BC": rows, "BK": _pad(K), "BV": _pad(V), "BM": _pad(M),
         "PREC": plan.precision, "DIAG3": _diag3(kernel, M, rows),
+        "FACTORS": kernel in FACTOR_DIAG,
         "num_warps": _warps(kernel, _pad(K), _pad(V), _pad(M))}
 
 

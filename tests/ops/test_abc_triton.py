@@ -166,6 +166,28 @@ def test_large_logits():
     assert_all_close(got, want, atol=1e-4, rtol=1e-4)
 
 
+@pytest.mark.filterwarnings("ignore:overflow:RuntimeWarning", "ignore:invalid value:RuntimeWarning")
+@pytest.mark.parametrize("diag3", [False, True])
+def test_sub_blocks_own_block_as_factors_and_where_they_would_overflow(monkeypatch, diag3):
+    """Logits rising by δ a token, so that log_z grows by about 15 δ over a sub-block of 16:
+    δ = 2.6 in the first chunk (39, just inside the limit: each sub-block's own block as dots
+    of the factors u = exp(s - r), v = exp(r - a)), 7 in the second (105: token by token, or
+    in one step), in every sub-block kernel, against the float64 reference. With the limit
+    lifted the second chunk's factors overflow float32: the limit is what keeps them exact."""
+    monkeypatch.setattr(abc_chunk, "FACTOR_DIAG", tuple(abc_chunk.SUB_ROWS))
+    monkeypatch.setattr(abc_chunk, "DIAG_3D", tuple(abc_chunk.SUB_ROWS) if diag3 else ())
+    xs = make_inputs(B=1, T=128, H=1, M=4)
+    rise = torch.cat((torch.full((64,), 2.6), torch.full((64,), 7.0))).double().to(DEVICE)
+    xs[3] = (torch.cumsum(rise, 0)[None, :, None, None] + 0.1 * xs[3]).float().double()
+    want = run(abc_reference, xs, torch.float64)
+    got = run(abc_chunk_triton, xs, torch.float32, chunk_size=64)
+    assert_all_close(got, want, atol=1e-4, rtol=1e-4)
+
+    monkeypatch.setattr(abc_chunk, "_FACTOR_SPAN", abc_chunk.tl.constexpr(1e4))
+    o = abc_chunk_triton(*(x.float() for x in xs[:4]), chunk_size=64)[0]
+    assert torch.isfinite(o[:, :64]).all() and not torch.isfinite(o[:, 64:]).all()
+
+
 def test_varlen_matches_each_sequence():
     """Three packed sequences (1, 19 and 25 tokens), each from its own initial state."""
     bounds = [0, 1, 20, 45]
