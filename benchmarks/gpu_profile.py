@@ -22,7 +22,7 @@ bf16 on CUDA, forward + backward, inputs [B, T, H, D] as in gpu_kernels.py.
   them p, dS, c handed on in fp32: `abc_chunk._saved_dtype`), every sub-block kernel's
   diagonal blocks in one step (with the default warps and with 4) or as loops, and the
   backward's dk / dv in two launches (with the diagonal blocks either way), and a sub-block's
-  own block as dots of its factors in every sub-block kernel or in none; each patches
+  own block without the dots of its factors; each patches
   `_state_blocks`, `_warps`, `SUB_WARPS`, `SUB_ROWS`, `HALF_DOTS`, `DIAG_3D`, `DIAG_3D_MAX`,
   `FACTOR_DIAG`, `STATE_STAGES` or `SPLIT_DKV` of `memattn.kernels.abc_chunk` for its run only. `--variants
   NAME ...` times those alone (default: every one).
@@ -121,7 +121,6 @@ def variants() -> dict:
     # in the order they are measured, the likeliest gains first (a run cut short keeps them)
     every = tuple(ac.SUB_WARPS)
     out = {"default": {},
-           "own blocks as factors in every sub-block kernel": {"FACTOR_DIAG": every},
            "own blocks without factors": {"FACTOR_DIAG": ()},
            "earlier defaults (8 warps, diagonal loops, while scans)": {
                "SUB_WARPS": {}, "DIAG_3D": (), "STATE_STAGES": 0},

@@ -24,8 +24,7 @@
 #                                            time against its bound from kernel_model.py, D 64
 #                                            and 128, M 32 and 64, the default launch choices
 #                                            against a sub-block's own block without its
-#                                            factors and with them in every sub-block
-#                                            kernel), each cut at its share of the time
+#                                            factors), each cut at its share of the time
 #                                            (both keep the rows they measured)
 #   bash benchmarks/gpu_session.sh verify    after changes to the kernels or the contracts,
 #                                            in one call of at most 9 minutes: the kernel
@@ -90,7 +89,7 @@ case "$phase" in
     tail -n 2 "$OUT/kernels.log"
     timeout 120 python3 benchmarks/gpu_profile.py --dims 64 128 --slots 32 64 --chunk-sizes 64 \
       --variants default "own blocks without factors" \
-      "own blocks as factors in every sub-block kernel" --out "$OUT/profile" > "$OUT/profile.log" 2>&1 || true
+      --out "$OUT/profile" > "$OUT/profile.log" 2>&1 || true
     grep -E "^Bounds|^\*\*" "$OUT/profile/gpu_profile.md" || tail -n 5 "$OUT/profile.log" ;;
   verify)
     tests_beside 130

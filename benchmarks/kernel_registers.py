@@ -7,9 +7,11 @@ offline for a GPU architecture: no GPU needed.
 Each kernel of `memattn.kernels.abc_chunk` is built as its launch builds it (block sizes,
 PREC, chunk of 64 tokens; the sub-block kernels with sub-blocks of each of --rows rows (BC,
 `SUB_ROWS`), their diagonal block as a loop and in one step, `DIAG_3D`; `_bwd_dkv` whole and
-split, `SPLIT_DKV`; the own block's factors where `FACTOR_DIAG` takes them; and gated slot attention's gate kernels of `memattn.kernels.gsa_chunk`)
-with the divisibility the JIT gives head sizes
-that are multiples of 16, compiled by Triton for `sm_<arch>` and assembled by the ptxas
+split, `SPLIT_DKV`; `_fwd_output` and `_bwd_dq` with a sub-block's own block as the dots of
+its factors where exact and without, `FACTOR_DIAG`), and so are gated slot attention's gate
+kernels (`memattn.kernels.gsa_chunk`) and the decoding step (`abc_decode`, each write rule),
+with the divisibility the JIT gives head sizes that are multiples of 16, compiled by Triton
+for `sm_<arch>` and assembled by the ptxas
 Triton ships, whose report gives the registers per thread and the bytes spilled. Programs
 per SM: the fewest that the registers (65,536 per SM, allocated 256 per warp), the shared
 memory (228 KB, 1 KB of it reserved per program) and the 64 warps / 32 programs of an SM
@@ -35,12 +37,14 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 KERNELS = ("fwd_chunks", "fwd_scan", "fwd_output", "bwd_dq", "bwd_chunks", "bwd_scan", "bwd_dkv",
-           "gate_logits", "gate_grads")
+           "gate_logits", "gate_grads", "decode_step")
 REGS_PER_SM, SMEM_PER_SM, RESERVED_SMEM, MAX_WARPS, MAX_PROGRAMS = 65536, 228 * 1024, 1024, 64, 32
 # pointer arguments in the inputs' dtype (the others are fp32, or int32 for the layout)
-INPUT_POINTERS = {"q", "k", "v", "s", "do", "o", "dq", "dk", "dv", "ds", "x", "g", "dg"}
+INPUT_POINTERS = {"q", "k", "v", "s", "do", "o", "dq", "dk", "dv", "ds", "x", "g", "dg",
+                  "q_ptr", "k_ptr", "v_ptr", "w_ptr", "o_ptr"}
 LAYOUT_POINTERS = {"cu", "boff", "sub_idx", "chunk_idx"}
 SIZES = ("H", "K", "V", "M", "D")
+STRIDES = ("sq_b", "sq_h", "sk_b", "sk_h", "sv_b", "sv_h", "sw_b", "sw_h")  # the decoding step's
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -69,10 +73,14 @@ def builds(name: str, D: int, M: int, dtype: str,
            rows: tuple[int, ...] = (16,)) -> list[tuple[str, object, dict]]:
     """(variant, jit function, constexprs) of one kernel as `abc_chunk` launches it; a sub-block
     kernel with sub-blocks of each of `rows` rows."""
-    from memattn.kernels import abc_chunk as ac, gsa_chunk as gc
+    from memattn.kernels import abc_chunk as ac, abc_decode as ad, gsa_chunk as gc
 
     if name in ("gate_logits", "gate_grads"):  # gated slot attention's gates <-> ABC's logits
         return [("chunk of 64", getattr(gc, f"_{name}"), {"BT": 64, "BM": gc._gate_block(M)})]
+    if name == "decode_step":  # one token, whole tiles of [M, D]
+        pow2 = {"BM": triton_pow2(M), "BK": triton_pow2(D), "BV": triton_pow2(D)}
+        return [(f"{rule} write", ad._abc_step_kernel, {"RULE": rule, **pow2})
+                for rule in ("normalised", "gated", "additive")]
     prec = {"bf16": "bf16", "fp16": "fp16", "fp32": "ieee"}[dtype]
     BM, BD = ac._state_blocks(M, D)
     if name in ("fwd_chunks", "bwd_chunks"):  # the K̃ launch, every chunk at once
@@ -87,13 +95,18 @@ def builds(name: str, D: int, M: int, dtype: str,
                  {**own, "BT": 64, "BM": BM, "BD": BD, "STAGES": stages})
                 for stages in (0, 2)]
     fn = getattr(ac, f"_{name}")
-    blocks = {"BT": 64, "BK": ac._pad(D), "BV": ac._pad(D), "BM": ac._pad(M), "PREC": prec,
-              "FACTORS": f"_{name}" in ac.FACTOR_DIAG}
-    sides = {"": {}} if name != "bwd_dkv" else {
-        "": {"SIDES": 0}, ", keys' side": {"SIDES": 1}, ", values' side": {"SIDES": 2}}
+    blocks = {"BT": 64, "BK": ac._pad(D), "BV": ac._pad(D), "BM": ac._pad(M), "PREC": prec}
+    # the keys' and values' sides of `_bwd_dkv`; the own block with and without its factors
+    # (FACTOR_DIAG) in the other two
+    sides = {"": {"SIDES": 0}, ", keys' side": {"SIDES": 1}, ", values' side": {"SIDES": 2}} \
+        if name == "bwd_dkv" else {", factors": {"FACTORS": True}, "": {"FACTORS": False}}
     return [(f"{bc} rows, diagonal: {diag}{side}", fn,
              {**blocks, "BC": bc, "DIAG3": diag == "one step", **extra})
             for bc in rows for side, extra in sides.items() for diag in ("loop", "one step")]
+
+
+def triton_pow2(n: int) -> int:
+    return 1 << (n - 1).bit_length()
 
 
 def compile_report(fn, constexprs: dict, *, D: int, M: int, dtype: str, warps: int,
@@ -109,7 +122,7 @@ def compile_report(fn, constexprs: dict, *, D: int, M: int, dtype: str, warps: i
         if arg in constexprs:
             signature[arg], given[(i,)] = "constexpr", constexprs[arg]
             continue
-        signature[arg] = ("i32" if arg in SIZES else "fp32" if arg == "scale"
+        signature[arg] = ("i32" if arg in SIZES or arg in STRIDES else "fp32" if arg == "scale"
                           else "*i32" if arg in LAYOUT_POINTERS
                           else f"*{dtype}" if arg in INPUT_POINTERS else "*fp32")
         if signature[arg].startswith("*") or sizes.get(arg, 1) % 16 == 0:

@@ -165,8 +165,6 @@ def test_profile_variants_do_what_they_are_named_only_meanwhile():
             assert c["dk, dv apart"], name
         if "TF32" in name:
             assert c["bf16 dots"] == "tf32", name
-        if "as factors in every" in name:
-            assert all(c["own block as factors"]), name
         if "without factors" in name:
             assert not any(c["own block as factors"]), name
     assert len({tuple(c.items()) for c in seen.values()}) == len(seen)
@@ -208,8 +206,11 @@ def test_programs_per_sm_follow_the_scarcest_resource():
     assert registers.programs_per_sm(16, 0, 1) == 32  # at most 32 programs an SM
 
 
-def test_kernel_registers_compiles_offline(tmp_path):
-    """One sub-block kernel compiled for sm_90 with the ptxas Triton ships, both variants."""
+def test_kernel_registers_compiles_every_kernel_offline(tmp_path):
+    """Every kernel in every variant the report builds, compiled for sm_90 with the ptxas
+    Triton ships: what the interpreter lets pass and compiled Triton refuses (a name that
+    changes type in a loop, a branch on a value that is not a compile-time constant) shows
+    here, without a GPU."""
     triton = pytest.importorskip("triton", reason="compiles with Triton")
     if not (Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas").exists():
         pytest.skip("this Triton ships no ptxas")
@@ -217,16 +218,20 @@ def test_kernel_registers_compiles_offline(tmp_path):
     # in a process of its own: the tests define the kernels for Triton's interpreter
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     subprocess.run([sys.executable, str(ROOT / "benchmarks" / "kernel_registers.py"), "--dims", "16",
-                    "--slots", "16", "--kernels", "fwd_output", "--warps", "2", "--rows", "16", "--out",
-                    str(tmp_path)], env=env, check=True, capture_output=True)
+                    "--slots", "16", "--warps", "2", "--rows", "16", "--out", str(tmp_path)],
+                   env=env, check=True, capture_output=True)
     res = json.loads((tmp_path / "kernel_registers.json").read_text())
     rows = res["cases"][0]["rows"]
-    assert [r["variant"] for r in rows] == ["16 rows, diagonal: loop", "16 rows, diagonal: one step"]
+    assert {r["kernel"] for r in rows} == set(registers.KERNELS)
     for r in rows:
         cell = r["warps"]["2"]
+        assert "error" not in cell, (r["kernel"], r["variant"], cell.get("error"))
         assert 16 <= cell["registers"] <= 255 and cell["spill_bytes"] >= 0
         assert cell["programs_per_sm"] == registers.programs_per_sm(
             cell["registers"], cell["shared_bytes"], 2) >= 1
+    variants = [r["variant"] for r in rows if r["kernel"] == "fwd_output"]
+    assert variants == ["16 rows, diagonal: loop, factors", "16 rows, diagonal: one step, factors",
+                        "16 rows, diagonal: loop", "16 rows, diagonal: one step"]
     assert "| `fwd_output` | 16 rows, diagonal: loop |" in (tmp_path / "kernel_registers.md").read_text()
 
 

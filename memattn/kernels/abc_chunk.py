@@ -151,9 +151,9 @@ SUB_ROWS = {"_fwd_output": 16, "_bwd_dq": 16, "_bwd_dkv": 16}
 # tiles, where they hold at most DIAG_3D_MAX numbers (else a loop over its BC tokens).
 DIAG_3D = ("_bwd_dkv",)
 # The kernels that take a sub-block's own block as masked dots of the factors u = exp(s - r),
-# v = exp(r - a) where they are exact (`_diag_factors`), the form above where not. Not in
-# `_bwd_dkv`: compiled for sm_90 at 4 warps, its spills there grow from 0-224 bytes a thread to
-# 32-2,396 (D 64-128, M 32-64), the two forms' tiles live in one kernel.
+# v = exp(r - a) where they are exact (`_diag_factors`), the form above where not: either of
+# `_fwd_output` and `_bwd_dq`. Not `_bwd_dkv`: with both forms in it, compiled for sm_90 at 4
+# warps, its spills grew from 0-224 bytes a thread to 32-2,396 (D 64-128, M 32-64).
 FACTOR_DIAG = ("_fwd_output", "_bwd_dq")
 DIAG_3D_MAX = 16 * 16 * 64
 # Software-pipelining stages of the short scans over chunks (0: the while form); 3 was the
@@ -468,15 +468,28 @@ def _keys_to_slots(b_x, b_h, decay, y, s, lc, b_zp, b_a, t0, eos, bos, j0, i_s, 
         j += 1
     rows = t0 + o_c
     b_xy = _dot(b_x, tl.trans(_tile(y, rows, rows < eos, i_h, H, D, o_d, 0.0)), PREC)
-    exact = False
     if FACTORS:
         b_u, b_v, exact = _diag_factors(_tile(s, rows, rows < eos, i_h, H, M, o_m, _NEG), b_a,
                                         rows < eos, PREC)
-    if exact:
-        b_out += b_v * _dot(tl.where(o_c[:, None] >= o_c[None, :], b_xy, 0.0), b_u, PREC)
-    elif DIAG3:
-        b_out += tl.sum(b_xy[:, :, None] * _diag_phi(s, b_a, rows, eos, i_h, H, M, o_c, o_m), 1)
+        if exact:
+            b_out += b_v * _dot(tl.where(o_c[:, None] >= o_c[None, :], b_xy, 0.0), b_u, PREC)
+        else:
+            b_out += _own_keys(b_xy, s, b_a, t0, eos, i_h, H, M, o_c, o_m, BC, DIAG3)
     else:
+        b_out += _own_keys(b_xy, s, b_a, t0, eos, i_h, H, M, o_c, o_m, BC, DIAG3)
+    return b_out
+
+
+@triton.jit
+def _own_keys(b_xy, s, b_a, t0, eos, i_h, H, M, o_c, o_m, BC: tl.constexpr,
+              DIAG3: tl.constexpr):
+    """The sub-block's own part of `_keys_to_slots`, Σ_{i≤t in it} φ[t, i][m] b_xy[t, i], with
+    φ built per column, or whole with DIAG3 -> [BC, BM]."""
+    rows = t0 + o_c
+    if DIAG3:
+        b_out = tl.sum(b_xy[:, :, None] * _diag_phi(s, b_a, rows, eos, i_h, H, M, o_c, o_m), 1)
+    else:
+        b_out = tl.zeros_like(b_a)
         for i in range(BC):  # token i of the sub-block, read by the tokens t ≥ i
             b_si = _row(s, t0 + i, t0 + i < eos, i_h, H, M, o_m, _NEG)
             b_phi = tl.exp(tl.where(o_c[:, None] >= i, b_si[None, :] - b_a, _NEG))  # [BC, BM]
@@ -504,18 +517,33 @@ def _slots_to_values(b_w, b_h, decay, y, s, lc, b_zp, b_a, t0, eos, bos, j0, i_s
         b_out += _dot(b_g, b_yj, PREC)
         j += 1
     rows = t0 + o_c
-    exact = False
     if FACTORS:
         b_u, b_v, exact = _diag_factors(_tile(s, rows, rows < eos, i_h, H, M, o_m, _NEG), b_a,
                                         rows < eos, PREC)
-    if exact:
-        b_g = _dot(b_w * b_v, tl.trans(b_u), PREC)  # [BC (t), BC (i)]
-        b_out += _dot(tl.where(o_c[:, None] >= o_c[None, :], b_g, 0.0),
-                      _tile(y, rows, rows < eos, i_h, H, D, o_d, 0.0), PREC)
-    elif DIAG3:
-        b_g = tl.sum(b_w[:, None, :] * _diag_phi(s, b_a, rows, eos, i_h, H, M, o_c, o_m), 2)
-        b_out += _dot(b_g, _tile(y, rows, rows < eos, i_h, H, D, o_d, 0.0), PREC)
+        if exact:
+            b_g = _dot(b_w * b_v, tl.trans(b_u), PREC)  # [BC (t), BC (i)]
+            b_out += _dot(tl.where(o_c[:, None] >= o_c[None, :], b_g, 0.0),
+                          _tile(y, rows, rows < eos, i_h, H, D, o_d, 0.0), PREC)
+        else:
+            b_out += _own_values(b_w, y, s, b_a, t0, eos, i_h, H, D, M, o_c, o_d, o_m, BC,
+                                 PREC, DIAG3)
     else:
+        b_out += _own_values(b_w, y, s, b_a, t0, eos, i_h, H, D, M, o_c, o_d, o_m, BC, PREC,
+                             DIAG3)
+    return b_out
+
+
+@triton.jit
+def _own_values(b_w, y, s, b_a, t0, eos, i_h, H, D, M, o_c, o_d, o_m, BC: tl.constexpr,
+                PREC: tl.constexpr, DIAG3: tl.constexpr):
+    """The sub-block's own part of `_slots_to_values`, Σ_m w[t, m] Σ_{i≤t in it} φ[t, i][m]
+    y_i, with φ built per column, or whole with DIAG3 -> [BC, BD]."""
+    rows = t0 + o_c
+    if DIAG3:
+        b_g = tl.sum(b_w[:, None, :] * _diag_phi(s, b_a, rows, eos, i_h, H, M, o_c, o_m), 2)
+        b_out = _dot(b_g, _tile(y, rows, rows < eos, i_h, H, D, o_d, 0.0), PREC)
+    else:
+        b_out = tl.zeros([BC, o_d.shape[0]], tl.float32)
         for i in range(BC):
             b_si = _row(s, t0 + i, t0 + i < eos, i_h, H, M, o_m, _NEG)
             b_phi = tl.exp(tl.where(o_c[:, None] >= i, b_si[None, :] - b_a, _NEG))
@@ -715,8 +743,7 @@ def _bwd_dkv(q, k, v, s, lc, zprev, zend, p, do, dS, c, dhk, dhv, dhc, dk, dv, d
              cu, boff, sub_idx, scale,
              H, K, V, M,
              BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-             BM: tl.constexpr, PREC: tl.constexpr, DIAG3: tl.constexpr, FACTORS: tl.constexpr,
-             SIDES: tl.constexpr):
+             BM: tl.constexpr, PREC: tl.constexpr, DIAG3: tl.constexpr, SIDES: tl.constexpr):
     """dk, dv, ds of one sub-block of one head. ds has a term from the keys' side (K̃: with
     k, q, dS and c) and one from the values' side (Ṽ: with v, do and p). SIDES 0: both, in one
     program; 1: the keys' side, dk and its ds term, stored to ds_part [total, H, M] fp32; 2:
@@ -780,24 +807,9 @@ def _bwd_dkv(q, k, v, s, lc, zprev, zend, p, do, dS, c, dhk, dhv, dhc, dk, dv, d
     if SIDES != 1:
         b_do = _tile(do, rows, r_ok, i_h, H, V, o_v, 0.0)  # [BC, BV]
         b_vdo = _dot(b_v, tl.trans(b_do), PREC)
-    b_ar = _log_z(lc, b_zp, rows, r_ok, i_h, H, M, o_m)  # [BC, BM], a of the reading tokens
-    exact = False
-    if FACTORS:
-        b_fu, b_fv, exact = _diag_factors(b_s, b_ar, r_ok, PREC)
-    later = o_c[:, None] <= o_c[None, :]  # [i, t]: token t reads token i
-    if exact:  # φ[t, i] = u_i v_t: sums over t of v_t-weighted tiles, then u_i
-        if SIDES != 2:
-            b_vdS = b_fv * _tile(dS, rows, r_ok, i_h, H, M, o_m, 0.0)  # [BC (t), BM]
-            b_dk += _dot(tl.where(later, _dot(b_fu, tl.trans(b_vdS), PREC), 0.0), b_qs, PREC)
-            b_vc = b_fv * _tile(c, rows, r_ok, i_h, H, M, o_m, 0.0)
-            b_ds += b_fu * (_dot(tl.where(later, b_kq, 0.0), b_vdS, PREC)
-                            - tl.cumsum(b_vc, 0, reverse=True))
-        if SIDES != 1:
-            b_vp = b_fv * _tile(p, rows, r_ok, i_h, H, M, o_m, 0.0)
-            b_dv += _dot(tl.where(later, _dot(b_fu, tl.trans(b_vp), PREC), 0.0), b_do, PREC)
-            b_ds += b_fu * _dot(tl.where(later, b_vdo, 0.0), b_vp, PREC)
-    elif DIAG3:  # φ [t, i, m] with t the reading token (the rows of the tiles below)
-        b_phi = _diag_phi(s, b_ar, rows, eos, i_h, H, M, o_c, o_m)
+    if DIAG3:  # φ [t, i, m] with t the reading token (the rows of the tiles below)
+        b_phi = _diag_phi(s, _log_z(lc, b_zp, rows, r_ok, i_h, H, M, o_m), rows, eos, i_h, H, M,
+                          o_c, o_m)
         if SIDES != 2:
             b_dSt = _tile(dS, rows, r_ok, i_h, H, M, o_m, 0.0)  # [BC, BM]
             b_ct = _tile(c, rows, r_ok, i_h, H, M, o_m, 0.0)
@@ -950,7 +962,7 @@ def _sub_launch(kernel: str, plan: _Plan, K: int, V: int, M: int) -> tuple[torch
     return _sub_blocks(plan.bounds, rows, plan.cu.device), {
         "BT": plan.chunk, "BC": rows, "BK": _pad(K), "BV": _pad(V), "BM": _pad(M),
         "PREC": plan.precision, "DIAG3": _diag3(kernel, M, rows),
-        "FACTORS": kernel in FACTOR_DIAG,
+        **({} if kernel == "_bwd_dkv" else {"FACTORS": kernel in FACTOR_DIAG}),
         "num_warps": _warps(kernel, _pad(K), _pad(V), _pad(M))}
 
 

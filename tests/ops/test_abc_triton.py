@@ -172,9 +172,8 @@ def test_sub_blocks_own_block_as_factors_and_where_they_would_overflow(monkeypat
     """Logits rising by δ a token, so that log_z grows by about 15 δ over a sub-block of 16:
     δ = 2.6 in the first chunk (39, just inside the limit: each sub-block's own block as dots
     of the factors u = exp(s - r), v = exp(r - a)), 7 in the second (105: token by token, or
-    in one step), in every sub-block kernel, against the float64 reference. With the limit
-    lifted the second chunk's factors overflow float32: the limit is what keeps them exact."""
-    monkeypatch.setattr(abc_chunk, "FACTOR_DIAG", tuple(abc_chunk.SUB_ROWS))
+    in one step), against the float64 reference. With the limit lifted the second chunk's
+    factors overflow float32: the limit is what keeps them exact."""
     monkeypatch.setattr(abc_chunk, "DIAG_3D", tuple(abc_chunk.SUB_ROWS) if diag3 else ())
     xs = make_inputs(B=1, T=128, H=1, M=4)
     rise = torch.cat((torch.full((64,), 2.6), torch.full((64,), 7.0))).double().to(DEVICE)
