@@ -37,10 +37,11 @@
 #                                            most 7 minutes: their tests (GPU shapes), then,
 #                                            if they pass, gpu_kernels.py timing memattn's GSA
 #                                            against its plain ABC ("GSA / ABC", the gated
-#                                            kernels' cost) and fla's chunk_gsa, T 2k-16k, D 64
-#                                            and 128, M 32 and 64, and the fused decoding steps
-#                                            (chunk_gsa did not finish its first configuration,
-#                                            T 4k, in 266 s on an H200: fla-core 0.6.0)
+#                                            kernels' cost), T 2k-16k, D 64 and 128, M 32 and
+#                                            64, and the fused decoding steps (not fla's
+#                                            chunk_gsa: it did not finish its first
+#                                            configuration, T 4k, in 266 s on an H200, fla-core
+#                                            0.6.0; `kernels` times it with the rest)
 #   bash benchmarks/gpu_session.sh experiment NAME [key=value ...]
 #                                            `memattn experiment NAME` on the GPU for at most
 #                                            EXPERIMENT_S seconds (540), JOBS models at once
@@ -62,18 +63,25 @@ python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upg
 export PYTHONPATH="$PWD:/tmp/site" PYTHONUNBUFFERED=1
 { nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader || true
   python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"; } > "$OUT/device.txt"
-# The kernel tests (GPU shapes, one process: the GPU) beside the rest of the suite (8 CPU
-# workers), both cut at $1 seconds by an interrupt, so that pytest still names the tests
-# that failed so far.
+# The kernel tests (GPU shapes, two processes sharing the GPU: ABC's, and the others; each
+# file's GPU tests first) beside the rest of the suite (8 CPU workers), all cut at $1 seconds
+# by an interrupt, so that pytest still names the tests that failed so far.
 tests_beside() {
-  kernel_tests=(tests/ops/test_abc_triton.py tests/ops/test_abc_decode_triton.py tests/ops/test_linear_triton.py
-                tests/ops/test_gsa_triton.py)
-  timeout -s INT -k 20 "$1" python3 -m pytest -q -rfE -p no:cacheprovider "${kernel_tests[@]}" \
+  abc_tests=(tests/ops/test_abc_triton.py)
+  other_tests=(tests/ops/test_gsa_triton.py tests/ops/test_abc_decode_triton.py tests/ops/test_linear_triton.py)
+  timeout -s INT -k 20 "$1" python3 -m pytest -q -rfE -p no:cacheprovider "${abc_tests[@]}" \
     > "$OUT/kernel-tests.log" 2>&1 &
+  timeout -s INT -k 20 "$1" python3 -m pytest -q -rfE -p no:cacheprovider "${other_tests[@]}" \
+    > "$OUT/kernel-tests-2.log" 2>&1 &
   timeout -s INT -k 20 "$1" python3 -m pytest -q -rfE -n 8 -p no:cacheprovider --durations=10 \
-    $(printf -- '--ignore=%s ' "${kernel_tests[@]}") > "$OUT/tests.log" 2>&1 &
+    $(printf -- '--ignore=%s ' "${abc_tests[@]}" "${other_tests[@]}") > "$OUT/tests.log" 2>&1 &
   wait || true
-  grep -E "^(FAILED|ERROR) | passed| failed" "$OUT/kernel-tests.log" "$OUT/tests.log" | tail -n 20 || true
+  grep -E "^(FAILED|ERROR) | passed| failed" "$OUT/kernel-tests.log" "$OUT/kernel-tests-2.log" \
+    "$OUT/tests.log" | tail -n 20 || true
+}
+# The logs in one archive, $OUT/logs.tgz: the device tool brings back at most 8 files.
+pack_logs() {
+  (cd "$OUT" && tar czf logs.tgz ./*.log && rm -f ./*.log) || true
 }
 case "$phase" in
   tests) python3 -m pytest -q -n 8 -p no:cacheprovider --durations=10 2>&1 | tee "$OUT/tests.log" ;;
@@ -90,7 +98,8 @@ case "$phase" in
     timeout 120 python3 benchmarks/gpu_profile.py --dims 64 128 --slots 32 64 --chunk-sizes 64 \
       --variants default "own blocks without factors" \
       --out "$OUT/profile" > "$OUT/profile.log" 2>&1 || true
-    grep -E "^Bounds|^\*\*" "$OUT/profile/gpu_profile.md" || tail -n 5 "$OUT/profile.log" ;;
+    grep -E "^Bounds|^\*\*" "$OUT/profile/gpu_profile.md" || tail -n 5 "$OUT/profile.log"
+    pack_logs ;;
   verify)
     tests_beside 130
     timeout 300 python3 benchmarks/gpu_profile.py --dims 64 128 --slots "${SLOTS:-64}" --chunk-sizes 64 \
@@ -98,18 +107,20 @@ case "$phase" in
     tail -n 2 "$OUT/profile.log"
     timeout 100 python3 -m memattn bench decode --attention softmax abc-mlp linear --device cuda \
       --dtype bf16 --out "$OUT/bench" > "$OUT/bench.log" 2>&1 || true
-    tail -n 3 "$OUT/bench.log" ;;
+    tail -n 3 "$OUT/bench.log"
+    pack_logs ;;
   gsa)
     if timeout -s INT -k 20 150 python3 -m pytest -q -rfE -p no:cacheprovider tests/ops/test_gsa_triton.py \
         > "$OUT/gsa-tests.log" 2>&1; then
       tail -n 1 "$OUT/gsa-tests.log"
       timeout 240 python3 benchmarks/gpu_kernels.py --skip-tests --lengths 2048 8192 16384 --contexts 4096 \
-        --ops memattn-abc memattn-gsa fla-gsa abc-step-graph gsa-step-graph --out "$OUT/gsa" \
+        --ops memattn-abc memattn-gsa abc-step-graph gsa-step-graph --out "$OUT/gsa" \
         > "$OUT/gsa.log" 2>&1 || true
       grep -A 8 "^## Gated" "$OUT/gsa/gpu_kernels.md" || tail -n 5 "$OUT/gsa.log"
     else
       grep -E "^(FAILED|ERROR) | passed| failed" "$OUT/gsa-tests.log" | tail -n 20; echo "gsa kernel tests fail: no timing"
-    fi ;;
+    fi
+    pack_logs ;;
   experiment)
     # Run folders travel between machines as $OUT/NAME.tgz (every file but the finished
     # runs' checkpoints); put it at .gpu/NAME.tgz here and carry .gpu to go on.

@@ -59,6 +59,61 @@ def assert_all_close(got, want, **tol):
     assert_named_close(got, want, NAMES, **tol)
 
 
+# The GPU tests first: a run cut short on a GPU machine gets to them before the rest.
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_on_gpu():
+    """Larger shapes on the GPU: several chunks of 64, K, V, M not powers of two, varlen, bf16."""
+    xs = make_inputs(B=2, T=300, H=3, K=72, V=40, M=24, seed=1)
+    want = run(abc_chunked, xs, torch.float64)
+    assert_all_close(run(abc_chunk_triton, xs, torch.float32), want, atol=1e-4, rtol=1e-4)
+    assert_all_close(run(abc_chunk_triton, xs, torch.bfloat16), want, atol=6e-2, rtol=6e-2)
+
+    # Logits of 1e3: float32 rounds them by ~6e-5, which ds amplifies; the torch path in
+    # float32 misses ds by ~5e-3. The kernels may miss by no more than twice its error.
+    big = make_inputs(B=1, T=300, H=2, K=64, V=64, M=32, s_scale=1e3, seed=2)
+    want = run(abc_chunked, big, torch.float64)
+    torch32 = run(abc_chunked, big, torch.float32)
+    for name, a, b, c in zip(NAMES, run(abc_chunk_triton, big, torch.float32), torch32, want):
+        assert torch.isfinite(a).all(), name
+        bound = max(2e-4, 2 * (b - c).abs().max().item())
+        torch.testing.assert_close(a, c, atol=bound, rtol=2e-4,
+                                   msg=lambda m, n=name: f"{n}: {m}")
+
+    bounds = [0, 1, 130, 131, 400]
+    xs = make_inputs(B=1, T=400, H=2, K=64, V=32, M=20, N=4, seed=3)
+    cu = torch.tensor(bounds, device=DEVICE)
+    assert_all_close(run(abc_attention, xs, torch.float32, cu_seqlens=cu),
+                     run(abc_varlen, xs, torch.float64, cu_seqlens=cu), atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("stages, sub, half_dots, diag3, split, factors", [
+    (2, 16, True, False, False, True), (3, 16, True, False, False, True),
+    (0, 32, True, False, False, True), (0, 16, False, False, False, True),
+    (0, 16, True, True, False, True), (0, 16, True, False, True, True),
+    (2, 16, True, True, True, True), (0, 16, True, False, False, False)])
+def test_kernel_variants_on_gpu(monkeypatch, stages, sub, half_dots, diag3, split, factors):
+    """The launch variants benchmarks/gpu_profile.py times, against the reference: the scans'
+    `for` form (software-pipelined when compiled; the interpreter runs only the `while`
+    form), sub-blocks of 32 rows, TF32 products for bf16 inputs, diagonal blocks in one
+    step, the backward's dk / dv in two launches, the own blocks without their factors.
+    Several chunks, bf16, and a packed batch of 1, 129, 1 and 269 tokens."""
+    monkeypatch.setattr(abc_chunk, "STATE_STAGES", stages)
+    monkeypatch.setattr(abc_chunk, "SUB_ROWS", dict.fromkeys(abc_chunk.SUB_ROWS, sub))
+    monkeypatch.setattr(abc_chunk, "HALF_DOTS", half_dots)
+    monkeypatch.setattr(abc_chunk, "DIAG_3D", tuple(abc_chunk.SUB_WARPS) if diag3 else ())
+    monkeypatch.setattr(abc_chunk, "SPLIT_DKV", split)
+    monkeypatch.setattr(abc_chunk, "FACTOR_DIAG", abc_chunk.FACTOR_DIAG if factors else ())
+    xs = make_inputs(B=2, T=300, H=3, K=64, V=40, M=24, seed=4)
+    want = run(abc_chunked, xs, torch.float64)
+    assert_all_close(run(abc_chunk_triton, xs, torch.float32), want, atol=1e-4, rtol=1e-4)
+    assert_all_close(run(abc_chunk_triton, xs, torch.bfloat16), want, atol=6e-2, rtol=6e-2)
+    xs = make_inputs(B=1, T=400, H=2, K=64, V=32, M=20, N=4, seed=5)
+    cu = torch.tensor([0, 1, 130, 131, 400], device=DEVICE)
+    assert_all_close(run(abc_attention, xs, torch.float32, cu_seqlens=cu),
+                     run(abc_varlen, xs, torch.float64, cu_seqlens=cu), atol=1e-4, rtol=1e-4)
+
+
 @pytest.mark.parametrize(("T", "chunk"), [(1, 16), (7, 16), (37, 16), (37, 32)])
 def test_matches_reference(T, chunk):
     """Odd lengths, several chunks (16), several sub-blocks in a chunk (32), K ≠ V, M = 5."""
@@ -308,55 +363,3 @@ def test_kernels_supported(monkeypatch):
     monkeypatch.delenv("TRITON_INTERPRET")
     assert not kernels_supported(x)
     assert kernels_supported()
-
-
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-def test_on_gpu():
-    """Larger shapes on the GPU: several chunks of 64, K, V, M not powers of two, varlen, bf16."""
-    xs = make_inputs(B=2, T=300, H=3, K=72, V=40, M=24, seed=1)
-    want = run(abc_chunked, xs, torch.float64)
-    assert_all_close(run(abc_chunk_triton, xs, torch.float32), want, atol=1e-4, rtol=1e-4)
-    assert_all_close(run(abc_chunk_triton, xs, torch.bfloat16), want, atol=6e-2, rtol=6e-2)
-
-    # Logits of 1e3: float32 rounds them by ~6e-5, which ds amplifies; the torch path in
-    # float32 misses ds by ~5e-3. The kernels may miss by no more than twice its error.
-    big = make_inputs(B=1, T=300, H=2, K=64, V=64, M=32, s_scale=1e3, seed=2)
-    want = run(abc_chunked, big, torch.float64)
-    torch32 = run(abc_chunked, big, torch.float32)
-    for name, a, b, c in zip(NAMES, run(abc_chunk_triton, big, torch.float32), torch32, want):
-        assert torch.isfinite(a).all(), name
-        bound = max(2e-4, 2 * (b - c).abs().max().item())
-        torch.testing.assert_close(a, c, atol=bound, rtol=2e-4,
-                                   msg=lambda m, n=name: f"{n}: {m}")
-
-    bounds = [0, 1, 130, 131, 400]
-    xs = make_inputs(B=1, T=400, H=2, K=64, V=32, M=20, N=4, seed=3)
-    cu = torch.tensor(bounds, device=DEVICE)
-    assert_all_close(run(abc_attention, xs, torch.float32, cu_seqlens=cu),
-                     run(abc_varlen, xs, torch.float64, cu_seqlens=cu), atol=1e-4, rtol=1e-4)
-
-
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-@pytest.mark.parametrize("stages, sub, half_dots, diag3, split", [
-    (2, 16, True, False, False), (3, 16, True, False, False), (0, 32, True, False, False),
-    (0, 16, False, False, False), (0, 16, True, True, False), (0, 16, True, False, True),
-    (2, 16, True, True, True)])
-def test_kernel_variants_on_gpu(monkeypatch, stages, sub, half_dots, diag3, split):
-    """The launch variants benchmarks/gpu_profile.py times, against the reference: the scans'
-    `for` form (software-pipelined when compiled; the interpreter runs only the `while`
-    form), sub-blocks of 32 rows, TF32 products for bf16 inputs, diagonal blocks in one
-    step, the backward's dk / dv in two launches. Several chunks, bf16, and a packed batch
-    of 1, 129, 1 and 269 tokens."""
-    monkeypatch.setattr(abc_chunk, "STATE_STAGES", stages)
-    monkeypatch.setattr(abc_chunk, "SUB_ROWS", dict.fromkeys(abc_chunk.SUB_ROWS, sub))
-    monkeypatch.setattr(abc_chunk, "HALF_DOTS", half_dots)
-    monkeypatch.setattr(abc_chunk, "DIAG_3D", tuple(abc_chunk.SUB_WARPS) if diag3 else ())
-    monkeypatch.setattr(abc_chunk, "SPLIT_DKV", split)
-    xs = make_inputs(B=2, T=300, H=3, K=64, V=40, M=24, seed=4)
-    want = run(abc_chunked, xs, torch.float64)
-    assert_all_close(run(abc_chunk_triton, xs, torch.float32), want, atol=1e-4, rtol=1e-4)
-    assert_all_close(run(abc_chunk_triton, xs, torch.bfloat16), want, atol=6e-2, rtol=6e-2)
-    xs = make_inputs(B=1, T=400, H=2, K=64, V=32, M=20, N=4, seed=5)
-    cu = torch.tensor([0, 1, 130, 131, 400], device=DEVICE)
-    assert_all_close(run(abc_attention, xs, torch.float32, cu_seqlens=cu),
-                     run(abc_varlen, xs, torch.float64, cu_seqlens=cu), atol=1e-4, rtol=1e-4)

@@ -63,6 +63,26 @@ def assert_all_close(got, want, names=NAMES, **tol):
     assert_named_close(got, want, names, **tol)
 
 
+# The GPU test first: a run cut short on a GPU machine gets to it before the rest.
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_on_gpu():
+    """Larger shapes on the GPU: several chunks of 64, K, V, M not powers of two, the layer's
+    gates (log σ / 8, near 1), varlen, bf16; a CUDA decoding step of the op takes the kernel."""
+    xs = make_inputs(B=2, T=300, H=3, K=72, V=40, M=24, seed=1)
+    want = run(gsa_reference, xs, torch.float64)
+    assert_all_close(run(gsa_chunk_triton, xs, torch.float32), want, atol=1e-4, rtol=1e-4)
+    assert_all_close(run(gsa_chunk_triton, xs, torch.bfloat16), want, atol=6e-2, rtol=6e-2)
+    xs[3] = xs[3] / 8
+    assert_all_close(run(gsa_chunk_triton, xs, torch.float32),
+                     run(gsa_reference, xs, torch.float64), atol=1e-4, rtol=1e-4)
+
+    bounds = [0, 1, 130, 131, 400]
+    xs = make_inputs(B=1, T=400, H=2, K=64, V=32, M=20, N=4, seed=3)
+    cu = torch.tensor(bounds, device=DEVICE)
+    assert_all_close(run(gated_slot_attention, xs, torch.float32, cu_seqlens=cu),
+                     run(gsa_varlen, xs, torch.float64, cu_seqlens=cu), atol=1e-4, rtol=1e-4)
+
+
 @pytest.mark.parametrize(("T", "chunk"), [(1, 16), (63, 16), (63, 32)])
 def test_matches_reference(T, chunk):
     """Odd lengths, several chunks (16), several sub-blocks in a chunk (32), K ≠ V, M = 5,
@@ -294,22 +314,3 @@ def test_kernel_step_refuses_gradients():
     q, k, v, g = (x.float().requires_grad_() for x in make_inputs(B=1, T=1)[:4])
     with pytest.raises(ConfigError, match="has no backward"):
         gated_slot_attention_step(q[:, 0], k[:, 0], v[:, 0], g[:, 0], backend="triton")
-
-
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-def test_on_gpu():
-    """Larger shapes on the GPU: several chunks of 64, K, V, M not powers of two, the layer's
-    gates (log σ / 8, near 1), varlen, bf16; a CUDA decoding step of the op takes the kernel."""
-    xs = make_inputs(B=2, T=300, H=3, K=72, V=40, M=24, seed=1)
-    want = run(gsa_reference, xs, torch.float64)
-    assert_all_close(run(gsa_chunk_triton, xs, torch.float32), want, atol=1e-4, rtol=1e-4)
-    assert_all_close(run(gsa_chunk_triton, xs, torch.bfloat16), want, atol=6e-2, rtol=6e-2)
-    xs[3] = xs[3] / 8
-    assert_all_close(run(gsa_chunk_triton, xs, torch.float32),
-                     run(gsa_reference, xs, torch.float64), atol=1e-4, rtol=1e-4)
-
-    bounds = [0, 1, 130, 131, 400]
-    xs = make_inputs(B=1, T=400, H=2, K=64, V=32, M=20, N=4, seed=3)
-    cu = torch.tensor(bounds, device=DEVICE)
-    assert_all_close(run(gated_slot_attention, xs, torch.float32, cu_seqlens=cu),
-                     run(gsa_varlen, xs, torch.float64, cu_seqlens=cu), atol=1e-4, rtol=1e-4)
