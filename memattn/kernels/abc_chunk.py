@@ -150,12 +150,12 @@ SUB_ROWS = {"_fwd_output": 16, "_bwd_dq": 16, "_bwd_dkv": 16}
 # The kernels that take a sub-block's own (diagonal) block in one step over [BC, BC, BM]
 # tiles, where they hold at most DIAG_3D_MAX numbers (else a loop over its BC tokens).
 DIAG_3D = ("_bwd_dkv",)
-# The kernels that take a sub-block's own block as masked dots of the factors u = exp(s - r),
-# v = exp(r - a) where they are exact (`_diag_factors`), the form above where not: either of
-# `_fwd_output` and `_bwd_dq`. Not `_bwd_dkv`: with both forms in it, compiled for sm_90 at 4
-# warps, its spills grew from 0-224 bytes a thread to 32-2,396 (D 64-128, M 32-64).
-FACTOR_DIAG = ("_fwd_output", "_bwd_dq")
 DIAG_3D_MAX = 16 * 16 * 64
+# The kernels that take a sub-block's own block as masked dots of the factors u = exp(s - r),
+# v = exp(r - a) where they are exact (`_diag_factors`), the one-step or loop form where not;
+# of `_fwd_output` and `_bwd_dq`. Not `_bwd_dkv`: with both forms in it, compiled for sm_90 at
+# 4 warps, its spills grew from 0-224 bytes a thread to 32-2,396 (D 64-128, M 32-64).
+FACTOR_DIAG = ("_fwd_output", "_bwd_dq")
 # Software-pipelining stages of the short scans over chunks (0: the while form); 3 was the
 # fastest for the earlier scans, which did each chunk's whole work in order.
 STATE_STAGES = 3
