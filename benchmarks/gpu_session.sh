@@ -91,11 +91,11 @@ case "$phase" in
   all)
     tests_beside 120
     # not fla's chunk_gsa: on the H200 it did not finish its first configuration in 266 s
-    timeout 230 python3 benchmarks/gpu_kernels.py --skip-tests --modes fwd+bwd --lengths 4096 8192 16384 32768 \
+    timeout 210 python3 benchmarks/gpu_kernels.py --skip-tests --modes fwd+bwd --lengths 4096 8192 16384 32768 \
       --contexts 4096 32768 --ops softmax memattn-abc fla-abc memattn-gsa linear abc-step-graph gsa-step-graph \
       softmax-kv --out "$OUT/kernels" > "$OUT/kernels.log" 2>&1 || true
     tail -n 2 "$OUT/kernels.log"
-    timeout 120 python3 benchmarks/gpu_profile.py --dims 64 128 --slots 32 64 --chunk-sizes 64 \
+    timeout 110 python3 benchmarks/gpu_profile.py --dims 64 128 --slots 32 64 --chunk-sizes 64 \
       --variants default "own blocks without factors" \
       --out "$OUT/profile" > "$OUT/profile.log" 2>&1 || true
     grep -E "^Bounds|^\*\*" "$OUT/profile/gpu_profile.md" || tail -n 5 "$OUT/profile.log"
