@@ -126,7 +126,7 @@ def gate_kernels(B: int, H: int, T: int, M: int, chunk: int = 64) -> list[dict]:
     gates g -> the fp32 logits s, and ds (fp32) with g -> dg; one program per (chunk, head,
     block of up to 32 slots), elementwise but for a cumulative sum inside the chunk."""
     n = B * T * H
-    programs = B * H * (T // chunk) * max(1, M // 32)
+    programs = B * H * (T // chunk) * -(-M // 32)  # gsa_chunk._gate_block: at most 32 slots
     return [_kernel("_gate_logits", 1, n * M * HALF, n * M * F32, 0, programs, 1),
             _kernel("_gate_grads", 1, n * M * (HALF + F32), n * M * HALF, 0, programs, 1)]
 

@@ -73,12 +73,15 @@ def builds(name: str, D: int, M: int, dtype: str,
            rows: tuple[int, ...] = (16,)) -> list[tuple[str, object, dict]]:
     """(variant, jit function, constexprs) of one kernel as `abc_chunk` launches it; a sub-block
     kernel with sub-blocks of each of `rows` rows."""
+    import triton
+
     from memattn.kernels import abc_chunk as ac, abc_decode as ad, gsa_chunk as gc
 
     if name in ("gate_logits", "gate_grads"):  # gated slot attention's gates <-> ABC's logits
         return [("chunk of 64", getattr(gc, f"_{name}"), {"BT": 64, "BM": gc._gate_block(M)})]
     if name == "decode_step":  # one token, whole tiles of [M, D]
-        pow2 = {"BM": triton_pow2(M), "BK": triton_pow2(D), "BV": triton_pow2(D)}
+        pow2 = {"BM": triton.next_power_of_2(M), "BK": triton.next_power_of_2(D),
+                "BV": triton.next_power_of_2(D)}  # as `abc_decode._launch` pads them
         return [(f"{rule} write", ad._abc_step_kernel, {"RULE": rule, **pow2})
                 for rule in ("normalised", "gated", "additive")]
     prec = {"bf16": "bf16", "fp16": "fp16", "fp32": "ieee"}[dtype]
@@ -103,10 +106,6 @@ def builds(name: str, D: int, M: int, dtype: str,
     return [(f"{bc} rows, diagonal: {diag}{side}", fn,
              {**blocks, "BC": bc, "DIAG3": diag == "one step", **extra})
             for bc in rows for side, extra in sides.items() for diag in ("loop", "one step")]
-
-
-def triton_pow2(n: int) -> int:
-    return 1 << (n - 1).bit_length()
 
 
 def compile_report(fn, constexprs: dict, *, D: int, M: int, dtype: str, warps: int,

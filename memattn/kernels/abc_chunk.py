@@ -468,6 +468,9 @@ def _keys_to_slots(b_x, b_h, decay, y, s, lc, b_zp, b_a, t0, eos, bos, j0, i_s, 
         j += 1
     rows = t0 + o_c
     b_xy = _dot(b_x, tl.trans(_tile(y, rows, rows < eos, i_h, H, D, o_d, 0.0)), PREC)
+    # `_own_keys` twice: compiled Triton drops a branch only on a compile-time constant, so
+    # the runtime test `exact` sits inside the constant one. The factors are rebuilt in each
+    # pass (`_slots_to_values` too) rather than held across the softmax in registers.
     if FACTORS:
         b_u, b_v, exact = _diag_factors(_tile(s, rows, rows < eos, i_h, H, M, o_m, _NEG), b_a,
                                         rows < eos, PREC)
