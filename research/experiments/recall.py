@@ -9,12 +9,16 @@ our own seeded generators (`memattn.data.recall`):
   earlier; accuracy = share of the queries' values predicted right (teacher forcing).
 - Passkey: a few digits after a marker, `distance` filler tokens, a query marker after which
   the digits come again; accuracy = share of passkeys with every digit right (teacher
-  forcing). Trained at distances up to the training length, tested there and at 1k ... 64k
-  tokens: bounded mechanisms stream through their fixed-size cache in chunks of `chunk`
+  forcing). Trained at distances up to its rows' length (`length`, or `passkey_length` for
+  rows of their own: a model that has learned to keep a passkey over 1k tokens), tested there
+  and at 1k ... 64k tokens: bounded mechanisms stream through their fixed-size cache in chunks of `chunk`
   tokens (constant memory); softmax, whose KV cache grows, reads each row as one window of at
   most `max_window` tokens, and a longer one is "not read". A mechanism's own limit met while
   reading (abc-linformer's learned columns, abc-l2g's and abc-meanpool's slot positions end)
   is also "not read", with its message.
+
+Memories: every causal mechanism of the registry at its default options (`all`), and the
+options that make one stream (abc-mlp's `recency` and `forget`), each at every target.
 
 Matched state size: each target of `state_bytes` (bytes of decoding state per layer) picks,
 for each mechanism, the value of the option that sizes its state (its registration's
@@ -33,6 +37,8 @@ was sized, 4,000 steps each) takes about 70 minutes with
 (abc-cluster, 32 clusters), evaluation 1 to 7 minutes a model (softmax's 64k-token windows).
 
     memattn experiment recall [--quick] [--jobs N] [steps=4000 state_bytes=[4096,16384] ...]
+    memattn experiment recall --out-dir results/recall-1k --jobs 2 passkey_length=1024 \
+        state_bytes=[16384] "mechanisms=[softmax,abc-mlp,abc-mlp:recency=true,gsa,...]"
 
 Each model trains through `memattn train`'s loop as task=recall (`RecallTask`, registered
 here) in a run folder under runs/ (checkpoint, log.jsonl, row.json once evaluated): the command
@@ -60,7 +66,7 @@ from memattn.layers.base import StateSize, get_mechanism, mechanisms
 from memattn.models.lm import CausalLM
 from memattn.tasks import StepLoss, Task, refuse_language_model_settings, register_task
 from memattn.train import step_seed
-from memattn.typed import parse_settings
+from memattn.typed import parse_key_value, parse_settings
 from research.experiments._common import command_of, save_figure, torch_threads, write_results
 from research.experiments._runner import Job, run_jobs
 
@@ -91,6 +97,7 @@ class RecallOptions:
     """task_options of task=recall: the rows it trains on and how its models are tested."""
 
     length: int = 64  # tokens of a training row (both tasks); MQAR is tested at this length
+    passkey_length: int = 0  # tokens of a passkey training row; 0: `length`
     pairs: int = 8  # MQAR key-value pairs a row; queries: (length - 2·pairs) / 2
     keys: int = 16  # MQAR key vocabulary
     values: int = 16  # MQAR value vocabulary
@@ -107,19 +114,31 @@ class RecallOptions:
     def __post_init__(self) -> None:
         if not 0 < self.mqar_share < 1:
             raise ConfigError(f"mqar_share: expected a share strictly between 0 and 1, got {self.mqar_share!r}")
-        _check_values(self, [f for f in dataclasses.fields(RecallOptions) if f.name != "mqar_share"])
+        _check_values(self, [f for f in dataclasses.fields(RecallOptions) if f.name != "mqar_share"],
+                      zero_ok=("passkey_length",))
         queries, odd = divmod(self.length - 2 * self.pairs, 2)
         if self.pairs > self.keys or queries < 1 or odd:
             raise ConfigError(f"length: a row is {self.pairs} pairs (pairs <= keys = {self.keys}) and an "
                               f"even number >= 2 of query tokens; got length={self.length}, pairs={self.pairs}")
         if self.train_distance < 0:
-            raise ConfigError(f"length: a passkey of {self.digits} digits needs rows of at least "
-                              f"{2 + 2 * self.digits} tokens, got {self.length}")
+            name = "passkey_length" if self.passkey_length else "length"
+            raise ConfigError(f"{name}: a passkey of {self.digits} digits needs rows of at least "
+                              f"{2 + 2 * self.digits} tokens, got {self.passkey_rows}")
+
+    @property
+    def passkey_rows(self) -> int:
+        """Tokens of a passkey training row."""
+        return self.passkey_length or self.length
+
+    @property
+    def longest(self) -> int:
+        """Tokens of the longest training row (the models' max_len)."""
+        return max(self.length, self.passkey_rows)
 
     @property
     def train_distance(self) -> int:
         """The longest passkey distance trained on (distances 0 ... this)."""
-        return self.length - 2 - 2 * self.digits
+        return self.passkey_rows - 2 - 2 * self.digits
 
     @property
     def vocab(self) -> RecallVocab:
@@ -131,7 +150,10 @@ class Settings(RecallOptions):
     """What the experiment runs; every field can be overridden as key=value (those of
     RecallOptions are each model's task_options)."""
 
-    mechanisms: tuple[str, ...] = ("all",)  # registry names, or all: every causal mechanism
+    # the memories compared: `all` (every causal mechanism of the registry at its default
+    # options), registry names, and NAME:KEY=VALUE;KEY=VALUE for a mechanism with options of its
+    # own (its size option is the targets')
+    mechanisms: tuple[str, ...] = ("all", "abc-mlp:recency=true", "abc-mlp:forget=true")
     state_bytes: tuple[int, ...] = (4096, 16384)  # targets: decoding-state bytes per layer
     d_model: int = 64
     n_layers: int = 2
@@ -148,11 +170,7 @@ class Settings(RecallOptions):
     threads: int = 1  # torch threads of a model's worker
 
     def __post_init__(self) -> None:
-        known = [n for n, m in mechanisms().items() if m.causal]
-        unknown = [n for n in self.mechanisms if n not in known and n != "all"]
-        if unknown or ("all" in self.mechanisms and len(self.mechanisms) > 1):
-            raise ConfigError(f"mechanisms: expected [all] or causal mechanisms among "
-                              f"{', '.join(known)}, got {list(self.mechanisms)}")
+        self.kinds  # noqa: B018 (a ConfigError for an entry it cannot read)
         options = {f.name for f in dataclasses.fields(RecallOptions)}
         own = [f for f in dataclasses.fields(self) if f.name not in options]
         _check_values(self, [f for f in own if f.name != "mechanisms"], zero_ok=("seed", "warmup", "weight_decay"))
@@ -165,6 +183,30 @@ class Settings(RecallOptions):
     def options(self) -> RecallOptions:
         return RecallOptions(**{f.name: getattr(self, f.name) for f in dataclasses.fields(RecallOptions)})
 
+    @property
+    def kinds(self) -> list[tuple[str, dict]]:
+        """(registry name, options) of each memory `mechanisms` names, once, `all` in the
+        registry's order; a ConfigError for an entry that is not a causal mechanism with options
+        of its own."""
+        causal = [n for n, m in mechanisms().items() if m.causal]
+        out: list[tuple[str, dict]] = []
+        for entry in self.mechanisms:
+            name, _, rest = entry.partition(":")
+            if entry == "all":
+                out += [(n, {}) for n in causal if (n, {}) not in out]
+                continue
+            if name not in causal:
+                raise ConfigError(f"mechanisms: {entry!r} is not all or a causal mechanism (one of "
+                                  f"{', '.join(causal)}), optionally as NAME:KEY=VALUE;KEY=VALUE")
+            options = {".".join(path): value for path, value in map(parse_key_value, filter(None, rest.split(";")))}
+            size = get_mechanism(name).state_size
+            if size is not None and (size.option in options or set(size.with_options) & set(options)):
+                raise ConfigError(f"mechanisms: {entry!r} sets what the targets (state_bytes) set: "
+                                  f"attention.{size.option}{''.join(f', {k}' for k in size.with_options)}")
+            AttentionConfig(name, options)  # an unknown option or value: a ConfigError naming it
+            out += [(name, options)] if (name, options) not in out else []
+        return out
+
 
 QUICK = {"state_bytes": (4096,), "d_model": 32, "length": 32, "pairs": 4,
          "digits": 3, "distances": (256,), "steps": 4, "batch": 8, "warmup": 2, "mqar_test": 16,
@@ -172,6 +214,9 @@ QUICK = {"state_bytes": (4096,), "d_model": 32, "length": 32, "pairs": 4,
 # Settings that decide which models run, not what one model computes: left out of a job's
 # settings, so that a run folder is reused whichever targets and mechanisms a command names.
 PLANNING = ("mechanisms", "state_bytes")
+# options added after run folders were made: a job names one only where it differs from this
+# default, so that those folders (their settings.json) stay the same and are reused
+LATER_OPTIONS = {"passkey_length": 0}
 TEST_SEED = 1_000_003  # test rows: drawn from their own seeds, the same for every model
 VALIDATION_SEED = 2_000_003  # the rows of the evaluation at the end of training
 # values of a mechanism's state-size option (Mechanism.state_size) tried against the targets
@@ -187,14 +232,14 @@ def build_model(s: Settings, attention: AttentionConfig) -> CausalLM:
     """The experiment's causal LM with `attention` (rotary positions; weights from torch's
     global seed): the model of `model_settings(s)`."""
     cfg = ModelConfig(vocab_size=s.vocab.size, d_model=s.d_model, n_layers=s.n_layers, n_heads=s.n_heads,
-                      ff_mult=s.ff_mult, positions="rotary", max_len=s.length, attention=attention)
+                      ff_mult=s.ff_mult, positions="rotary", max_len=s.longest, attention=attention)
     return CausalLM(cfg)
 
 
 def model_settings(s: Settings) -> list[str]:
     """`build_model`'s model as `memattn train` settings (its vocabulary comes from the task)."""
     return [f"model.d_model={s.d_model}", f"model.n_layers={s.n_layers}", f"model.n_heads={s.n_heads}",
-            f"model.ff_mult={s.ff_mult}", "model.positions=rotary", f"model.max_len={s.length}"]
+            f"model.ff_mult={s.ff_mult}", "model.positions=rotary", f"model.max_len={s.longest}"]
 
 
 @torch.no_grad()
@@ -219,35 +264,36 @@ def state_bytes(model: CausalLM, length: int) -> tuple[int, bool]:
 
 
 def plan(s: Settings) -> tuple[list[dict], list[dict]]:
-    """(models, skipped). A model: {"mechanism", "options", "name", "targets" (the targets of
+    """(models, skipped). A model: {"mechanism", "options", "kind" (the mechanism and the
+    options of its own that s.mechanisms gives it), "name", "targets" (the targets of
     s.state_bytes it stands for: all of them where no option sizes it), "state_bytes_per_layer",
     "size_option" (None: no option sizes it), "sizing" (how its size was chosen, in words)}; a
-    skipped mechanism: {"mechanism", "reason"}. Every causal mechanism of the registry (or of
-    s.mechanisms) is in one of the lists."""
-    planned, skipped = [], []
-    for name, mech in mechanisms().items():
-        if not mech.causal or (s.mechanisms != ("all",) and name not in s.mechanisms):
-            continue
-        size = mech.state_size
+    skipped memory: {"mechanism", "kind", "reason"}. Every memory of `s.kinds` is in one of the
+    lists."""
+    planned, skipped, kinds = [], [], {}
+    for name, own in s.kinds:
+        size = get_mechanism(name).state_size
+        kind = " ".join([name, *(f"{k}={v}" for k, v in own.items())])
+        kinds[kind] = own
         try:
             if size is None or size.option is None:
-                options = dict(size.with_options) if size is not None else {}
+                options = {**(size.with_options if size is not None else {}), **own}
                 nbytes, fixed = state_bytes(build_model(s, AttentionConfig(name, options)), s.length)
                 if not fixed:
                     sizing = "its state grows with every token and no option sizes it: the ceiling, read whole"
                 else:
                     sizing = size.why if size is not None and size.why else \
                         "no option sizes its state (Mechanism.state_size): its default options"
-                planned.append({"mechanism": name, "options": options, "targets": list(s.state_bytes),
+                planned.append({"mechanism": name, "options": options, "kind": kind, "targets": list(s.state_bytes),
                                 "state_bytes_per_layer": nbytes / s.n_layers, "size_option": None,
                                 "sizing": sizing})
                 continue
-            sized = sizes_of(s, name, size)
+            sized = sizes_of(s, name, size, own)
         except (ConfigError, ShapeError) as e:
-            skipped.append({"mechanism": name, "reason": f"cannot be built or read on this task: {e}"})
+            skipped.append({"mechanism": name, "kind": kind, "reason": f"cannot be built or read on this task: {e}"})
             continue
         if not sized:
-            skipped.append({"mechanism": name, "reason": f"no value of attention.{size.option} in "
+            skipped.append({"mechanism": name, "kind": kind, "reason": f"no value of attention.{size.option} in "
                             f"{SIZE_VALUES[0]} ... {SIZE_VALUES[-1]} gives a fixed-size state on this task"})
             continue
         chosen: dict[int, list[int]] = {}
@@ -255,12 +301,14 @@ def plan(s: Settings) -> tuple[list[dict], list[dict]]:
             value = min(sized, key=lambda v: (abs(math.log(sized[v] / target)), v))
             chosen.setdefault(value, []).append(target)
         for value, targets in sorted(chosen.items()):
-            planned.append({"mechanism": name, "options": size.sized(value, s.length), "targets": targets,
+            planned.append({"mechanism": name, "options": {**size.sized(value, s.longest), **own}, "kind": kind,
+                            "targets": targets,
                             "state_bytes_per_layer": sized[value], "size_option": size.option,
                             "sizing": f"attention.{size.option} closest to the target"})
     for p in planned:
+        own = kinds[p["kind"]]
         p["name"] = " ".join([p["mechanism"], *(f"{k}={v}" for k, v in p["options"].items()
-                                                if size_key(p["mechanism"], k))])
+                                                if k in own or size_key(p["mechanism"], k))])
     return planned, skipped
 
 
@@ -271,13 +319,13 @@ def size_key(mechanism: str, key: str) -> bool:
     return size is not None and key not in size.with_options
 
 
-def sizes_of(s: Settings, name: str, size: StateSize) -> dict[int, float]:
+def sizes_of(s: Settings, name: str, size: StateSize, own: dict) -> dict[int, float]:
     """{value of size.option: state bytes per layer} over SIZE_VALUES, for the values whose
-    model builds, reads a training row and keeps a fixed-size state of some bytes; values in
-    increasing order until one's state is 4 times the largest target."""
+    model (with options `own` besides) builds, reads a training row and keeps a fixed-size state
+    of some bytes; values in increasing order until one's state is 4 times the largest target."""
     out = {}
     for value in SIZE_VALUES:
-        options = size.sized(value, s.length)
+        options = {**size.sized(value, s.longest), **own}
         try:
             nbytes, fixed = state_bytes(build_model(s, AttentionConfig(name, options)), s.length)
         except (ConfigError, ShapeError):
@@ -294,25 +342,33 @@ def sizes_of(s: Settings, name: str, size: StateSize) -> dict[int, float]:
 
 
 class RecallBatch(NamedTuple):
-    """tokens, answers [b, length]: rows :mqar are MQAR, the rest passkeys."""
+    """A step's rows of each task, (tokens, answers): MQAR [m, length], passkeys [b - m,
+    passkey rows]."""
 
-    tokens: torch.Tensor
-    answers: torch.Tensor
-    mqar: int
+    mqar: tuple[torch.Tensor, torch.Tensor]
+    passkey: tuple[torch.Tensor, torch.Tensor]
 
     def to(self, device) -> RecallBatch:
-        return RecallBatch(self.tokens.to(device), self.answers.to(device), self.mqar)
+        return RecallBatch(*(tuple(t.to(device) for t in part) for part in self))
+
+    def rows(self, start: int, stop: int) -> RecallBatch:
+        """Rows start:stop of the batch, counted over the MQAR rows, then the passkeys."""
+        m = len(self.mqar[0])
+        return RecallBatch(tuple(t[start:stop] for t in self.mqar),
+                           tuple(t[max(start - m, 0):max(stop - m, 0)] for t in self.passkey))
 
 
 def training_batch(o: RecallOptions, batch: int, seed: int, step: int) -> RecallBatch:
-    """Step `step`'s `batch` rows (the same for every model): rows :m are MQAR (m = batch ·
-    mqar_share, rounded), rows m: passkeys at distances uniform in 0 ... o.train_distance."""
+    """Step `step`'s `batch` rows (the same for every model): m = batch · mqar_share (rounded)
+    MQAR rows of o.length tokens, then passkeys at distances uniform in 0 ... o.train_distance
+    in rows of o.passkey_rows tokens."""
     g = torch.Generator().manual_seed(step_seed(seed, step))
     m = round(batch * o.mqar_share)
     a = mqar_batch(m, length=o.length, pairs=o.pairs, vocab=o.vocab, generator=g)
     distance = torch.randint(0, o.train_distance + 1, (batch - m,), generator=g)
-    b = passkey_batch(batch - m, distance=distance, digits=o.digits, vocab=o.vocab, generator=g, length=o.length)
-    return RecallBatch(torch.cat([a[0], b[0]]), torch.cat([a[1], b[1]]), m)
+    b = passkey_batch(batch - m, distance=distance, digits=o.digits, vocab=o.vocab, generator=g,
+                      length=o.passkey_rows)
+    return RecallBatch(a, b)
 
 
 class RecallTask(Task):
@@ -346,18 +402,14 @@ class RecallTask(Task):
 
     def batch(self, step: int, rank: int, world: int) -> RecallBatch:
         tc = self.cfg.train
-        rows = training_batch(self.options, tc.batch_size, tc.seed, step)
         share = tc.batch_size // world
-        mine = min(max(rows.mqar - rank * share, 0), share)  # this rank's MQAR rows
-        return RecallBatch(rows.tokens.chunk(world)[rank], rows.answers.chunk(world)[rank], mine)
+        return training_batch(self.options, tc.batch_size, tc.seed, step).rows(rank * share, (rank + 1) * share)
 
     def tokens(self, batch: RecallBatch) -> int:
-        return batch.tokens.numel()
+        return sum(tokens.numel() for tokens, _ in batch)
 
     def loss(self, model, batch: RecallBatch) -> StepLoss:
-        logits, m = model(batch.tokens), batch.mqar
-        parts = [answer_loss(logits[rows], batch.tokens[rows], batch.answers[rows])
-                 for rows in (slice(None, m), slice(m, None)) if len(batch.tokens[rows])]
+        parts = [answer_loss(model(tokens), tokens, answers) for tokens, answers in batch if len(tokens)]
         return StepLoss(sum(parts) / len(parts), 1)  # a mean already: one "position"
 
     def evaluate(self, model, device) -> dict[str, float]:
@@ -385,8 +437,8 @@ def job_of(s: Settings, planned: dict) -> Job:
     """A model's job: the `memattn train` settings of task=recall with s's options, model and
     training, then its attention."""
     options = [f"task_options.{k}={json.dumps(list(v) if isinstance(v, tuple) else v)}"
-               for k, v in dataclasses.asdict(s.options).items()]
-    train = [f"train.steps={s.steps}", f"train.batch_size={s.batch}", f"train.seq_len={s.length}",
+               for k, v in dataclasses.asdict(s.options).items() if k not in LATER_OPTIONS or v != LATER_OPTIONS[k]]
+    train = [f"train.steps={s.steps}", f"train.batch_size={s.batch}", f"train.seq_len={s.longest}",
              f"train.lr={s.lr}", f"train.warmup={min(s.warmup, s.steps)}", "train.min_lr_ratio=0.1",
              f"train.weight_decay={s.weight_decay}", "train.betas=[0.9,0.98]", "train.grad_clip=1.0",
              f"train.log_every={s.log_every}", f"train.save_every={s.save_every}", f"train.eval_every={s.steps}",
@@ -505,11 +557,11 @@ def run(out_dir: Path, *, quick: bool = False, overrides: list[str] = (), jobs: 
         planned, skipped = plan(s)
     if not planned:
         raise ConfigError("mechanisms: no mechanism left to train: " + "; ".join(
-            f"{p['mechanism']}: {p['reason']}" for p in skipped))
+            f"{p['kind']}: {p['reason']}" for p in skipped))
     job_list = [job_of(s, p) for p in planned]
 
     def report(rows: dict[str, dict]) -> dict:
-        done = [{**rows[p["name"]], "targets": p["targets"], "size_option": p["size_option"], "sizing": p["sizing"],
+        done = [{**rows[p["name"]], "kind": p["kind"], "targets": p["targets"], "size_option": p["size_option"], "sizing": p["sizing"],
                  "streams": mechanisms()[p["mechanism"]].streams(
                      AttentionConfig(p["mechanism"], p["options"]).typed)}
                 for p in planned if p["name"] in rows]
@@ -544,6 +596,13 @@ def cell(p: dict, notes: list[str]) -> str:
     return f"not read [{notes.index(p['note']) + 1}]"
 
 
+def rows_text(s: dict) -> str:
+    """The training rows' length, in words."""
+    passkey = s.get("passkey_length") or s["length"]
+    return (f"rows of {s['length']:,} tokens" if passkey == s["length"] else
+            f"MQAR rows of {s['length']:,} tokens, passkey rows of {passkey:,}")
+
+
 def render_markdown(results: dict) -> str:
     s, rows = results["settings"], results["rows"]
     distances = [results["train_distance"], *s["distances"]]
@@ -555,8 +614,8 @@ def render_markdown(results: dict) -> str:
         f"Command: `{results['command']}`",
         "",
         f"**Seeds:** one per model, seed {s['seed']} (weights, training rows); test rows from their own "
-        f"seeds, the same for every model. **Budget:** {s['steps']:,} steps × {s['batch']} rows of "
-        f"{s['length']} tokens per model ({s['mqar_share']:.0%} MQAR, the rest passkey), AdamW lr {s['lr']:g} (warm-up "
+        f"seeds, the same for every model. **Budget:** {s['steps']:,} steps × {s['batch']} rows per model "
+        f"({s['mqar_share']:.0%} MQAR, the rest passkey; {rows_text(s)}), AdamW lr {s['lr']:g} (warm-up "
         f"{s['warmup']}, cosine to a tenth), {s['threads']} thread(s) a model; {results['finished']} of "
         f"{results['runs_planned']} models trained, {train_s / 60:,.1f} min of training in all.",
         "",
@@ -580,7 +639,7 @@ def render_markdown(results: dict) -> str:
             *(f"passkey {d:,}" + (" (trained)" if i == 0 else "") for i, d in enumerate(distances))]
     lines += ["## Accuracy against distance", "", "| " + " | ".join(head) + " |",
               "|" + "---|" * len(head)]
-    for r in sorted(rows, key=lambda r: (r["mechanism"], r["state_bytes"])):
+    for r in sorted(rows, key=lambda r: (r["kind"], r["state_bytes"])):
         opts = ", ".join(f"{k}={v}" for k, v in r["options"].items()) or "defaults"
         size = kib(r["state_bytes_per_layer"])
         if not r["fixed_size"]:
@@ -593,7 +652,7 @@ def render_markdown(results: dict) -> str:
                      f"{'yes' if r['streams'] else 'no'} | {r['mqar_accuracy']:.3f} | "
                      + " | ".join(cell(p, notes) for p in r["passkey"]) + " |")
     for k in results["skipped"]:
-        lines.append(f"| {k['mechanism']} | skipped: {k['reason']} |" + " |" * (len(head) - 2))
+        lines.append(f"| {k['kind']} | skipped: {k['reason']} |" + " |" * (len(head) - 2))
     lines += ["", *(f"[{i + 1}] {note}" for i, note in enumerate(notes)), ""]
 
     targets = s["state_bytes"]
@@ -601,10 +660,10 @@ def render_markdown(results: dict) -> str:
               "Each cell: accuracy (state bytes per layer) of the model sized for the target.", "",
               "| mechanism | " + " | ".join(f"target {kib(t)}" for t in targets) + " |",
               "|---|" + "---|" * len(targets)]
-    for name in sorted({r["mechanism"] for r in rows}):
+    for name in sorted({r["kind"] for r in rows}):
         cells = []
         for t in targets:
-            r = next((r for r in rows if r["mechanism"] == name and t in r["targets"]), None)
+            r = next((r for r in rows if r["kind"] == name and t in r["targets"]), None)
             cells.append("—" if r is None else f"{r['mqar_accuracy']:.3f} ({kib(r['state_bytes_per_layer'])})")
         lines.append(f"| {name} | " + " | ".join(cells) + " |")
     lines += ["", *findings(results), "",
@@ -636,13 +695,13 @@ def findings(results: dict) -> list[str]:
                      f"{s['length']} tokens) {base['mqar_accuracy']:.3f}; " + "; ".join(per_target) + ".")
     grown = {}
     for r in bounded:
-        grown.setdefault(r["mechanism"], []).append(r)
+        grown.setdefault(r["kind"], []).append(r)
     pairs = [sorted(v, key=lambda r: r["state_bytes"]) for v in grown.values() if len(v) > 1]
     if pairs:
         up = [v for v in pairs if v[-1]["mqar_accuracy"] > v[0]["mqar_accuracy"]]
         lines.append(f"- **More state, more recall.** We measured MQAR higher at the larger state for "
                      f"{len(up)} of the {len(pairs)} mechanisms with several sizes"
-                     + (f" (not for {', '.join(v[0]['mechanism'] for v in pairs if v not in up)})"
+                     + (f" (not for {', '.join(v[0]['kind'] for v in pairs if v not in up)})"
                         if len(up) < len(pairs) else "") + ".")
     far = max(s["distances"]) if s["distances"] else None
     if far is not None:
@@ -676,7 +735,7 @@ def plot(results: dict, path: Path) -> None:
     fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4.6))
     by: dict[str, list[dict]] = {}
     for r in rows:
-        by.setdefault(r["mechanism"], []).append(r)
+        by.setdefault(r["kind"], []).append(r)
     colors = plt.get_cmap("tab20").colors
     for i, (name, group) in enumerate(sorted(by.items())):
         group.sort(key=lambda r: r["state_bytes"])

@@ -118,8 +118,18 @@ def test_settings_are_typed_and_checked():
     s = parse_settings(Settings, ["steps=12", "state_bytes=[4096,16384]", "mechanisms=[softmax,linear]"], name=NAME)
     assert (s.steps, s.state_bytes, s.mechanisms) == (12, (4096, 16384), ("softmax", "linear"))
     assert s.train_distance == 64 - 2 - 2 * 5
-    with pytest.raises(ConfigError, match=r"mechanisms: expected \[all\] or causal mechanisms"):
-        parse_settings(Settings, ["mechanisms=[abc-workspace]"], name=NAME)  # bidirectional only
+    assert s.kinds == [("softmax", {}), ("linear", {})]
+    # the default: every causal mechanism, and the options that make abc-mlp stream
+    kinds = parse_settings(Settings, [], name=NAME).kinds
+    assert kinds == [(n, {}) for n, m in mechanisms().items() if m.causal] + [
+        ("abc-mlp", {"recency": True}), ("abc-mlp", {"forget": True})]
+    s = parse_settings(Settings, ["mechanisms=[gsa,abc-mlp:recency=true;forget=true,gsa]"], name=NAME)
+    assert s.kinds == [("gsa", {}), ("abc-mlp", {"recency": True, "forget": True})]
+    for entry, match in [("abc-workspace", "'abc-workspace' is not all or a causal mechanism"),  # encoder only
+                         ("abc-mlp:num_slots=4", "sets what the targets .state_bytes. set: attention.num_slots"),
+                         ("abc-mlp:recency=3", "recency"), ("abc-mlp:nope=1", "nope")]:
+        with pytest.raises(ConfigError, match=match):
+            parse_settings(Settings, [f"mechanisms=[{entry}]"], name=NAME)
     with pytest.raises(ConfigError, match="length: a row is 8 pairs"):
         parse_settings(Settings, ["length=33"], name=NAME)
     with pytest.raises(ConfigError, match="mqar_share: expected a share strictly between 0 and 1, got 1.0"):
@@ -161,6 +171,11 @@ def test_quick_run_writes_the_table_plot_and_command_and_reuses_finished_models(
     listed = [r["mechanism"] for r in result["rows"]] + [k["mechanism"] for k in result["skipped"]]
     assert set(listed) == causal and all(k["reason"] for k in result["skipped"])
     assert all(f"| {name} |" in table for name in causal)
+    # abc-mlp's forgetting rules are rows of their own, marked as streaming
+    own = {r["kind"]: r for r in result["rows"] if r["mechanism"] == "abc-mlp"}
+    assert set(own) == {"abc-mlp", "abc-mlp recency=True", "abc-mlp forget=True"}
+    assert own["abc-mlp recency=True"]["options"]["recency"] is True and own["abc-mlp recency=True"]["streams"]
+    assert not own["abc-mlp"]["streams"] and own["abc-mlp forget=True"]["model"].endswith(" forget=True")
     s = parse_settings(Settings, [], QUICK, name=NAME)
     for row in result["rows"]:
         model = build_model(s, AttentionConfig(row["mechanism"], row["options"]))
@@ -226,12 +241,38 @@ def test_the_task_trains_what_the_experiment_planned(tmp_path):
     assert str(model) == str(build_model(s, AttentionConfig("linear", planned["options"])))
     batch = task.batch(5, 0, 1)
     m = round(s.batch * s.mqar_share)
-    logits = model(batch.tokens)
-    want = (answer_loss(logits[:m], batch.tokens[:m], batch.answers[:m])
-            + answer_loss(logits[m:], batch.tokens[m:], batch.answers[m:])) / 2
+    (mqar, mqar_answers), (passkey, passkey_answers) = batch
+    assert mqar.shape == (m, s.length) and passkey.shape == (s.batch - m, s.length)
+    want = (answer_loss(model(mqar), mqar, mqar_answers) + answer_loss(model(passkey), passkey, passkey_answers)) / 2
     total, scored, _ = task.loss(model, batch)
-    assert scored == 1 and torch.allclose(total, want)
+    assert scored == 1 and torch.allclose(total, want) and task.tokens(batch) == s.batch * s.length
     # two ranks share the rows: the first holds MQAR rows only, the second the rest
     halves = [task.batch(5, r, 2) for r in (0, 1)]
-    assert torch.equal(torch.cat([h.tokens for h in halves]), batch.tokens)
-    assert [h.mqar for h in halves] == [min(m, s.batch // 2), max(0, m - s.batch // 2)]
+    for part in range(2):
+        for i in range(2):
+            assert torch.equal(torch.cat([h[part][i] for h in halves]), batch[part][i])
+    assert [len(h.mqar[0]) for h in halves] == [min(m, s.batch // 2), max(0, m - s.batch // 2)]
+
+
+def test_passkeys_train_in_rows_of_their_own_length():
+    """passkey_length: the passkey rows (and the distances trained) run to it, MQAR keeps its
+    rows, the models' positions reach the longer rows; a job names the option only when set, so
+    the run folders made before it existed are reused."""
+    import research.experiments.recall as recall
+
+    s = parse_settings(Settings, ["mechanisms=[abc-mlp]", "passkey_length=80"], QUICK, name=NAME)
+    assert s.train_distance == 80 - 2 - 2 * s.digits and s.longest == 80
+    (mqar, _), (passkey, answers) = recall.training_batch(s.options, 400, 0, 3)
+    assert mqar.shape[1] == s.length and passkey.shape[1] == 80
+    query = (passkey == RecallVocab.QUERY).float().argmax(1)  # the query marker: 1 + digits + distance
+    distances = query - 1 - s.digits
+    assert int(distances.min()) == 0 and int(distances.max()) == s.train_distance
+    assert torch.equal(answers.sum(1), torch.full((len(passkey),), s.digits))
+    planned, _ = plan(s)
+    job = recall.job_of(s, planned[0])
+    assert "task_options.passkey_length=80" in job.settings and "model.max_len=80" in job.settings
+    assert build_model(s, AttentionConfig("abc-mlp", planned[0]["options"])).cfg.max_len == 80
+    plain = recall.job_of(parse_settings(Settings, [], name=NAME), {**planned[0], "options": {"num_slots": 8}})
+    assert not any("passkey_length" in x for x in plain.settings)
+    with pytest.raises(ConfigError, match="passkey_length: a passkey of 5 digits needs rows of at least 12 tokens"):
+        parse_settings(Settings, ["passkey_length=11"], name=NAME)
