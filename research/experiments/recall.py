@@ -700,7 +700,7 @@ def findings(results: dict) -> list[str]:
     if pairs:
         up = [v for v in pairs if v[-1]["mqar_accuracy"] > v[0]["mqar_accuracy"]]
         lines.append(f"- **More state, more recall.** We measured MQAR higher at the larger state for "
-                     f"{len(up)} of the {len(pairs)} mechanisms with several sizes"
+                     f"{len(up)} of the {len(pairs)} memories (a mechanism with its options) with several sizes"
                      + (f" (not for {', '.join(v[0]['kind'] for v in pairs if v not in up)})"
                         if len(up) < len(pairs) else "") + ".")
     far = max(s["distances"]) if s["distances"] else None
