@@ -709,7 +709,7 @@ def findings(results: dict) -> list[str]:
         for r in rows:
             p = next(p for p in r["passkey"] if p["distance"] == far)
             (unread if p["accuracy"] is None else held if p["accuracy"] >= 0.9 else lost).append((r, p))
-        text = (f"- **Passkey at {far:,} tokens** (trained up to {results['train_distance']}). We measured: "
+        text = (f"- **Passkey at {far:,} tokens** (trained up to {results['train_distance']:,}). We measured: "
                 f"{len(held)} of {len(rows)} models keep it (accuracy ≥ 0.9)"
                 + (f": {', '.join(r['model'] for r, _ in held)}" if held else "")
                 + f"; {len(lost)} lose it; {len(unread)} cannot read that far.")
