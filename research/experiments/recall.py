@@ -34,7 +34,10 @@ right from about 2,500 steps on: the table compares mechanisms at one equal budg
 not at convergence. The full run (24 models with the 14 causal mechanisms registered when it
 was sized, 4,000 steps each) takes about 70 minutes with
 --jobs 2 on an otherwise idle 2-core CPU, one thread a model: steps of 26 (softmax) to 245 ms
-(abc-cluster, 32 clusters), evaluation 1 to 7 minutes a model (softmax's 64k-token windows).
+(abc-cluster, 32 clusters), evaluation 1 to 7 minutes a model (softmax's 64k-token windows);
+abc-mlp's two forgetting rules at both sizes added 19 minutes of training. Passkey rows of
+1,024 tokens (`passkey_length=1024`) make a step about 5 times as long: 8 models at 16 KiB,
+10 to 29 minutes of training each (156 in all), took about 80 minutes with --jobs 2.
 
     memattn experiment recall [--quick] [--jobs N] [steps=4000 state_bytes=[4096,16384] ...]
     memattn experiment recall --out-dir results/recall-1k --jobs 2 passkey_length=1024 \
