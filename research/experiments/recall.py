@@ -273,11 +273,10 @@ def plan(s: Settings) -> tuple[list[dict], list[dict]]:
     "size_option" (None: no option sizes it), "sizing" (how its size was chosen, in words)}; a
     skipped memory: {"mechanism", "kind", "reason"}. Every memory of `s.kinds` is in one of the
     lists."""
-    planned, skipped, kinds = [], [], {}
+    planned, skipped = [], []
     for name, own in s.kinds:
         size = get_mechanism(name).state_size
         kind = " ".join([name, *(f"{k}={v}" for k, v in own.items())])
-        kinds[kind] = own
         try:
             if size is None or size.option is None:
                 options = {**(size.with_options if size is not None else {}), **own}
@@ -287,7 +286,8 @@ def plan(s: Settings) -> tuple[list[dict], list[dict]]:
                 else:
                     sizing = size.why if size is not None and size.why else \
                         "no option sizes its state (Mechanism.state_size): its default options"
-                planned.append({"mechanism": name, "options": options, "kind": kind, "targets": list(s.state_bytes),
+                planned.append({"mechanism": name, "options": options, "kind": kind,
+                                "name": row_name(name, options, own), "targets": list(s.state_bytes),
                                 "state_bytes_per_layer": nbytes / s.n_layers, "size_option": None,
                                 "sizing": sizing})
                 continue
@@ -304,22 +304,20 @@ def plan(s: Settings) -> tuple[list[dict], list[dict]]:
             value = min(sized, key=lambda v: (abs(math.log(sized[v] / target)), v))
             chosen.setdefault(value, []).append(target)
         for value, targets in sorted(chosen.items()):
-            planned.append({"mechanism": name, "options": {**size.sized(value, s.longest), **own}, "kind": kind,
-                            "targets": targets,
+            options = {**size.sized(value, s.longest), **own}
+            planned.append({"mechanism": name, "options": options, "kind": kind,
+                            "name": row_name(name, options, own), "targets": targets,
                             "state_bytes_per_layer": sized[value], "size_option": size.option,
                             "sizing": f"attention.{size.option} closest to the target"})
-    for p in planned:
-        own = kinds[p["kind"]]
-        p["name"] = " ".join([p["mechanism"], *(f"{k}={v}" for k, v in p["options"].items()
-                                                if k in own or size_key(p["mechanism"], k))])
     return planned, skipped
 
 
-def size_key(mechanism: str, key: str) -> bool:
-    """Whether option `key` of `mechanism` belongs in its row's name (the size option, and
-    the options that follow from it)."""
+def row_name(mechanism: str, options: dict, own: dict) -> str:
+    """A model's row name: the mechanism, then its size option and the options that follow from
+    it, and its options of its own (`own`)."""
     size = get_mechanism(mechanism).state_size
-    return size is not None and key not in size.with_options
+    return " ".join([mechanism, *(f"{k}={v}" for k, v in options.items()
+                                  if k in own or (size is not None and k not in size.with_options))])
 
 
 def sizes_of(s: Settings, name: str, size: StateSize, own: dict) -> dict[int, float]:
@@ -570,6 +568,7 @@ def run(out_dir: Path, *, quick: bool = False, overrides: list[str] = (), jobs: 
                 for p in planned if p["name"] in rows]
         results = {"experiment": NAME, "quick": quick, "command": command_of(out_dir, NAME, quick, overrides),
                    "settings": dataclasses.asdict(s), "train_distance": s.train_distance,
+                   "passkey_rows": s.passkey_rows,
                    "vocab_size": s.vocab.size, "finished": len(done), "runs_planned": len(planned),
                    "rows": done, "skipped": skipped,
                    "environment": {"torch": torch.__version__, "threads": s.threads,
@@ -599,11 +598,11 @@ def cell(p: dict, notes: list[str]) -> str:
     return f"not read [{notes.index(p['note']) + 1}]"
 
 
-def rows_text(s: dict) -> str:
+def rows_text(results: dict) -> str:
     """The training rows' length, in words."""
-    passkey = s.get("passkey_length") or s["length"]
-    return (f"rows of {s['length']:,} tokens" if passkey == s["length"] else
-            f"MQAR rows of {s['length']:,} tokens, passkey rows of {passkey:,}")
+    length, passkey = results["settings"]["length"], results["passkey_rows"]
+    return (f"rows of {length:,} tokens" if passkey == length else
+            f"MQAR rows of {length:,} tokens, passkey rows of {passkey:,}")
 
 
 def render_markdown(results: dict) -> str:
@@ -618,7 +617,7 @@ def render_markdown(results: dict) -> str:
         "",
         f"**Seeds:** one per model, seed {s['seed']} (weights, training rows); test rows from their own "
         f"seeds, the same for every model. **Budget:** {s['steps']:,} steps × {s['batch']} rows per model "
-        f"({s['mqar_share']:.0%} MQAR, the rest passkey; {rows_text(s)}), AdamW lr {s['lr']:g} (warm-up "
+        f"({s['mqar_share']:.0%} MQAR, the rest passkey; {rows_text(results)}), AdamW lr {s['lr']:g} (warm-up "
         f"{s['warmup']}, cosine to a tenth), {s['threads']} thread(s) a model; {results['finished']} of "
         f"{results['runs_planned']} models trained, {train_s / 60:,.1f} min of training in all.",
         "",
