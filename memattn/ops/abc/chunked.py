@@ -128,10 +128,11 @@ def abc_chunked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, s: torch.Tens
     while True:
         N = -(-T // C)
         sc = _chunks(s, N, C, _PAD_LOGIT)  # [B, H, N, C, M]
-        log_z_end, log_z_prev, log_z_mid, write, inv_z, bad = _normalisers(sc, log_z0)
-        if C <= _HALVE_DOWN_TO or bad.numel() * _HALVE_AT <= B * H * N:
+        log_z_end, log_z_prev, log_z_mid, bad = _normalisers(sc, log_z0)
+        if C <= _HALVE_DOWN_TO or bad[0].numel() * _HALVE_AT <= B * H * N:
             break
         C //= 2
+    write, inv_z = _fast_weights(sc, log_z_prev, log_z_mid)
     qc = _chunks(q * scale, N, C)  # [B, H, N, C, K]
     kc, vc = _chunks(k, N, C), _chunks(v, N, C)  # [B, H, N, C, K], [B, H, N, C, V]
 
@@ -150,10 +151,11 @@ def abc_chunked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, s: torch.Tens
     qk = (qc @ kc.transpose(-1, -2)).masked_fill(~causal_mask, 0.0)  # [B, H, N, C, C]
     scores = inv_z * (qc @ mem_kept[..., :K].transpose(-1, -2) + qk @ write)  # [B, H, N, C, M]
     exact = None
-    if bad.numel():
-        exact = _Exact(*(x.flatten(0, 2)[bad] for x in (qc, kc, vc, sc, log_z_prev, mem_prev)),
-                       K)
-        scores = scores.flatten(0, 2).index_put((bad,), exact.scores()).view(B, H, N, C, M)
+    if bad[0].numel():
+        # only the chunks at fault are gathered, and written over in place (no backward reads
+        # `scores` or `o` as they were): no pass over the whole tensors
+        exact = _Exact(*(x[bad] for x in (qc, kc, vc, sc, log_z_prev, mem_prev)), K)
+        scores.index_put_(bad, exact.scores())
     p = torch.softmax(scores, dim=-1)  # [B, H, N, C, M]
 
     # Pass 2, slots -> values.
@@ -161,7 +163,7 @@ def abc_chunked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, s: torch.Tens
     g = (pz @ write.transpose(-1, -2)).masked_fill(~causal_mask, 0.0)  # [B, H, N, C, C]
     o = pz @ mem_kept[..., K:] + g @ vc  # [B, H, N, C, V]
     if exact is not None:
-        o = o.flatten(0, 2).index_put((bad,), exact.out(p.flatten(0, 2)[bad])).view(B, H, N, C, V)
+        o.index_put_(bad, exact.out(p[bad]))
 
     state = None
     if output_final_state:
@@ -171,9 +173,8 @@ def abc_chunked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, s: torch.Tens
 
 def _normalisers(sc: torch.Tensor, log_z0: torch.Tensor | None):
     """Chunked logits sc [B, H, N, C, M] (and the initial log-normaliser [B, H, M] or None) ->
-    log_z after each chunk, before it and at its middle r [B, H, N, M], the write weights
-    relative to r [B, H, N, C, M], 1 / z [B, H, N, C, M] and the ids of the chunks (flat over
-    B, H, N) that the fast path cannot take."""
+    log_z after each chunk, before it and at its middle r [B, H, N, M], and the indices
+    (b, h, n) of the chunks that the fast path cannot take."""
     log_z_end = torch.logcumsumexp(torch.logsumexp(sc, dim=3), dim=2)
     if log_z0 is not None:
         log_z_end = torch.logaddexp(log_z0[:, :, None], log_z_end)
@@ -181,16 +182,25 @@ def _normalisers(sc: torch.Tensor, log_z0: torch.Tensor | None):
     log_z_prev = torch.cat((start[:, :, None], log_z_end[:, :, :-1]), dim=2)
     # r: log_z after the chunk's first half (its first token when C = 1)
     log_z_mid = torch.logaddexp(log_z_prev, torch.logsumexp(sc[:, :, :, :max(1, sc.shape[3] // 2)], dim=3))
+    # The fast path reads z_t = exp(log_z_t - r) and w[t, i] = write_i / z_t, exact while
+    # _MIN_Z ≤ z_t ≤ 1 / _MIN_Z; z grows along the chunk, so its first token and its last
+    # (log_z_end) tell. The chunks where it is not (`bad`) are computed again by _Exact.
+    # Worked out in log space from [B, H, N, M] tensors, so that a chunk length the caller
+    # then halves costs no pass over the chunk's weights.
+    log_z_first = torch.logaddexp(log_z_prev, sc[:, :, :, 0])
+    bound = -math.log(_MIN_Z)
+    bad = (log_z_first - log_z_mid < -bound) | (log_z_end - log_z_mid > bound)
+    return log_z_end, log_z_prev, log_z_mid, bad.any(-1).nonzero(as_tuple=True)
+
+
+def _fast_weights(sc: torch.Tensor, log_z_prev: torch.Tensor, log_z_mid: torch.Tensor):
+    """The fast path's write weights relative to r [B, H, N, C, M] and 1 / z [B, H, N, C, M]."""
     # Token i writes exp(s_i - r) ≤ exp(log_z_end - r); the memory before the chunk is kept
     # with exp(log_z_prev - r) ≤ 1. Capped at 1 / _MIN_Z so that no weight of a chunk the exact
     # path redoes overflows (nor its gradient): a chunk the fast path takes never reaches it.
     write = torch.exp((sc - log_z_mid[:, :, :, None, :]).clamp_max(-math.log(_MIN_Z)))
-    # z_t = exp(log_z_t - r) and w[t, i] = write_i / z_t, exact while _MIN_Z ≤ z_t ≤ 1 / _MIN_Z
-    # (z grows along the chunk: its first and last tokens tell); the chunks where it is not
-    # (`bad`) are computed again by _Exact.
-    z = torch.exp(log_z_prev - log_z_mid)[:, :, :, None, :] + torch.cumsum(write, dim=3)  # [B, H, N, C, M]
-    bad = ((z[:, :, :, 0, :] < _MIN_Z) | (z[:, :, :, -1, :] > 1.0 / _MIN_Z)).any(-1).flatten().nonzero().squeeze(1)
-    return log_z_end, log_z_prev, log_z_mid, write, 1.0 / z.clamp(_MIN_Z, 1.0 / _MIN_Z), bad
+    z = torch.exp(log_z_prev - log_z_mid)[:, :, :, None, :] + torch.cumsum(write, dim=3)
+    return write, 1.0 / z.clamp(_MIN_Z, 1.0 / _MIN_Z)
 
 
 def _boundary_memories(mem0: torch.Tensor, local: torch.Tensor, keep: torch.Tensor,
