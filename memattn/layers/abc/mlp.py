@@ -202,17 +202,18 @@ class ABCMLPAttention(ABCLayer):
         dtype = torch.promote_types(s.dtype, torch.float32)  # decays of hundreds: no half precision
         real = (torch.ones(B, T, device=x.device, dtype=dtype) if attention_mask is None
                 else attention_mask.to(dtype))
-        c = s.new_zeros((B, T, H, M), dtype=dtype)
-        shift = s.new_zeros((B, H, M), dtype=dtype)
+        s, shift = s.to(dtype), s.new_zeros((B, H, M), dtype=dtype)
         if self.rate is not None:  # β times the real tokens before token j in the call
             rate = self.rate.view(H, M).to(dtype)
-            c = c + (real.cumsum(1) - real)[:, :, None, None] * rate
+            s = s + (real.cumsum(1) - real)[:, :, None, None] * rate
             shift = shift + real.sum(1)[:, None, None] * rate
         if self.forget is not None:  # Σ λ_i of the real tokens up to token j
-            lam = F.softplus(self.forget(x).view(B, T, H, M).to(dtype)) * real[:, :, None, None]
+            lam = F.softplus(self.forget(x).view(B, T, H, M).to(dtype))
+            if attention_mask is not None:  # (each pass over [B, T, H, M] counts in training)
+                lam = lam * real[:, :, None, None]
             cum = lam.cumsum(1)
-            c, shift = c + cum, shift + cum[:, -1]
-        return s.to(dtype) + c, shift
+            s, shift = s + cum, shift + cum[:, -1]
+        return s, shift
 
     def _age_state(self, memory_state: ABCMemoryState, shift: torch.Tensor) -> None:
         """After a call: every logit in the state becomes relative to the next call's first
