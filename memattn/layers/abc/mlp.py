@@ -209,7 +209,7 @@ class ABCMLPAttention(ABCLayer):
             shift = shift + real.sum(1)[:, None, None] * rate
         if self.forget is not None:  # Σ λ_i of the real tokens up to token j
             lam = F.softplus(self.forget(x).view(B, T, H, M).to(dtype))
-            if attention_mask is not None:  # (each pass over [B, T, H, M] counts in training)
+            if attention_mask is not None:  # padding forgets nothing (no mask: no pass to skip it)
                 lam = lam * real[:, :, None, None]
             cum = lam.cumsum(1)
             s, shift = s + cum, shift + cum[:, -1]
