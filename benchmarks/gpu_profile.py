@@ -11,21 +11,24 @@ bf16 on CUDA, forward + backward, inputs [B, T, H, D] as in gpu_kernels.py.
 - Chunk sizes: memattn's op (`abc_chunk_triton(chunk_size=...)`) timed with CUDA events,
   fwd and fwd+bwd (median of 10 after 3 warm-up calls).
 - Variants, timed alike at the default chunk size, with every kernel's own time (the profile's),
-  so that each kernel's launch choices can be taken from the variant that is best for it: the
-  earlier defaults (8 warps, diagonal blocks as loops, scans as while loops), the blocks of
-  the chunk kernels and the scans (`_fwd_chunks`, `_fwd_scan`, `_bwd_chunks`, `_bwd_scan`)
-  along D capped at 32 and 16, or along M at 16 and D at 32 (more programs for the scans), 1,
-  2, 4 or 8 warps for every kernel, the scans' chunk loops as while loops or
-  software-pipelined with 2 stages (3 by default), sub-blocks of 16 or 32 rows in every
-  sub-block kernel (`SUB_ROWS` sets each kernel's; 32 also with the diagonal blocks in one
-  step and with 8 warps), fp32 operands with TF32 products in place of bf16 ones (and with
-  them p, dS, c handed on in fp32: `abc_chunk._saved_dtype`), every sub-block kernel's
-  diagonal blocks in one step (with the default warps and with 4) or as loops, and the
-  backward's dk / dv in two launches (with the diagonal blocks either way), and a sub-block's
-  own block without the dots of its factors; each patches
-  `_state_blocks`, `_warps`, `SUB_WARPS`, `SUB_ROWS`, `HALF_DOTS`, `DIAG_3D`, `DIAG_3D_MAX`,
-  `FACTOR_DIAG`, `STATE_STAGES` or `SPLIT_DKV` of `memattn.kernels.abc_chunk` for its run only. `--variants
-  NAME ...` times those alone (default: every one).
+  so that each kernel's launch choices can be taken from the variant that is best for it:
+  every chunk in sub-blocks (no whole-chunk launches, `WHOLE_CHUNKS`), the whole-chunk
+  launches at 4 or 16 warps (`WHOLE_WARPS`), the backward's whole-chunk dk / dv in one launch
+  (`WHOLE_SPLIT_DKV`), the earlier defaults (8 warps, diagonal
+  blocks as loops, scans as while loops), the blocks of the chunk kernels and the scans
+  (`_fwd_chunks`, `_fwd_scan`, `_bwd_chunks`, `_bwd_scan`) along D capped at 32 and 16, or
+  along M at 16 and D at 32 (more programs for the scans), 1, 2, 4 or 8 warps for every
+  kernel, the scans' chunk loops as while loops or software-pipelined with 2 stages (3 by
+  default), sub-blocks of 16 or 32 rows in every sub-block kernel (`SUB_ROWS` sets each
+  kernel's; 32 also with the diagonal blocks in one step and with 8 warps), fp32 operands
+  with TF32 products in place of bf16 ones (and with them p, dS, c handed on in fp32:
+  `abc_chunk._saved_dtype`), every sub-block kernel's diagonal blocks in one step (with the
+  default warps and with 4) or as loops, and the backward's dk / dv in two launches (with
+  the diagonal blocks either way), and a sub-block's own block without the dots of its
+  factors; each patches `_state_blocks`, `_warps`, `SUB_WARPS`, `SUB_ROWS`, `HALF_DOTS`,
+  `DIAG_3D`, `DIAG_3D_MAX`, `FACTOR_DIAG`, `WHOLE_CHUNKS`, `WHOLE_WARPS`, `WHOLE_SPLIT_DKV`,
+  `STATE_STAGES` or `SPLIT_DKV` of `memattn.kernels.abc_chunk` for its run only. `--variants NAME ...` times
+  those alone (default: every one).
 `--device cpu` runs the same report on the torch form in float32 (no fla, no chunk sizes): a
 check of the script itself on a machine without a GPU.
 On CUDA, each memattn kernel's time is set against its bound from benchmarks/kernel_model.py
@@ -121,6 +124,10 @@ def variants() -> dict:
     # in the order they are measured, the likeliest gains first (a run cut short keeps them)
     every = tuple(ac.SUB_WARPS)
     out = {"default": {},
+           "sub-blocks only (no whole chunks)": {"WHOLE_CHUNKS": ()},
+           **{f"whole chunks in {w}-warp programs": {
+               "WHOLE_WARPS": dict.fromkeys(ac.WHOLE_WARPS, (w, w))} for w in (4, 16)},
+           "whole chunks, dk / dv in one launch": {"WHOLE_SPLIT_DKV": False},
            "own blocks without factors": {"FACTOR_DIAG": ()},
            "earlier defaults (8 warps, diagonal loops, while scans)": {
                "SUB_WARPS": {}, "DIAG_3D": (), "STATE_STAGES": 0},
@@ -130,14 +137,15 @@ def variants() -> dict:
            "backward dk / dv in two launches": {"SPLIT_DKV": True},
            "diagonal blocks in one step": {"DIAG_3D": every},
            "diagonal blocks as loops": {"DIAG_3D": ()},
-           "diagonal blocks in one step, 4 warps": {"DIAG_3D": every, "_warps": lambda *b: 4}}
-    out.update({f"{w} warps": {"_warps": lambda *b, w=w: w} for w in (2, 4)})
+           "diagonal blocks in one step, 4 warps": {"DIAG_3D": every,
+                                                    "_warps": lambda *b, **kw: 4}}
+    out.update({f"{w} warps": {"_warps": lambda *b, w=w, **kw: w} for w in (2, 4)})
     out["scan blocks D <= 32"] = {"_state_blocks": blocks(32)}
     out["scan blocks M <= 16, D <= 32"] = {"_state_blocks": blocks(32, 16)}
     out["scans as while loops"] = {"STATE_STAGES": 0}
     out["scans pipelined, 2 stages"] = {"STATE_STAGES": 2}
     out.update(sub_rows_variants())
-    out.update({f"{w} warps": {"_warps": lambda *b, w=w: w} for w in (8, 1)})
+    out.update({f"{w} warps": {"_warps": lambda *b, w=w, **kw: w} for w in (8, 1)})
     out["scan blocks D <= 16"] = {"_state_blocks": blocks(16)}
     return out
 
@@ -154,7 +162,8 @@ def sub_rows_variants() -> dict:
            if rows(n) != ac.SUB_ROWS}
     out["sub-blocks of 32 rows, diagonal blocks in one step"] = {
         "SUB_ROWS": rows(32), "DIAG_3D": tuple(ac.SUB_ROWS), "DIAG_3D_MAX": 32 * 32 * 64}
-    out["sub-blocks of 32 rows, 8 warps"] = {"SUB_ROWS": rows(32), "_warps": lambda *b: 8}
+    out["sub-blocks of 32 rows, 8 warps"] = {"SUB_ROWS": rows(32),
+                                             "_warps": lambda *b, **kw: 8}
     return out
 
 

@@ -96,7 +96,7 @@ case "$phase" in
       softmax-kv --out "$OUT/kernels" > "$OUT/kernels.log" 2>&1 || true
     tail -n 2 "$OUT/kernels.log"
     timeout 110 python3 benchmarks/gpu_profile.py --dims 64 128 --slots 32 64 --chunk-sizes 64 \
-      --variants default "own blocks without factors" \
+      --variants default "sub-blocks only (no whole chunks)" \
       --out "$OUT/profile" > "$OUT/profile.log" 2>&1 || true
     grep -E "^Bounds|^\*\*" "$OUT/profile/gpu_profile.md" || tail -n 5 "$OUT/profile.log"
     pack_logs ;;

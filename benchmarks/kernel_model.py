@@ -12,8 +12,10 @@ the figures are counts from the kernels' source (memattn/kernels/abc_chunk.py an
 abc_decode.py), for bf16 inputs, as the kernels store them: the per-token tensors the
 sub-block kernels hand each other (the probabilities p, dS, c) in bf16, the others (lc, lse,
 the normalisers, the memories and their gradients) and the states in fp32. Each case is
-given for sub-blocks of each of --rows rows (BC, `abc_chunk.SUB_ROWS`) in every sub-block
-kernel: the rows change their work, grid and depth, not their bytes.
+given for sub-blocks of each of --rows rows (BC) in every sub-block kernel: 64, the chunk,
+for the whole chunks they take where a chunk's own weights are exact as dots of their
+factors (`abc_chunk.WHOLE_CHUNKS`, the default), 16 or 32 for the sub-blocks of the other
+chunks (`abc_chunk.SUB_ROWS`): the rows change their work, grid and depth, not their bytes.
 `gpu_profile.py` puts each kernel's measured time beside its bound from here.
 
 Per kernel (one call, all launches of it):
@@ -47,7 +49,7 @@ ROOT = Path(__file__).resolve().parent.parent
 GPUS = {"H100": {"sms": 132, "tb_s": 3.35, "tflop_s": 989.0},
         "H200": {"sms": 132, "tb_s": 4.8, "tflop_s": 989.0}}
 HALF, F32 = 2, 4  # bytes of a bf16 input element, of an fp32 saved one
-SUB = 16  # rows of a sub-block (BC) by default (abc_chunk.SUB_ROWS)
+SUB = 64  # rows of a sub-block (BC) by default: whole chunks (abc_chunk.WHOLE_CHUNKS)
 
 
 def _pad(n: int) -> int:
@@ -78,8 +80,9 @@ def chunked(B: int, H: int, T: int, D: int, M: int, chunk: int = 64, rows: int =
 
     # a pass "x -> slots" or "slots -> x" over a sub-block: the memory term, the earlier
     # sub-blocks of the chunk (two dots each), the diagonal block (one dot, plus one of its
-    # factors u, v in the kernels of abc_chunk.FACTOR_DIAG, else elementwise)
-    def sub_pass(width, factors=False):
+    # factors u, v in the kernels of abc_chunk.FACTOR_DIAG and in whole chunks, else
+    # elementwise)
+    def sub_pass(width, factors=bc == chunk):
         return 2 * bc * M * width + earlier * (2 * bc * bc * width + 2 * bc * bc * M) \
             + 2 * bc * bc * width + factors * 2 * bc * bc * M
     memories = nc * M * (K + V) * F32  # the chunk-start memories hk, hv (or their gradients)
@@ -165,7 +168,9 @@ def markdown(res: dict) -> str:
              f"{gpu['sms']} SMs. See benchmarks/kernel_model.py for what is counted.", ""]
     for case in res["cases"]:
         T, D, M = case["T"], case["D"], case["M"]
-        lines += [f"## T = {T}, D = {D}, M = {M}, sub-blocks of {case['rows']} rows", "",
+        units = ("whole chunks" if case["rows"] >= res["chunk"]
+                 else f"sub-blocks of {case['rows']} rows")
+        lines += [f"## T = {T}, D = {D}, M = {M}, {units}", "",
                   "| kernel | launches | MB read | MB written | GFLOP | FLOP/byte | programs "
                   "| per SM | depth | bound µs |", "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
         total = 0.0
@@ -202,8 +207,9 @@ def main(argv=None) -> None:
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--heads", type=int, default=8)
     p.add_argument("--chunk", type=int, default=64)
-    p.add_argument("--rows", type=int, nargs="+", default=[16, 32],
-                   help="rows of a sub-block (BC) of the sub-block kernels")
+    p.add_argument("--rows", type=int, nargs="+", default=[64, 16],
+                   help="rows of a sub-block (BC) of the sub-block kernels (the chunk: whole "
+                        "chunks)")
     p.add_argument("--gpu", choices=list(GPUS), default="H100")
     p.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "model"))
     args = p.parse_args(argv)

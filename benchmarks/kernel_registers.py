@@ -5,10 +5,11 @@ offline for a GPU architecture: no GPU needed.
         [--kernels fwd_output bwd_dkv ...] [--rows 16 32] [--arch 90] [--dtype bf16] [--out DIR]
 
 Each kernel of `memattn.kernels.abc_chunk` is built as its launch builds it (block sizes,
-PREC, chunk of 64 tokens; the sub-block kernels with sub-blocks of each of --rows rows (BC,
-`SUB_ROWS`), their diagonal block as a loop and in one step, `DIAG_3D`; `_bwd_dkv` whole and
-split, `SPLIT_DKV`; `_fwd_output` and `_bwd_dq` with a sub-block's own block as the dots of
-its factors where exact and without, `FACTOR_DIAG`), and so are gated slot attention's gate
+PREC, chunk of 64 tokens; the sub-block kernels on whole chunks, `WHOLE_CHUNKS`, and with
+sub-blocks of each of --rows rows (BC, `SUB_ROWS`), their diagonal block as a loop and in one
+step, `DIAG_3D`; `_bwd_dkv` in one launch and split, `SPLIT_DKV`; `_fwd_output` and `_bwd_dq`
+with a sub-block's own block as the dots of its factors where exact and without,
+`FACTOR_DIAG`), and so are gated slot attention's gate
 kernels (`memattn.kernels.gsa_chunk`) and the decoding step (`abc_decode`, each write rule),
 with the divisibility the JIT gives head sizes that are multiples of 16, compiled by Triton
 for `sm_<arch>` and assembled by the ptxas
@@ -99,13 +100,19 @@ def builds(name: str, D: int, M: int, dtype: str,
                 for stages in (0, 2)]
     fn = getattr(ac, f"_{name}")
     blocks = {"BT": 64, "BK": ac._pad(D), "BV": ac._pad(D), "BM": ac._pad(M), "PREC": prec}
-    # the keys' and values' sides of `_bwd_dkv`; the own block with and without its factors
-    # (FACTOR_DIAG) in the other two
+    # the keys' and values' sides of `_bwd_dkv`; in sub-blocks, the own block with and without
+    # its factors (FACTOR_DIAG) in the other two
     sides = {"": {"SIDES": 0}, ", keys' side": {"SIDES": 1}, ", values' side": {"SIDES": 2}} \
-        if name == "bwd_dkv" else {", factors": {"FACTORS": True}, "": {"FACTORS": False}}
-    return [(f"{bc} rows, diagonal: {diag}{side}", fn,
-             {**blocks, "BC": bc, "DIAG3": diag == "one step", **extra})
-            for bc in rows for side, extra in sides.items() for diag in ("loop", "one step")]
+        if name == "bwd_dkv" else {"": {}}
+    owns = {"": "tokens"} if name == "bwd_dkv" else {", factors": "either", "": "tokens"}
+    whole = [(f"whole chunk of 64 rows{side}", fn,
+              {**blocks, "BC": 64, "DIAG3": False, "OWN": "factors", "UNITS": "whole", **extra})
+             for side, extra in sides.items()]
+    return whole + [(f"{bc} rows, diagonal: {diag}{own_name}{side}", fn,
+                     {**blocks, "BC": bc, "DIAG3": diag == "one step", "OWN": own,
+                      "UNITS": "rest", **extra})
+                    for bc in rows for side, extra in sides.items()
+                    for own_name, own in owns.items() for diag in ("loop", "one step")]
 
 
 def compile_report(fn, constexprs: dict, *, D: int, M: int, dtype: str, warps: int,

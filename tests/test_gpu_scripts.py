@@ -110,11 +110,14 @@ SUB_BLOCK = ("_fwd_output", "_bwd_dq", "_bwd_dkv")
 def launch_choices(ac) -> dict:
     """What abc_chunk's kernels launch with, for tiles of 64 and 128 rows and M = 32 slots."""
     return {"warps": tuple(ac._warps(k, b) for k in KERNELS for b in (64, 128)),
+            "whole chunks": tuple(k in ac.WHOLE_CHUNKS for k in SUB_BLOCK),
+            "whole-chunk warps": tuple(ac._warps(k, b, whole=True) for k in SUB_BLOCK
+                                       for b in (64, 128)),
             "diagonal in one step": tuple(ac._diag3(k, 32, ac._rows(k, 64))
                                           for k in SUB_BLOCK),
             "scan blocks": ac._state_blocks(64, 64), "scan stages": ac.STATE_STAGES,
             "sub-block rows": tuple(ac._rows(k, 64) for k in SUB_BLOCK), "bf16 dots": ac._precision(torch.zeros(1, dtype=torch.bfloat16)),
-            "dk, dv apart": ac.SPLIT_DKV,
+            "dk, dv apart": ac.SPLIT_DKV, "whole chunks' dk, dv apart": ac.WHOLE_SPLIT_DKV,
             "own block as factors": tuple(k in ac.FACTOR_DIAG for k in SUB_BLOCK)}
 
 
@@ -125,9 +128,11 @@ def test_the_per_kernel_settings_name_kernels_of_the_module():
     jit = type(ac._fwd_output)
     assert all(isinstance(getattr(ac, name, None), jit) for name in KERNELS)
     assert set(ac.SUB_WARPS) <= set(SUB_BLOCK) and set(ac.DIAG_3D) <= set(SUB_BLOCK)
-    assert set(ac.FACTOR_DIAG) <= set(SUB_BLOCK)
+    assert set(ac.FACTOR_DIAG) <= set(SUB_BLOCK) and set(ac.WHOLE_CHUNKS) <= set(SUB_BLOCK)
+    assert set(ac.WHOLE_WARPS) == set(SUB_BLOCK)
     assert set(ac.SUB_ROWS) == set(SUB_BLOCK) and set(ac.SUB_ROWS.values()) <= {16, 32}
-    assert all(w in (1, 2, 4, 8, 16) for pair in ac.SUB_WARPS.values() for w in pair)  # Triton: a power of two
+    assert all(w in (1, 2, 4, 8, 16) for table in (ac.SUB_WARPS, ac.WHOLE_WARPS)
+               for pair in table.values() for w in pair)  # Triton: a power of two
 
 
 def test_profile_variants_do_what_they_are_named_only_meanwhile():
@@ -163,10 +168,16 @@ def test_profile_variants_do_what_they_are_named_only_meanwhile():
             assert set(c["sub-block rows"]) == {int(m[1])}, name
         if "two launches" in name:
             assert c["dk, dv apart"], name
+        if "dk / dv in one launch" in name:
+            assert not c["whole chunks' dk, dv apart"], name
         if "TF32" in name:
             assert c["bf16 dots"] == "tf32", name
         if "without factors" in name:
             assert not any(c["own block as factors"]), name
+        if "no whole chunks" in name:
+            assert not any(c["whole chunks"]), name
+        if m := re.search(r"whole chunks in (\d+)-warp", name):
+            assert set(c["whole-chunk warps"]) == {int(m[1])}, name
     assert len({tuple(c.items()) for c in seen.values()}) == len(seen)
 
 
@@ -230,7 +241,8 @@ def test_kernel_registers_compiles_every_kernel_offline(tmp_path):
         assert cell["programs_per_sm"] == registers.programs_per_sm(
             cell["registers"], cell["shared_bytes"], 2) >= 1
     variants = [r["variant"] for r in rows if r["kernel"] == "fwd_output"]
-    assert variants == ["16 rows, diagonal: loop, factors", "16 rows, diagonal: one step, factors",
+    assert variants == ["whole chunk of 64 rows",
+                        "16 rows, diagonal: loop, factors", "16 rows, diagonal: one step, factors",
                         "16 rows, diagonal: loop", "16 rows, diagonal: one step"]
     assert "| `fwd_output` | 16 rows, diagonal: loop |" in (tmp_path / "kernel_registers.md").read_text()
 

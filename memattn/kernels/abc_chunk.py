@@ -11,10 +11,19 @@ split into chunks of BT (the memory recurrence) and sub-blocks of BC rows (the m
 For a token t of sub-block I and i of an earlier sub-block J of the same chunk, with r the
 log-normaliser at the last token of J: φ[t, i] = exp(s_i - r) · exp(r - a_t), both ≤ 1,
 so a pair of sub-blocks is two tl.dot; inside I, φ[t, i] = exp(s_i - r) · exp(r - a_t) with
-r = a at I's first token, the first factor up to e^40 and the second down to e^-40 while a grows
-by less than 40 over I (`FACTOR_DIAG`: a masked tl.dot more), else φ is built per column (a
+r midway between a at I's first token and at its last, each factor within e^±40 while a grows
+by less than 80 over I (`FACTOR_DIAG`: a masked tl.dot more), else φ is built per column (a
 loop over the BC tokens) or, with `DIAG_3D`, whole as a [BC, BC, M] tile. Earlier chunks are
 read through the memory at the chunk start.
+
+Where a grows by less than 80 over a whole chunk (in trained models every chunk of ABC_MLP's,
+plain or with recency, and of gated slot attention's, whose log-normaliser restarts at every
+chunk; 2-73 % of ABC_MLP with forget's: benchmarks/results/cpu/whole_chunks.md), the chunk
+needs no sub-blocks: each sub-block kernel of
+`WHOLE_CHUNKS` runs one program a chunk (BC = BT) whose own block is the dots of its factors,
+every product a tl.dot of BT rows and the chunk-start memory loaded once, and a second launch
+over the sub-blocks that only the other chunks' sub-blocks compute (`_takes`: both read the
+same test, `_growth`, from the chunk's first and last rows).
 
 The memory recurrence over chunks is split in two: each chunk's own part, every chunk at
 once, then a short scan per (sequence, head, tile) that only does elementwise work on loaded
@@ -37,9 +46,9 @@ Forward, three passes:
                   normalisers before / after every chunk (K̃ launch) and the final state.
                   With RESET (gated slot attention, memattn.kernels.gsa_chunk) log_z
                   restarts at 0 at every chunk.
-    _fwd_output   grid (sub-blocks, H): both ABC passes for BC tokens fused, keys -> slots
-                  (scores, softmax over M), slots -> values; stores o, the probabilities p
-                  and the scores' log-sum-exp lse.
+    _fwd_output   grid (chunks, H) then (sub-blocks, H): both ABC passes for BC tokens
+                  fused, keys -> slots (scores, softmax over M), slots -> values; stores o,
+                  the probabilities p and the scores' log-sum-exp lse.
 
 Backward, four passes. With dp_t[m] = do_t · Ṽ_t[m], dS = p ⊙ (dp - Σ_m p dp), the
 gradient reaching the memory at step t is G^K_t[m] = scale dS_t[m] q_t, G^V_t[m] =
@@ -48,8 +57,8 @@ needs no memory (S comes back as log p + lse). Then dk_i = Σ_m Σ_{t≥i} φ[t,
 alike) and ds_i[m] = Σ_{t≥i} φ[t, i][m] (k_i·G^K_t[m] + v_i·G^V_t[m] - c_t[m]); the final state's
 gradients join the last token, its log_z gradient as -c.
 
-    _bwd_dq       grid (sub-blocks, H): dp (the keys -> slots pass on do, v), dS, c, then
-                  dq (the slots -> values pass on dS, k); stores dq, dS, c.
+    _bwd_dq       grid (chunks, H) then (sub-blocks, H): dp (the keys -> slots pass on do,
+                  v), dS, c, then dq (the slots -> values pass on dS, k); stores dq, dS, c.
     _bwd_chunks   grid (chunks, tiles of [M, D], H), once for K̃ and once for Ṽ: each
                   chunk's own part of the gradient reaching the memory before it,
                   w_g = Σ_t (f_t ⊙ coef_t)ᵀ x_t with f_t = exp(z_prev_g - a_t) ≤ 1 (one tl.dot),
@@ -58,9 +67,10 @@ gradients join the last token, its log_z gradient as -c.
                   scan dh_before(g) = keep_g dh_after(g) + w_g, keep_g = exp(z_prev_g -
                   z_end_g) ≤ 1 (dc alike); stores ∂L/∂(memory after each chunk) and the
                   gradient of the initial state.
-    _bwd_dkv      grid (sub-blocks, H): dk, dv, ds from the later chunks (through the
-                  stored gradients) and from the later tokens of the chunk; with
-                  `SPLIT_DKV` two launches, the keys' side (dk) then the values' (dv).
+    _bwd_dkv      grid (chunks, H) then (sub-blocks, H): dk, dv, ds from the later chunks
+                  (through the stored gradients) and from the later tokens of the chunk;
+                  each launch in two, the keys' side (dk) then the values' (dv), for the
+                  whole chunks with `WHOLE_SPLIT_DKV`, for the sub-blocks with `SPLIT_DKV`.
 
 A chunk's own part is stored where its scan then stores the state it feeds (u_g at the
 memory after chunk g, w_g at the gradient before it): the scan reads it and overwrites it
@@ -156,20 +166,38 @@ DIAG_3D_MAX = 16 * 16 * 64
 # of `_fwd_output` and `_bwd_dq`. Not `_bwd_dkv`: with both forms in it, compiled for sm_90 at
 # 4 warps, its spills grew from 0-224 bytes a thread to 32-2,396 (D 64-128, M 32-64).
 FACTOR_DIAG = ("_fwd_output", "_bwd_dq")
+# The sub-block kernels that take whole chunks where the chunk's own weights are exact as dots
+# of their factors (log_z grows by less than _FACTOR_SPAN over the chunk, `_growth`): one
+# program a chunk of BT rows, every product a tl.dot of BT rows, the memory at the chunk start
+# loaded once; a second launch takes the other chunks in sub-blocks of `SUB_ROWS`, as a kernel
+# not named here takes every chunk.
+WHOLE_CHUNKS = ("_fwd_output", "_bwd_dq", "_bwd_dkv")
+# Warps of each kernel's whole-chunk launch, when its widest tile side is at most 64 and 128:
+# compiled for sm_90 (bf16, D 64-128, M 32-64; benchmarks/results/sm_90/whole-chunks), 8 warps
+# is the fewest at which `_fwd_output` and `_bwd_dq` spill nothing but 16 bytes a thread in
+# `_bwd_dq` at D = 128, M = 64 (4 warps: up to 208); at 16 a thread has at most 128 registers
+# and most spill.
+WHOLE_WARPS = {"_fwd_output": (8, 8), "_bwd_dq": (8, 8), "_bwd_dkv": (8, 8)}
+# `_bwd_dkv`'s whole-chunk launch in two, the keys' side then the values' (`SPLIT_DKV` sets
+# the sub-blocks' launch): in one it spills 136-1,020 bytes a thread at 8 warps, each side
+# alone nothing up to D = 128, M = 32 (144 and 4 bytes at D = 128, M = 64).
+WHOLE_SPLIT_DKV = True
 # Software-pipelining stages of the short scans over chunks (0: the while form); 3 was the
 # fastest for the earlier scans, which did each chunk's whole work in order.
 STATE_STAGES = 3
-# The backward's dk / dv / ds in two launches, the keys' side then the values' (fewer tiles
-# live in one program), instead of one.
+# The backward's dk / dv / ds of the sub-blocks in two launches, the keys' side then the values'
+# (fewer tiles live in one program), instead of one.
 SPLIT_DKV = False
 _INTERPRETED = tl.constexpr(interpreting())
 _NEG = tl.constexpr(-1e30)  # logit of padding: exp(_NEG - x) = 0, logaddexp(x, _NEG) = x
 _POS = tl.constexpr(1e30)  # log-normaliser of padding: exp(x - _POS) = 0
-# A sub-block's own block is taken as dots while log_z grows by less than this over it
-# (`_diag_factors`), else token by token: e^40 is far from float32's and bfloat16's overflow;
-# with float16 operands, e^8 stays below their largest (65,504) and e^-8 above their smallest
-# normal number (6.1e-5).
-_FACTOR_SPAN = tl.constexpr(40.0)
+# A block's own weights are taken as dots of their factors while log_z grows by less than this
+# over it (`_diag_factors`), else token by token. Each factor is then within e^±(span / 2):
+# e^40 is far from float32's and bfloat16's overflow, and the dots' entries above the
+# diagonal, masked after the dot, reach e^80 (times M and the scores), still finite; with
+# float16 operands, e^4 stays below their largest (65,504) and e^-4 above their smallest
+# normal number (6.1e-5), and a factor rounded to 0 loses a weight under e^-12.6.
+_FACTOR_SPAN = tl.constexpr(80.0)
 _FACTOR_SPAN_FP16 = tl.constexpr(8.0)
 
 
@@ -274,12 +302,52 @@ def _log_z_row(lc, b_zp, row, ok, i_h, H, M, o_m):
 
 
 @triton.jit
-def _chunk_decay(lc, zprev, rows, r_ok, i_g, i_h, H, M, o_m):
-    """(z_prev of chunk i_g [BM], a of the rows [R, BM], the weight exp(z_prev - a) ≤ 1
-    [R, BM] of the memory at the start of their chunk)."""
-    b_zp = tl.load(zprev + (i_g * H + i_h) * M + o_m, mask=o_m < M, other=_NEG)
+def _zprev(zprev, i_g, i_h, H, M, o_m):
+    """z_prev, the log-normaliser before chunk i_g [BM]."""
+    return tl.load(zprev + (i_g * H + i_h) * M + o_m, mask=o_m < M, other=_NEG)
+
+
+@triton.jit
+def _chunk_decay(lc, b_zp, rows, r_ok, i_h, H, M, o_m):
+    """(a of the rows of one chunk [R, BM], the weight exp(z_prev - a) ≤ 1 [R, BM] of the
+    memory at the chunk's start), from its z_prev b_zp [BM] (`_zprev`)."""
     b_a = _log_z(lc, b_zp, rows, r_ok, i_h, H, M, o_m)
-    return b_zp, b_a, tl.exp(b_zp[None, :] - b_a)
+    return b_a, tl.exp(b_zp[None, :] - b_a)
+
+
+@triton.jit
+def _growth(lc, b_zp, first, last, i_h, H, M, o_m):
+    """How much a = log_z grows from row `first` to row `last` of one chunk, in the slot where
+    it grows most. The weights among those rows are exact as dots of their factors
+    (`_diag_factors`) while it is under _FACTOR_SPAN (_FACTOR_SPAN_FP16 for float16 dots:
+    `_factor_limit`). a grows along the rows, so its first and last rows bound it."""
+    grow = (_log_z_row(lc, b_zp, last, True, i_h, H, M, o_m)
+            - _log_z_row(lc, b_zp, first, True, i_h, H, M, o_m))  # 0 in padded slots
+    return tl.max(grow, 0)
+
+
+@triton.jit
+def _factor_limit(PREC: tl.constexpr):
+    """The growth of log_z over a block under which its factors are exact (`_diag_factors`)."""
+    return _FACTOR_SPAN_FP16 if PREC == "fp16" else _FACTOR_SPAN
+
+
+@triton.jit
+def _takes(lc, b_zp, t0, bos, eos, i_h, H, M, o_m, BT: tl.constexpr, UNITS: tl.constexpr,
+           PREC: tl.constexpr):
+    """Whether the program whose rows start at t0 computes them. UNITS "sub": every sub-block
+    does; "whole" (one program a chunk): a chunk whose own weights are exact as dots of their
+    factors (`_growth` over the chunk); "rest" (sub-blocks): those of the other chunks."""
+    if UNITS == "sub":
+        ok = t0 >= bos
+    else:
+        first = bos + (t0 - bos) // BT * BT
+        grow = _growth(lc, b_zp, first, tl.minimum(first + BT, eos) - 1, i_h, H, M, o_m)
+        if UNITS == "whole":
+            ok = grow < _factor_limit(PREC)
+        else:
+            ok = grow >= _factor_limit(PREC)
+    return ok
 
 
 # --------------------------------------------------------------------------------------
@@ -434,53 +502,67 @@ def _diag_phi(s, b_a, rows, eos, i_h, H, M, o_c, o_m):
 
 @triton.jit
 def _diag_factors(b_s, b_a, r_ok, PREC: tl.constexpr):
-    """A sub-block's own weights φ[t, i][m] = exp(s_i[m] - a_t[m]) (i ≤ t) as u_i[m] v_t[m]:
-    b_s [BC, BM] its logits, b_a [BC, BM] its a (_NEG and _POS where masked) -> (u = exp(s -
-    r), v = exp(r - a), whether the factors are exact), r = a at its first token. Exact while a
-    grows by less than _FACTOR_SPAN (_FACTOR_SPAN_FP16 for float16 dots) over the sub-block,
-    per slot: then u ≤ e^40 and v ≥ e^-40, and the block is a masked dot of the factors
-    instead of a pass per token."""
-    limit = _FACTOR_SPAN_FP16 if PREC == "fp16" else _FACTOR_SPAN
-    b_r = tl.min(tl.where(r_ok[:, None], b_a, _POS), 0)  # [BM]; a grows along the sub-block
-    span = tl.max(tl.max(tl.where(r_ok[:, None], b_a - b_r[None, :], 0.0), 1), 0)
-    b_u = tl.exp(tl.minimum(b_s - b_r[None, :], limit))  # the cap binds only if inexact
-    return b_u, tl.exp(b_r[None, :] - b_a), span < limit
+    """A block's own weights φ[t, i][m] = exp(s_i[m] - a_t[m]) (i ≤ t) as u_i[m] v_t[m]:
+    b_s [R, BM] its logits, b_a [R, BM] its a (_NEG and _POS where masked) -> (u = exp(s - r),
+    v = exp(r - a)), r midway between a at its first row and at its last (a grows along the
+    rows). Exact while log_z grows by less than `_factor_limit` over its rows (`_growth`):
+    then u ≤ e^(limit / 2) (s_i ≤ a_i) and e^-(limit / 2) ≤ v ≤ e^(limit / 2), and the block
+    is a masked dot of the factors instead of a pass per token."""
+    b_lo = tl.min(tl.where(r_ok[:, None], b_a, _POS), 0)  # [BM]
+    b_hi = tl.max(tl.where(r_ok[:, None], b_a, _NEG), 0)
+    b_r = tl.where(b_lo < b_hi, 0.5 * (b_lo + b_hi), b_lo)  # a padded slot: _POS throughout
+    # the cap binds only where inexact
+    b_u = tl.exp(tl.minimum(b_s - b_r[None, :], 0.5 * _factor_limit(PREC)))
+    return b_u, tl.exp(b_r[None, :] - b_a)
 
 
 @triton.jit
 def _keys_to_slots(b_x, b_h, decay, y, s, lc, b_zp, b_a, t0, eos, bos, j0, i_s, i_h, H, D, M,
-                   o_c, o_d, o_m, BC: tl.constexpr, PREC: tl.constexpr, DIAG3: tl.constexpr,
-                   FACTORS: tl.constexpr):
+                   o_c, o_d, o_m, BT: tl.constexpr, BC: tl.constexpr, PREC: tl.constexpr,
+                   DIAG3: tl.constexpr, OWN: tl.constexpr):
     """out[t, m] = decay[t, m] (x_t · h[m]) + Σ_{i≤t in the chunk} φ[t, i][m] (x_t · y_i) for
     the rows t of a sub-block -> [BC, BM]. b_x [BC, BD]; b_h [BM, BD] the memory before the
     chunk; y [total, H, D]; b_a [BC, BM] a of the rows, and that of other rows of the chunk from
     its z_prev b_zp and lc (`_log_z`). x = scale q, y = k, h = K̃: the scores; x = do, y = v,
-    h = Ṽ: dp."""
+    h = Ṽ: dp. OWN, how the sub-block's own block is taken: "factors", as dots of its factors
+    (`_diag_factors`; exact where the program `_takes` its rows with UNITS "whole");
+    "either", so where they are exact over it, else as "tokens", per token or with DIAG3 in one
+    step (`_own_keys`)."""
     b_out = decay * _dot(b_x, tl.trans(b_h), PREC)
-    j = j0
-    while j < i_s:  # earlier sub-blocks of the chunk, split at r = a at their last token
-        rows_j = bos + j * BC + o_c
-        b_yj = _tile(y, rows_j, rows_j < eos, i_h, H, D, o_d, 0.0)
-        b_sj = _tile(s, rows_j, rows_j < eos, i_h, H, M, o_m, _NEG)
-        b_r = _log_z_row(lc, b_zp, bos + j * BC + BC - 1, True, i_h, H, M, o_m)  # [BM]
-        b_xy = _dot(b_x, tl.trans(b_yj), PREC)  # [BC, BC]
-        b_out += tl.exp(b_r[None, :] - b_a) * _dot(b_xy, tl.exp(b_sj - b_r[None, :]), PREC)
-        j += 1
+    if BC < BT:
+        j = j0
+        while j < i_s:  # earlier sub-blocks of the chunk, split at r = a at their last token
+            rows_j = bos + j * BC + o_c
+            b_yj = _tile(y, rows_j, rows_j < eos, i_h, H, D, o_d, 0.0)
+            b_sj = _tile(s, rows_j, rows_j < eos, i_h, H, M, o_m, _NEG)
+            b_r = _log_z_row(lc, b_zp, bos + j * BC + BC - 1, True, i_h, H, M, o_m)  # [BM]
+            b_xy = _dot(b_x, tl.trans(b_yj), PREC)  # [BC, BC]
+            b_out += tl.exp(b_r[None, :] - b_a) * _dot(b_xy, tl.exp(b_sj - b_r[None, :]), PREC)
+            j += 1
     rows = t0 + o_c
     b_xy = _dot(b_x, tl.trans(_tile(y, rows, rows < eos, i_h, H, D, o_d, 0.0)), PREC)
-    # `_own_keys` twice: compiled Triton drops a branch only on a compile-time constant, so
-    # the runtime test `exact` sits inside the constant one. The factors are rebuilt in each
-    # pass (`_slots_to_values` too) rather than held across the softmax in registers.
-    if FACTORS:
-        b_u, b_v, exact = _diag_factors(_tile(s, rows, rows < eos, i_h, H, M, o_m, _NEG), b_a,
-                                        rows < eos, PREC)
-        if exact:
-            b_out += b_v * _dot(tl.where(o_c[:, None] >= o_c[None, :], b_xy, 0.0), b_u, PREC)
+    # each form named once per constant branch: compiled Triton drops a branch only on a
+    # compile-time constant, so the runtime test sits inside the constant one. The factors are
+    # rebuilt in each pass (`_slots_to_values` too) rather than held across the softmax.
+    if OWN == "factors":
+        b_out += _factor_keys(b_xy, s, b_a, rows, eos, i_h, H, M, o_c, o_m, PREC)
+    elif OWN == "either":
+        if _growth(lc, b_zp, t0, tl.minimum(t0 + BC, eos) - 1, i_h, H, M, o_m) \
+                < _factor_limit(PREC):
+            b_out += _factor_keys(b_xy, s, b_a, rows, eos, i_h, H, M, o_c, o_m, PREC)
         else:
             b_out += _own_keys(b_xy, s, b_a, t0, eos, i_h, H, M, o_c, o_m, BC, DIAG3)
     else:
         b_out += _own_keys(b_xy, s, b_a, t0, eos, i_h, H, M, o_c, o_m, BC, DIAG3)
     return b_out
+
+
+@triton.jit
+def _factor_keys(b_xy, s, b_a, rows, eos, i_h, H, M, o_c, o_m, PREC: tl.constexpr):
+    """The own block of `_keys_to_slots` as a masked dot of its factors (`_diag_factors`)."""
+    b_u, b_v = _diag_factors(_tile(s, rows, rows < eos, i_h, H, M, o_m, _NEG), b_a, rows < eos,
+                             PREC)
+    return b_v * _dot(tl.where(o_c[:, None] >= o_c[None, :], b_xy, 0.0), b_u, PREC)
 
 
 @triton.jit
@@ -502,31 +584,32 @@ def _own_keys(b_xy, s, b_a, t0, eos, i_h, H, M, o_c, o_m, BC: tl.constexpr,
 
 @triton.jit
 def _slots_to_values(b_w, b_h, decay, y, s, lc, b_zp, b_a, t0, eos, bos, j0, i_s, i_h, H, D, M,
-                     o_c, o_d, o_m, BC: tl.constexpr, PREC: tl.constexpr, DIAG3: tl.constexpr,
-                     FACTORS: tl.constexpr):
+                     o_c, o_d, o_m, BT: tl.constexpr, BC: tl.constexpr, PREC: tl.constexpr,
+                     DIAG3: tl.constexpr, OWN: tl.constexpr):
     """out[t] = Σ_m w[t, m] (decay[t, m] h[m] + Σ_{i≤t in the chunk} φ[t, i][m] y_i) for the
     rows t of a sub-block -> [BC, BD]. b_w [BC, BM]; b_h [BM, BD] the memory before the chunk;
-    y [total, H, D]; b_a, b_zp, lc as in `_keys_to_slots`. w = p, y = v, h = Ṽ: o; w = dS,
-    y = k, h = K̃: dq / scale."""
+    y [total, H, D]; b_a, b_zp, lc, OWN as in `_keys_to_slots`. w = p, y = v, h = Ṽ: o;
+    w = dS, y = k, h = K̃: dq / scale."""
     b_out = _dot(b_w * decay, b_h, PREC)
-    j = j0
-    while j < i_s:
-        rows_j = bos + j * BC + o_c
-        b_yj = _tile(y, rows_j, rows_j < eos, i_h, H, D, o_d, 0.0)
-        b_sj = _tile(s, rows_j, rows_j < eos, i_h, H, M, o_m, _NEG)
-        b_r = _log_z_row(lc, b_zp, bos + j * BC + BC - 1, True, i_h, H, M, o_m)
-        b_g = _dot(b_w * tl.exp(b_r[None, :] - b_a), tl.trans(tl.exp(b_sj - b_r[None, :])),
-                   PREC)  # [BC, BC]
-        b_out += _dot(b_g, b_yj, PREC)
-        j += 1
+    if BC < BT:
+        j = j0
+        while j < i_s:
+            rows_j = bos + j * BC + o_c
+            b_yj = _tile(y, rows_j, rows_j < eos, i_h, H, D, o_d, 0.0)
+            b_sj = _tile(s, rows_j, rows_j < eos, i_h, H, M, o_m, _NEG)
+            b_r = _log_z_row(lc, b_zp, bos + j * BC + BC - 1, True, i_h, H, M, o_m)
+            b_g = _dot(b_w * tl.exp(b_r[None, :] - b_a), tl.trans(tl.exp(b_sj - b_r[None, :])),
+                       PREC)  # [BC, BC]
+            b_out += _dot(b_g, b_yj, PREC)
+            j += 1
     rows = t0 + o_c
-    if FACTORS:
-        b_u, b_v, exact = _diag_factors(_tile(s, rows, rows < eos, i_h, H, M, o_m, _NEG), b_a,
-                                        rows < eos, PREC)
-        if exact:
-            b_g = _dot(b_w * b_v, tl.trans(b_u), PREC)  # [BC (t), BC (i)]
-            b_out += _dot(tl.where(o_c[:, None] >= o_c[None, :], b_g, 0.0),
-                          _tile(y, rows, rows < eos, i_h, H, D, o_d, 0.0), PREC)
+    if OWN == "factors":
+        b_out += _factor_values(b_w, y, s, b_a, rows, eos, i_h, H, D, M, o_c, o_d, o_m, PREC)
+    elif OWN == "either":
+        if _growth(lc, b_zp, t0, tl.minimum(t0 + BC, eos) - 1, i_h, H, M, o_m) \
+                < _factor_limit(PREC):
+            b_out += _factor_values(b_w, y, s, b_a, rows, eos, i_h, H, D, M, o_c, o_d, o_m,
+                                    PREC)
         else:
             b_out += _own_values(b_w, y, s, b_a, t0, eos, i_h, H, D, M, o_c, o_d, o_m, BC,
                                  PREC, DIAG3)
@@ -534,6 +617,16 @@ def _slots_to_values(b_w, b_h, decay, y, s, lc, b_zp, b_a, t0, eos, bos, j0, i_s
         b_out += _own_values(b_w, y, s, b_a, t0, eos, i_h, H, D, M, o_c, o_d, o_m, BC, PREC,
                              DIAG3)
     return b_out
+
+
+@triton.jit
+def _factor_values(b_w, y, s, b_a, rows, eos, i_h, H, D, M, o_c, o_d, o_m, PREC: tl.constexpr):
+    """The own block of `_slots_to_values` as masked dots of its factors (`_diag_factors`)."""
+    b_u, b_v = _diag_factors(_tile(s, rows, rows < eos, i_h, H, M, o_m, _NEG), b_a, rows < eos,
+                             PREC)
+    b_g = _dot(b_w * b_v, tl.trans(b_u), PREC)  # [BC (t), BC (i)]
+    return _dot(tl.where(o_c[:, None] >= o_c[None, :], b_g, 0.0),
+                _tile(y, rows, rows < eos, i_h, H, D, o_d, 0.0), PREC)
 
 
 @triton.jit
@@ -559,35 +652,38 @@ def _own_values(b_w, y, s, b_a, t0, eos, i_h, H, D, M, o_c, o_d, o_m, BC: tl.con
 def _fwd_output(q, k, v, s, lc, zprev, hk, hv, o, p, lse, cu, boff, sub_idx, scale,
                 H, K, V, M,
                 BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-                BM: tl.constexpr, PREC: tl.constexpr, DIAG3: tl.constexpr, FACTORS: tl.constexpr):
+                BM: tl.constexpr, PREC: tl.constexpr, DIAG3: tl.constexpr, OWN: tl.constexpr,
+                UNITS: tl.constexpr):
     """o, the probabilities p = softmax_M(S) (in p's dtype: `_saved_dtype`) and the scores'
-    log-sum-exp lse of one sub-block of BC tokens of one head."""
+    log-sum-exp lse of one sub-block of BC tokens of one head (UNITS: `_takes`)."""
     i_h = tl.program_id(1)
     t0, rows, r_ok, eos, bos, i_s, j0, i_g = _locate(cu, boff, sub_idx, BT, BC)
     o_c = tl.arange(0, BC)
     o_k = tl.arange(0, BK)
     o_v = tl.arange(0, BV)
     o_m = tl.arange(0, BM)
-    b_zp, b_a, decay = _chunk_decay(lc, zprev, rows, r_ok, i_g, i_h, H, M, o_m)
-    b_q = _tile(q, rows, r_ok, i_h, H, K, o_k, 0.0) * scale  # [BC, BK]
+    b_zp = _zprev(zprev, i_g, i_h, H, M, o_m)
+    if _takes(lc, b_zp, t0, bos, eos, i_h, H, M, o_m, BT, UNITS, PREC):
+        b_a, decay = _chunk_decay(lc, b_zp, rows, r_ok, i_h, H, M, o_m)
+        b_q = _tile(q, rows, r_ok, i_h, H, K, o_k, 0.0) * scale  # [BC, BK]
 
-    b_S = _keys_to_slots(b_q, _block(hk, i_g, i_h, H, M, K, o_m, o_k), decay, k, s, lc,
-                         b_zp, b_a, t0, eos, bos, j0, i_s, i_h, H, K, M, o_c, o_k, o_m,
-                         BC, PREC, DIAG3, FACTORS)
-    b_S = tl.where((o_m < M)[None, :], b_S, float("-inf"))
-    mx = tl.max(b_S, 1)
-    b_p = tl.exp(b_S - mx[:, None])
-    den = tl.sum(b_p, 1)
-    b_p = b_p / den[:, None]  # [BC, BM]
-    tl.store(p + (rows[:, None] * H + i_h) * M + o_m[None, :], b_p.to(p.dtype.element_ty),
-             mask=r_ok[:, None] & (o_m < M)[None, :])
-    tl.store(lse + rows * H + i_h, mx + tl.log(den), mask=r_ok)
+        b_S = _keys_to_slots(b_q, _block(hk, i_g, i_h, H, M, K, o_m, o_k), decay, k, s, lc,
+                             b_zp, b_a, t0, eos, bos, j0, i_s, i_h, H, K, M, o_c, o_k, o_m,
+                             BT, BC, PREC, DIAG3, OWN)
+        b_S = tl.where((o_m < M)[None, :], b_S, float("-inf"))
+        mx = tl.max(b_S, 1)
+        b_p = tl.exp(b_S - mx[:, None])
+        den = tl.sum(b_p, 1)
+        b_p = b_p / den[:, None]  # [BC, BM]
+        tl.store(p + (rows[:, None] * H + i_h) * M + o_m[None, :], b_p.to(p.dtype.element_ty),
+                 mask=r_ok[:, None] & (o_m < M)[None, :])
+        tl.store(lse + rows * H + i_h, mx + tl.log(den), mask=r_ok)
 
-    b_o = _slots_to_values(b_p, _block(hv, i_g, i_h, H, M, V, o_m, o_v), decay, v, s, lc,
-                           b_zp, b_a, t0, eos, bos, j0, i_s, i_h, H, V, M, o_c, o_v, o_m,
-                           BC, PREC, DIAG3, FACTORS)
-    tl.store(o + (rows[:, None] * H + i_h) * V + o_v[None, :], b_o.to(o.dtype.element_ty),
-             mask=r_ok[:, None] & (o_v < V)[None, :])
+        b_o = _slots_to_values(b_p, _block(hv, i_g, i_h, H, M, V, o_m, o_v), decay, v, s, lc,
+                               b_zp, b_a, t0, eos, bos, j0, i_s, i_h, H, V, M, o_c, o_v, o_m,
+                               BT, BC, PREC, DIAG3, OWN)
+        tl.store(o + (rows[:, None] * H + i_h) * V + o_v[None, :], b_o.to(o.dtype.element_ty),
+                 mask=r_ok[:, None] & (o_v < V)[None, :])
 
 
 # --------------------------------------------------------------------------------------
@@ -598,40 +694,45 @@ def _fwd_output(q, k, v, s, lc, zprev, hk, hv, o, p, lse, cu, boff, sub_idx, sca
 def _bwd_dq(q, k, v, s, lc, zprev, hk, hv, p, lse, do, dq, dS, c, cu, boff, sub_idx, scale,
             H, K, V, M,
             BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-            BM: tl.constexpr, PREC: tl.constexpr, DIAG3: tl.constexpr, FACTORS: tl.constexpr):
-    """dq, dS, c of one sub-block of one head (dS and c in their buffers' dtype)."""
+            BM: tl.constexpr, PREC: tl.constexpr, DIAG3: tl.constexpr, OWN: tl.constexpr,
+            UNITS: tl.constexpr):
+    """dq, dS, c of one sub-block of one head (dS and c in their buffers' dtype; UNITS:
+    `_takes`)."""
     i_h = tl.program_id(1)
     t0, rows, r_ok, eos, bos, i_s, j0, i_g = _locate(cu, boff, sub_idx, BT, BC)
     o_c = tl.arange(0, BC)
     o_k = tl.arange(0, BK)
     o_v = tl.arange(0, BV)
     o_m = tl.arange(0, BM)
-    b_zp, b_a, decay = _chunk_decay(lc, zprev, rows, r_ok, i_g, i_h, H, M, o_m)
-    b_do = _tile(do, rows, r_ok, i_h, H, V, o_v, 0.0)  # [BC, BV]
+    b_zp = _zprev(zprev, i_g, i_h, H, M, o_m)
+    if _takes(lc, b_zp, t0, bos, eos, i_h, H, M, o_m, BT, UNITS, PREC):
+        b_a, decay = _chunk_decay(lc, b_zp, rows, r_ok, i_h, H, M, o_m)
+        b_do = _tile(do, rows, r_ok, i_h, H, V, o_v, 0.0)  # [BC, BV]
 
-    # dp_t[m] = do_t · Ṽ_t[m]
-    b_dp = _keys_to_slots(b_do, _block(hv, i_g, i_h, H, M, V, o_m, o_v), decay, v, s, lc,
-                          b_zp, b_a, t0, eos, bos, j0, i_s, i_h, H, V, M, o_c, o_v, o_m,
-                          BC, PREC, DIAG3, FACTORS)
-    b_p = _tile(p, rows, r_ok, i_h, H, M, o_m, 0.0)  # [BC, BM]
-    # S = log p + lse; 0 where p = 0 (rounded to 0, or masked), where dS = 0 too
-    seen = b_p > 0.0
-    b_S = tl.where(seen, tl.log(tl.where(seen, b_p, 1.0))
-                   + tl.load(lse + rows * H + i_h, mask=r_ok, other=0.0)[:, None], 0.0)
-    ok = r_ok[:, None] & (o_m < M)[None, :]
-    b_dS = b_p * (b_dp - tl.sum(b_p * b_dp, 1)[:, None])
-    b_c = b_dS * b_S + b_p * b_dp  # K̃_t·G^K_t + Ṽ_t·G^V_t per slot
-    tl.store(dS + (rows[:, None] * H + i_h) * M + o_m[None, :], b_dS.to(dS.dtype.element_ty),
-             mask=ok)
-    tl.store(c + (rows[:, None] * H + i_h) * M + o_m[None, :], b_c.to(c.dtype.element_ty),
-             mask=ok)
+        # dp_t[m] = do_t · Ṽ_t[m]
+        b_dp = _keys_to_slots(b_do, _block(hv, i_g, i_h, H, M, V, o_m, o_v), decay, v, s, lc,
+                              b_zp, b_a, t0, eos, bos, j0, i_s, i_h, H, V, M, o_c, o_v, o_m,
+                              BT, BC, PREC, DIAG3, OWN)
+        b_p = _tile(p, rows, r_ok, i_h, H, M, o_m, 0.0)  # [BC, BM]
+        # S = log p + lse; 0 where p = 0 (rounded to 0, or masked), where dS = 0 too
+        seen = b_p > 0.0
+        b_S = tl.where(seen, tl.log(tl.where(seen, b_p, 1.0))
+                       + tl.load(lse + rows * H + i_h, mask=r_ok, other=0.0)[:, None], 0.0)
+        ok = r_ok[:, None] & (o_m < M)[None, :]
+        b_dS = b_p * (b_dp - tl.sum(b_p * b_dp, 1)[:, None])
+        b_c = b_dS * b_S + b_p * b_dp  # K̃_t·G^K_t + Ṽ_t·G^V_t per slot
+        tl.store(dS + (rows[:, None] * H + i_h) * M + o_m[None, :],
+                 b_dS.to(dS.dtype.element_ty), mask=ok)
+        tl.store(c + (rows[:, None] * H + i_h) * M + o_m[None, :],
+                 b_c.to(c.dtype.element_ty), mask=ok)
 
-    # dq_t = scale Σ_m dS_t[m] K̃_t[m]
-    b_dq = _slots_to_values(b_dS, _block(hk, i_g, i_h, H, M, K, o_m, o_k), decay, k, s, lc,
-                            b_zp, b_a, t0, eos, bos, j0, i_s, i_h, H, K, M, o_c, o_k, o_m,
-                            BC, PREC, DIAG3, FACTORS)
-    tl.store(dq + (rows[:, None] * H + i_h) * K + o_k[None, :],
-             (b_dq * scale).to(dq.dtype.element_ty), mask=r_ok[:, None] & (o_k < K)[None, :])
+        # dq_t = scale Σ_m dS_t[m] K̃_t[m]
+        b_dq = _slots_to_values(b_dS, _block(hk, i_g, i_h, H, M, K, o_m, o_k), decay, k, s,
+                                lc, b_zp, b_a, t0, eos, bos, j0, i_s, i_h, H, K, M, o_c, o_k,
+                                o_m, BT, BC, PREC, DIAG3, OWN)
+        tl.store(dq + (rows[:, None] * H + i_h) * K + o_k[None, :],
+                 (b_dq * scale).to(dq.dtype.element_ty),
+                 mask=r_ok[:, None] & (o_k < K)[None, :])
 
 
 @triton.jit
@@ -654,7 +755,8 @@ def _bwd_chunks(x, coef, c, lc, zprev, dh, dhc, dx0, dc0, cu, chunk_idx, scale,
     i_g, i_n, i_c, _nc, rows, r_ok = _chunk_of(cu, chunk_idx, BT)
     o_m, o_d, i_d = _tile_of(M, D, BM, BD)
     m_ok = o_m < M
-    _zp, _a, b_f = _chunk_decay(lc, zprev, rows, r_ok, i_g, i_h, H, M, o_m)  # [BT, BM]
+    _a, b_f = _chunk_decay(lc, _zprev(zprev, i_g, i_h, H, M, o_m), rows, r_ok, i_h, H, M,
+                           o_m)  # [BT, BM]
     b_coef = _tile(coef, rows, r_ok, i_h, H, M, o_m, 0.0)
     b_x = _tile(x, rows, r_ok, i_h, H, D, o_d, 0.0)
     if not IS_V:
@@ -746,114 +848,134 @@ def _bwd_dkv(q, k, v, s, lc, zprev, zend, p, do, dS, c, dhk, dhv, dhc, dk, dv, d
              cu, boff, sub_idx, scale,
              H, K, V, M,
              BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-             BM: tl.constexpr, PREC: tl.constexpr, DIAG3: tl.constexpr, SIDES: tl.constexpr):
+             BM: tl.constexpr, PREC: tl.constexpr, DIAG3: tl.constexpr, SIDES: tl.constexpr,
+             OWN: tl.constexpr, UNITS: tl.constexpr):
     """dk, dv, ds of one sub-block of one head. ds has a term from the keys' side (K̃: with
     k, q, dS and c) and one from the values' side (Ṽ: with v, do and p). SIDES 0: both, in one
     program; 1: the keys' side, dk and its ds term, stored to ds_part [total, H, M] fp32; 2:
-    the values' side, dv, and ds with the term in ds_part added (fewer tiles live at once)."""
+    the values' side, dv, and ds with the term in ds_part added (fewer tiles live at once).
+    OWN "factors": the sub-block's own block as masked dots of its factors (`_diag_factors`,
+    where `_takes` gives this program exact factors: UNITS "whole"), "tokens": as a loop over
+    its tokens or, with DIAG3, in one step."""
     i_h = tl.program_id(1)
     t0, rows, r_ok, eos, bos, i_s, j0, i_g = _locate(cu, boff, sub_idx, BT, BC)
     o_c = tl.arange(0, BC)
     o_k = tl.arange(0, BK)
     o_v = tl.arange(0, BV)
     o_m = tl.arange(0, BM)
-    b_s = _tile(s, rows, r_ok, i_h, H, M, o_m, _NEG)  # [BC, BM]
-    if SIDES != 2:
-        b_k = _tile(k, rows, r_ok, i_h, H, K, o_k, 0.0)  # [BC, BK]
-    if SIDES != 1:
-        b_v = _tile(v, rows, r_ok, i_h, H, V, o_v, 0.0)  # [BC, BV]
-
-    # Later chunks, through the gradient of the memory after this chunk.
-    b_zp = tl.load(zprev + (i_g * H + i_h) * M + o_m, mask=o_m < M, other=_NEG)
-    b_ze = tl.load(zend + (i_g * H + i_h) * M + o_m, mask=o_m < M, other=0.0)
-    b_e = tl.exp(b_s - b_ze[None, :])  # [BC, BM], ≤ 1
-    b_ds = tl.zeros([BC, BM], tl.float32)
-    if SIDES != 2:
-        b_hk = _block(dhk, i_g, i_h, H, M, K, o_m, o_k)
-        b_hc = tl.load(dhc + (i_g * H + i_h) * M + o_m, mask=o_m < M, other=0.0)
-        b_dk = _dot(b_e, b_hk, PREC)
-        b_ds += b_e * (_dot(b_k, tl.trans(b_hk), PREC) - b_hc[None, :])
-    if SIDES != 1:
-        b_hv = _block(dhv, i_g, i_h, H, M, V, o_m, o_v)
-        b_dv = _dot(b_e, b_hv, PREC)
-        b_ds += b_e * _dot(b_v, tl.trans(b_hv), PREC)
-
-    # Later sub-blocks of the chunk, through r = log_z at the last token of this one.
-    n_sub = (eos - bos + BC - 1) // BC
-    j_end = tl.minimum(j0 + BT // BC, n_sub)
-    b_r = _log_z_row(lc, b_zp, t0 + BC - 1, t0 + BC - 1 < eos, i_h, H, M, o_m)
-    b_e = tl.exp(b_s - b_r[None, :])  # [BC, BM], ≤ 1
-    j = i_s + 1
-    while j < j_end:
-        rows_j = bos + j * BC + o_c
-        rj_ok = rows_j < eos
-        b_f = tl.exp(b_r[None, :] - _log_z(lc, b_zp, rows_j, rj_ok, i_h, H, M, o_m))  # ≤ 1
+    b_zp = _zprev(zprev, i_g, i_h, H, M, o_m)
+    if _takes(lc, b_zp, t0, bos, eos, i_h, H, M, o_m, BT, UNITS, PREC):
+        b_s = _tile(s, rows, r_ok, i_h, H, M, o_m, _NEG)  # [BC, BM]
         if SIDES != 2:
-            b_qj = _tile(q, rows_j, rj_ok, i_h, H, K, o_k, 0.0) * scale
-            b_fdS = b_f * _tile(dS, rows_j, rj_ok, i_h, H, M, o_m, 0.0)
-            b_fc = tl.sum(b_f * _tile(c, rows_j, rj_ok, i_h, H, M, o_m, 0.0), 0)  # [BM]
-            b_dk += _dot(_dot(b_e, tl.trans(b_fdS), PREC), b_qj, PREC)
-            b_kq = _dot(b_k, tl.trans(b_qj), PREC)  # [BC, BC]
-            b_ds += b_e * (_dot(b_kq, b_fdS, PREC) - b_fc[None, :])
+            b_k = _tile(k, rows, r_ok, i_h, H, K, o_k, 0.0)  # [BC, BK]
         if SIDES != 1:
-            b_doj = _tile(do, rows_j, rj_ok, i_h, H, V, o_v, 0.0)
-            b_pj = _tile(p, rows_j, rj_ok, i_h, H, M, o_m, 0.0)
-            b_fp = b_f * b_pj
-            b_dv += _dot(_dot(b_e, tl.trans(b_fp), PREC), b_doj, PREC)
-            b_ds += b_e * _dot(_dot(b_v, tl.trans(b_doj), PREC), b_fp, PREC)
-        j += 1
+            b_v = _tile(v, rows, r_ok, i_h, H, V, o_v, 0.0)  # [BC, BV]
 
-    # This sub-block: token t reads tokens i ≤ t.
-    if SIDES != 2:
-        b_qs = _tile(q, rows, r_ok, i_h, H, K, o_k, 0.0) * scale  # [BC, BK]
-        b_kq = _dot(b_k, tl.trans(b_qs), PREC)  # [BC (i), BC (t)]
-    if SIDES != 1:
-        b_do = _tile(do, rows, r_ok, i_h, H, V, o_v, 0.0)  # [BC, BV]
-        b_vdo = _dot(b_v, tl.trans(b_do), PREC)
-    if DIAG3:  # φ [t, i, m] with t the reading token (the rows of the tiles below)
-        b_phi = _diag_phi(s, _log_z(lc, b_zp, rows, r_ok, i_h, H, M, o_m), rows, eos, i_h, H, M,
-                          o_c, o_m)
+        # Later chunks, through the gradient of the memory after this chunk.
+        b_ze = tl.load(zend + (i_g * H + i_h) * M + o_m, mask=o_m < M, other=0.0)
+        b_e = tl.exp(b_s - b_ze[None, :])  # [BC, BM], ≤ 1
+        b_ds = tl.zeros([BC, BM], tl.float32)
         if SIDES != 2:
-            b_dSt = _tile(dS, rows, r_ok, i_h, H, M, o_m, 0.0)  # [BC, BM]
-            b_ct = _tile(c, rows, r_ok, i_h, H, M, o_m, 0.0)
-            b_dk += _dot(tl.trans(tl.sum(b_phi * b_dSt[:, None, :], 2)), b_qs, PREC)
-            b_ds += tl.sum(b_phi * (tl.trans(b_kq)[:, :, None] * b_dSt[:, None, :]
-                                    - b_ct[:, None, :]), 0)
+            b_hk = _block(dhk, i_g, i_h, H, M, K, o_m, o_k)
+            b_hc = tl.load(dhc + (i_g * H + i_h) * M + o_m, mask=o_m < M, other=0.0)
+            b_dk = _dot(b_e, b_hk, PREC)
+            b_ds += b_e * (_dot(b_k, tl.trans(b_hk), PREC) - b_hc[None, :])
         if SIDES != 1:
-            b_pt = _tile(p, rows, r_ok, i_h, H, M, o_m, 0.0)  # [BC, BM]
-            b_dv += _dot(tl.trans(tl.sum(b_phi * b_pt[:, None, :], 2)), b_do, PREC)
-            b_ds += tl.sum(b_phi * tl.trans(b_vdo)[:, :, None] * b_pt[:, None, :], 0)
-    else:
-        for i in range(BC):  # token t = t0 + i
-            ok = t0 + i < eos
-            b_at = _log_z_row(lc, b_zp, t0 + i, ok, i_h, H, M, o_m)
-            b_phi = tl.exp(tl.where(o_c[:, None] <= i, b_s - b_at[None, :], _NEG))  # [BC, BM]
+            b_hv = _block(dhv, i_g, i_h, H, M, V, o_m, o_v)
+            b_dv = _dot(b_e, b_hv, PREC)
+            b_ds += b_e * _dot(b_v, tl.trans(b_hv), PREC)
+
+        # Later sub-blocks of the chunk, through r = log_z at the last token of this one.
+        if BC < BT:
+            n_sub = (eos - bos + BC - 1) // BC
+            j_end = tl.minimum(j0 + BT // BC, n_sub)
+            b_r = _log_z_row(lc, b_zp, t0 + BC - 1, t0 + BC - 1 < eos, i_h, H, M, o_m)
+            b_e = tl.exp(b_s - b_r[None, :])  # [BC, BM], ≤ 1
+            j = i_s + 1
+            while j < j_end:
+                rows_j = bos + j * BC + o_c
+                rj_ok = rows_j < eos
+                b_f = tl.exp(b_r[None, :]
+                             - _log_z(lc, b_zp, rows_j, rj_ok, i_h, H, M, o_m))  # ≤ 1
+                if SIDES != 2:
+                    b_qj = _tile(q, rows_j, rj_ok, i_h, H, K, o_k, 0.0) * scale
+                    b_fdS = b_f * _tile(dS, rows_j, rj_ok, i_h, H, M, o_m, 0.0)
+                    b_fc = tl.sum(b_f * _tile(c, rows_j, rj_ok, i_h, H, M, o_m, 0.0), 0)  # [BM]
+                    b_dk += _dot(_dot(b_e, tl.trans(b_fdS), PREC), b_qj, PREC)
+                    b_kq = _dot(b_k, tl.trans(b_qj), PREC)  # [BC, BC]
+                    b_ds += b_e * (_dot(b_kq, b_fdS, PREC) - b_fc[None, :])
+                if SIDES != 1:
+                    b_doj = _tile(do, rows_j, rj_ok, i_h, H, V, o_v, 0.0)
+                    b_pj = _tile(p, rows_j, rj_ok, i_h, H, M, o_m, 0.0)
+                    b_fp = b_f * b_pj
+                    b_dv += _dot(_dot(b_e, tl.trans(b_fp), PREC), b_doj, PREC)
+                    b_ds += b_e * _dot(_dot(b_v, tl.trans(b_doj), PREC), b_fp, PREC)
+                j += 1
+
+        # This sub-block: token t reads tokens i ≤ t.
+        if SIDES != 2:
+            b_qs = _tile(q, rows, r_ok, i_h, H, K, o_k, 0.0) * scale  # [BC, BK]
+            b_kq = _dot(b_k, tl.trans(b_qs), PREC)  # [BC (i), BC (t)]
+        if SIDES != 1:
+            b_do = _tile(do, rows, r_ok, i_h, H, V, o_v, 0.0)  # [BC, BV]
+            b_vdo = _dot(b_v, tl.trans(b_do), PREC)
+        if OWN == "factors":
+            b_u, b_w = _diag_factors(b_s, _log_z(lc, b_zp, rows, r_ok, i_h, H, M, o_m), r_ok, PREC)
+            later = o_c[None, :] >= o_c[:, None]  # [i, t]: token t reads token i
             if SIDES != 2:
-                b_dSt = _row(dS, t0 + i, ok, i_h, H, M, o_m, 0.0)
-                b_ct = _row(c, t0 + i, ok, i_h, H, M, o_m, 0.0)
-                b_qt = _row(q, t0 + i, ok, i_h, H, K, o_k, 0.0) * scale
-                b_dk += tl.sum(b_phi * b_dSt[None, :], 1)[:, None] * b_qt[None, :]
-                b_ds += b_phi * (_col(b_kq, o_c, i)[:, None] * b_dSt[None, :] - b_ct[None, :])
+                b_wdS = b_w * _tile(dS, rows, r_ok, i_h, H, M, o_m, 0.0)  # [BC (t), BM]
+                b_wc = b_w * _tile(c, rows, r_ok, i_h, H, M, o_m, 0.0)
+                b_dk += _dot(tl.where(later, _dot(b_u, tl.trans(b_wdS), PREC), 0.0), b_qs, PREC)
+                b_ds += b_u * (_dot(tl.where(later, b_kq, 0.0), b_wdS, PREC)
+                               - _dot(tl.where(later, 1.0, 0.0), b_wc, PREC))
             if SIDES != 1:
-                b_pt = _row(p, t0 + i, ok, i_h, H, M, o_m, 0.0)
-                b_dot = _row(do, t0 + i, ok, i_h, H, V, o_v, 0.0)
-                b_dv += tl.sum(b_phi * b_pt[None, :], 1)[:, None] * b_dot[None, :]
-                b_ds += b_phi * _col(b_vdo, o_c, i)[:, None] * b_pt[None, :]
+                b_wp = b_w * _tile(p, rows, r_ok, i_h, H, M, o_m, 0.0)
+                b_dv += _dot(tl.where(later, _dot(b_u, tl.trans(b_wp), PREC), 0.0), b_do, PREC)
+                b_ds += b_u * _dot(tl.where(later, b_vdo, 0.0), b_wp, PREC)
+        elif DIAG3:  # φ [t, i, m] with t the reading token (the rows of the tiles below)
+            b_phi = _diag_phi(s, _log_z(lc, b_zp, rows, r_ok, i_h, H, M, o_m), rows, eos, i_h, H, M,
+                              o_c, o_m)
+            if SIDES != 2:
+                b_dSt = _tile(dS, rows, r_ok, i_h, H, M, o_m, 0.0)  # [BC, BM]
+                b_ct = _tile(c, rows, r_ok, i_h, H, M, o_m, 0.0)
+                b_dk += _dot(tl.trans(tl.sum(b_phi * b_dSt[:, None, :], 2)), b_qs, PREC)
+                b_ds += tl.sum(b_phi * (tl.trans(b_kq)[:, :, None] * b_dSt[:, None, :]
+                                        - b_ct[:, None, :]), 0)
+            if SIDES != 1:
+                b_pt = _tile(p, rows, r_ok, i_h, H, M, o_m, 0.0)  # [BC, BM]
+                b_dv += _dot(tl.trans(tl.sum(b_phi * b_pt[:, None, :], 2)), b_do, PREC)
+                b_ds += tl.sum(b_phi * tl.trans(b_vdo)[:, :, None] * b_pt[:, None, :], 0)
+        else:
+            for i in range(BC):  # token t = t0 + i
+                ok = t0 + i < eos
+                b_at = _log_z_row(lc, b_zp, t0 + i, ok, i_h, H, M, o_m)
+                b_phi = tl.exp(tl.where(o_c[:, None] <= i, b_s - b_at[None, :], _NEG))  # [BC, BM]
+                if SIDES != 2:
+                    b_dSt = _row(dS, t0 + i, ok, i_h, H, M, o_m, 0.0)
+                    b_ct = _row(c, t0 + i, ok, i_h, H, M, o_m, 0.0)
+                    b_qt = _row(q, t0 + i, ok, i_h, H, K, o_k, 0.0) * scale
+                    b_dk += tl.sum(b_phi * b_dSt[None, :], 1)[:, None] * b_qt[None, :]
+                    b_ds += b_phi * (_col(b_kq, o_c, i)[:, None] * b_dSt[None, :] - b_ct[None, :])
+                if SIDES != 1:
+                    b_pt = _row(p, t0 + i, ok, i_h, H, M, o_m, 0.0)
+                    b_dot = _row(do, t0 + i, ok, i_h, H, V, o_v, 0.0)
+                    b_dv += tl.sum(b_phi * b_pt[None, :], 1)[:, None] * b_dot[None, :]
+                    b_ds += b_phi * _col(b_vdo, o_c, i)[:, None] * b_pt[None, :]
 
-    m_ok = r_ok[:, None] & (o_m < M)[None, :]
-    at_m = (rows[:, None] * H + i_h) * M + o_m[None, :]
-    if SIDES != 2:
-        tl.store(dk + (rows[:, None] * H + i_h) * K + o_k[None, :],
-                 b_dk.to(dk.dtype.element_ty), mask=r_ok[:, None] & (o_k < K)[None, :])
-    if SIDES != 1:
-        tl.store(dv + (rows[:, None] * H + i_h) * V + o_v[None, :],
-                 b_dv.to(dv.dtype.element_ty), mask=r_ok[:, None] & (o_v < V)[None, :])
-    if SIDES == 1:
-        tl.store(ds_part + at_m, b_ds, mask=m_ok)
-    else:
-        if SIDES == 2:
-            b_ds += tl.load(ds_part + at_m, mask=m_ok, other=0.0)
-        tl.store(ds + at_m, b_ds.to(ds.dtype.element_ty), mask=m_ok)
+        m_ok = r_ok[:, None] & (o_m < M)[None, :]
+        at_m = (rows[:, None] * H + i_h) * M + o_m[None, :]
+        if SIDES != 2:
+            tl.store(dk + (rows[:, None] * H + i_h) * K + o_k[None, :],
+                     b_dk.to(dk.dtype.element_ty), mask=r_ok[:, None] & (o_k < K)[None, :])
+        if SIDES != 1:
+            tl.store(dv + (rows[:, None] * H + i_h) * V + o_v[None, :],
+                     b_dv.to(dv.dtype.element_ty), mask=r_ok[:, None] & (o_v < V)[None, :])
+        if SIDES == 1:
+            tl.store(ds_part + at_m, b_ds, mask=m_ok)
+        else:
+            if SIDES == 2:
+                b_ds += tl.load(ds_part + at_m, mask=m_ok, other=0.0)
+            tl.store(ds + at_m, b_ds.to(ds.dtype.element_ty), mask=m_ok)
 
 
 # --------------------------------------------------------------------------------------
@@ -949,24 +1071,38 @@ def _state_blocks(M: int, D: int) -> tuple[int, int]:
     return min(64, _pad(M)), min(64, _pad(D))
 
 
-def _warps(kernel: str, *blocks: int) -> int:
-    """A sub-block kernel's `SUB_WARPS` for its widest tile side; a chunk kernel's or a scan's
-    4 warps for small tiles, else 8 (with 4, the earlier scans' tiles of 64 × 64 took longer
-    on an H100)."""
-    if kernel in SUB_WARPS:
-        return SUB_WARPS[kernel][max(blocks) > 64]
+def _warps(kernel: str, *blocks: int, whole: bool = False) -> int:
+    """A sub-block kernel's `SUB_WARPS` (with whole, its `WHOLE_WARPS`) for its widest tile
+    side; a chunk kernel's or a scan's 4 warps for small tiles, else 8 (with 4, the earlier
+    scans' tiles of 64 × 64 took longer on an H100)."""
+    table = WHOLE_WARPS if whole else SUB_WARPS
+    if kernel in table:
+        return table[kernel][max(blocks) > 64]
     return 4 if max(blocks) <= 32 else 8
 
 
-def _sub_launch(kernel: str, plan: _Plan, K: int, V: int, M: int) -> tuple[torch.Tensor, dict]:
-    """Sub-block kernel `kernel`'s sub-blocks ([sub-blocks, 2], `_sub_blocks`: its grid's first
-    axis and its sub_idx argument), and its tile sizes, precision and launch choices."""
+def _sub_launches(kernel: str, plan: _Plan, K: int, V: int,
+                  M: int) -> list[tuple[torch.Tensor, dict]]:
+    """The launches of sub-block kernel `kernel`: each its units ([units, 2], `_units`: its
+    grid's first axis and its sub_idx argument) and its tile sizes, precision and launch
+    choices. A kernel of `WHOLE_CHUNKS`: the chunks exact as factors whole, then the others'
+    sub-blocks (UNITS "whole", "rest": `_takes`); else every sub-block ("sub")."""
     rows = _rows(kernel, plan.chunk)
-    return _sub_blocks(plan.bounds, rows, plan.cu.device), {
-        "BT": plan.chunk, "BC": rows, "BK": _pad(K), "BV": _pad(V), "BM": _pad(M),
-        "PREC": plan.precision, "DIAG3": _diag3(kernel, M, rows),
-        **({} if kernel == "_bwd_dkv" else {"FACTORS": kernel in FACTOR_DIAG}),
-        "num_warps": _warps(kernel, _pad(K), _pad(V), _pad(M))}
+    blocks = {"BK": _pad(K), "BV": _pad(V), "BM": _pad(M), "BT": plan.chunk,
+              "PREC": plan.precision}
+    either = "either" if kernel in FACTOR_DIAG else "tokens"
+    sub = (_sub_blocks(plan.bounds, rows, plan.cu.device),
+           {**blocks, "BC": rows, "DIAG3": _diag3(kernel, M, rows),
+            "OWN": "tokens" if kernel == "_bwd_dkv" else either,
+            "UNITS": "rest" if kernel in WHOLE_CHUNKS else "sub",
+            "num_warps": _warps(kernel, _pad(K), _pad(V), _pad(M))})
+    whole = (plan.chunk_idx, {**blocks, "BC": plan.chunk, "DIAG3": False, "OWN": "factors",
+                              "UNITS": "whole",
+                              "num_warps": _warps(kernel, _pad(K), _pad(V), _pad(M), whole=True)})
+    if kernel == "_bwd_dkv":  # the SIDES of each launch (`_bwd_dkv`)
+        sub[1]["SIDES"] = (1, 2) if SPLIT_DKV else (0,)
+        whole[1]["SIDES"] = (1, 2) if WHOLE_SPLIT_DKV else (0,)
+    return [whole, sub] if kernel in WHOLE_CHUNKS else [sub]
 
 
 def _forward(q, k, v, s, lz0, k0, v0, plan: _Plan, reset: bool = False):
@@ -997,9 +1133,9 @@ def _forward(q, k, v, s, lz0, k0, v0, plan: _Plan, reset: bool = False):
     o = torch.empty(T, H, V, dtype=q.dtype, device=q.device)
     p = torch.empty(T, H, M, dtype=_saved_dtype(prec), device=q.device)
     lse = torch.empty(T, H, **f32)
-    subs, launch = _sub_launch("_fwd_output", plan, K, V, M)
-    _fwd_output[(subs.shape[0], H)](q, k, v, s, lc, zprev, hk, hv, o, p, lse, plan.cu,
-                                    plan.boff, subs, plan.scale, H, K, V, M, **launch)
+    for units, launch in _sub_launches("_fwd_output", plan, K, V, M):
+        _fwd_output[(units.shape[0], H)](q, k, v, s, lc, zprev, hk, hv, o, p, lse, plan.cu,
+                                         plan.boff, units, plan.scale, H, K, V, M, **launch)
     return o, (lzT, kT, vT), (lc, zprev, zend, hk, hv, p, lse)
 
 
@@ -1013,9 +1149,9 @@ def _backward(q, k, v, s, do, saved, final, dfinal, plan: _Plan, reset: bool = F
     f32 = {"dtype": torch.float32, "device": q.device}
     dq = torch.empty_like(q)
     dS, c = (torch.empty(T, H, M, dtype=_saved_dtype(prec), device=q.device) for _ in range(2))
-    subs, launch = _sub_launch("_bwd_dq", plan, K, V, M)
-    _bwd_dq[(subs.shape[0], H)](q, k, v, s, lc, zprev, hk, hv, p, lse, do, dq, dS, c, plan.cu,
-                                plan.boff, subs, plan.scale, H, K, V, M, **launch)
+    for units, launch in _sub_launches("_bwd_dq", plan, K, V, M):
+        _bwd_dq[(units.shape[0], H)](q, k, v, s, lc, zprev, hk, hv, p, lse, do, dq, dS, c,
+                                     plan.cu, plan.boff, units, plan.scale, H, K, V, M, **launch)
 
     dcT = None
     if dfinal is not None:
@@ -1048,12 +1184,14 @@ def _backward(q, k, v, s, do, saved, final, dfinal, plan: _Plan, reset: bool = F
         dhc = ((torch.cat((hk, final[1]))[after] * dhk).sum(-1)
                + (torch.cat((hv, final[2]))[after] * dhv).sum(-1))
     dk, dv, ds = torch.empty_like(k), torch.empty_like(v), torch.empty_like(s)
-    ds_part = torch.empty(T, H, M, **f32) if SPLIT_DKV else ds
-    subs, launch = _sub_launch("_bwd_dkv", plan, K, V, M)
-    for sides in (1, 2) if SPLIT_DKV else (0,):
-        _bwd_dkv[(subs.shape[0], H)](q, k, v, s, lc, zprev, zend, p, do, dS, c, dhk, dhv, dhc,
-                                     dk, dv, ds, ds_part, plan.cu, plan.boff, subs, plan.scale,
-                                     H, K, V, M, SIDES=sides, **launch)
+    launches = _sub_launches("_bwd_dkv", plan, K, V, M)
+    split = any(len(launch["SIDES"]) > 1 for _, launch in launches)
+    ds_part = torch.empty(T, H, M, **f32) if split else ds
+    for units, launch in launches:
+        for sides in launch.pop("SIDES"):
+            _bwd_dkv[(units.shape[0], H)](q, k, v, s, lc, zprev, zend, p, do, dS, c, dhk, dhv,
+                                          dhc, dk, dv, ds, ds_part, plan.cu, plan.boff, units,
+                                          plan.scale, H, K, V, M, SIDES=sides, **launch)
     return dq, dk, dv, ds, (dc0, dk0, dv0)
 
 

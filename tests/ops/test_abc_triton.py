@@ -87,23 +87,28 @@ def test_on_gpu():
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-@pytest.mark.parametrize("stages, sub, half_dots, diag3, split, factors", [
-    (2, 16, True, False, False, True), (3, 16, True, False, False, True),
-    (0, 32, True, False, False, True), (0, 16, False, False, False, True),
-    (0, 16, True, True, False, True), (0, 16, True, False, True, True),
-    (2, 16, True, True, True, True), (0, 16, True, False, False, False)])
-def test_kernel_variants_on_gpu(monkeypatch, stages, sub, half_dots, diag3, split, factors):
+@pytest.mark.parametrize("stages, sub, half_dots, diag3, split, factors, whole", [
+    (2, 16, True, False, False, True, False), (3, 16, True, False, False, True, False),
+    (0, 32, True, False, False, True, False), (0, 16, False, False, False, True, False),
+    (0, 16, True, True, False, True, False), (0, 16, True, False, True, True, False),
+    (2, 16, True, True, True, True, False), (0, 16, True, False, False, False, False),
+    (2, 16, True, False, False, True, True), (0, 16, True, False, True, True, True),
+    (0, 16, False, False, False, True, True)])
+def test_kernel_variants_on_gpu(monkeypatch, stages, sub, half_dots, diag3, split, factors,
+                                whole):
     """The launch variants benchmarks/gpu_profile.py times, against the reference: the scans'
     `for` form (software-pipelined when compiled; the interpreter runs only the `while`
     form), sub-blocks of 32 rows, TF32 products for bf16 inputs, diagonal blocks in one
-    step, the backward's dk / dv in two launches, the own blocks without their factors.
-    Several chunks, bf16, and a packed batch of 1, 129, 1 and 269 tokens."""
+    step, the backward's dk / dv in two launches, the own blocks without their factors, each
+    chunk in sub-blocks or (whole) the chunks exact as factors whole. Several chunks, bf16,
+    and a packed batch of 1, 129, 1 and 269 tokens."""
     monkeypatch.setattr(abc_chunk, "STATE_STAGES", stages)
     monkeypatch.setattr(abc_chunk, "SUB_ROWS", dict.fromkeys(abc_chunk.SUB_ROWS, sub))
     monkeypatch.setattr(abc_chunk, "HALF_DOTS", half_dots)
     monkeypatch.setattr(abc_chunk, "DIAG_3D", tuple(abc_chunk.SUB_WARPS) if diag3 else ())
     monkeypatch.setattr(abc_chunk, "SPLIT_DKV", split)
     monkeypatch.setattr(abc_chunk, "FACTOR_DIAG", abc_chunk.FACTOR_DIAG if factors else ())
+    monkeypatch.setattr(abc_chunk, "WHOLE_CHUNKS", abc_chunk.WHOLE_CHUNKS if whole else ())
     xs = make_inputs(B=2, T=300, H=3, K=64, V=40, M=24, seed=4)
     want = run(abc_chunked, xs, torch.float64)
     assert_all_close(run(abc_chunk_triton, xs, torch.float32), want, atol=1e-4, rtol=1e-4)
@@ -160,13 +165,16 @@ def test_gradients_through_the_final_state_only():
         torch.testing.assert_close(a.double(), b, **F32)
 
 
-@pytest.mark.parametrize("diag3, split", [(True, False), (False, True), (True, True)])
-def test_kernel_variants(monkeypatch, diag3, split):
+@pytest.mark.parametrize("diag3, split, whole", [(True, False, False), (False, True, False),
+                                                 (True, True, False), (False, True, True)])
+def test_kernel_variants(monkeypatch, diag3, split, whole):
     """DIAG_3D: each sub-block's own block as one [BC, BC, M] tile instead of a loop over its
-    tokens; SPLIT_DKV: the backward's dk / dv / ds in two launches. Several chunks and
-    sub-blocks, a packed batch, bf16 operands, logits of 1e3."""
+    tokens; SPLIT_DKV: the backward's dk / dv / ds in two launches; every chunk in sub-blocks,
+    or (whole) the chunks exact as factors whole. Several chunks and sub-blocks, a packed
+    batch, bf16 operands, logits of 1e3."""
     monkeypatch.setattr(abc_chunk, "DIAG_3D", tuple(abc_chunk.SUB_WARPS) if diag3 else ())
     monkeypatch.setattr(abc_chunk, "SPLIT_DKV", split)
+    monkeypatch.setattr(abc_chunk, "WHOLE_CHUNKS", abc_chunk.WHOLE_CHUNKS if whole else ())
     for kernel in abc_chunk.SUB_WARPS:  # at most DIAG_3D_MAX numbers a tile
         assert abc_chunk._diag3(kernel, 64, 16) == diag3 and not abc_chunk._diag3(kernel, 65, 16)
     check_launch_choices(37, (16, 32), [0, 1, 20, 45])
@@ -200,13 +208,14 @@ def check_launch_choices(T: int, chunks: tuple[int, ...], bounds: list[int], *, 
     ({"_fwd_output": 32, "_bwd_dq": 32, "_bwd_dkv": 32}, True),
     ({"_fwd_output": 16, "_bwd_dq": 32, "_bwd_dkv": 16}, True)])
 def test_sub_blocks_of_32_rows(monkeypatch, rows, diag3):
-    """SUB_ROWS: sub-blocks of 32 rows, in every sub-block kernel or in some (each kernel
-    splits the chunk its own way), their diagonal blocks as loops or in one step (DIAG_3D_MAX
+    """SUB_ROWS: sub-blocks of 32 rows (every chunk in sub-blocks), in every sub-block kernel
+    or in some (each kernel splits the chunk its own way), their diagonal blocks as loops or in one step (DIAG_3D_MAX
     raised to hold [32, 32, 16]); chunks of 32 (one sub-block) and 64 (two), lengths that are
     not multiples of 32 (75; packed 1, 39 and 67), fp32, and where the diagonal blocks are taken
     in one step also bf16 and logits of 1e3 (the loops' slow interpretation takes those at 16
     rows, test_kernel_variants)."""
     monkeypatch.setattr(abc_chunk, "SUB_ROWS", rows)
+    monkeypatch.setattr(abc_chunk, "WHOLE_CHUNKS", ())
     monkeypatch.setattr(abc_chunk, "DIAG_3D", tuple(rows) if diag3 else ())
     monkeypatch.setattr(abc_chunk, "DIAG_3D_MAX", 32 * 32 * 16)
     assert abc_chunk._rows("_fwd_output", 16) == 16  # never more than the chunk
@@ -223,23 +232,41 @@ def test_large_logits():
 
 @pytest.mark.filterwarnings("ignore:overflow:RuntimeWarning", "ignore:invalid value:RuntimeWarning")
 @pytest.mark.parametrize("diag3", [False, True])
-def test_sub_blocks_own_block_as_factors_and_where_they_would_overflow(monkeypatch, diag3):
-    """Logits rising by δ a token, so that log_z grows by about 15 δ over a sub-block of 16:
-    δ = 2.6 in the first chunk (39, just inside the limit: each sub-block's own block as dots
-    of the factors u = exp(s - r), v = exp(r - a)), 7 in the second (105: token by token, or
-    in one step), against the float64 reference. With the limit lifted the second chunk's
-    factors overflow float32: the limit is what keeps them exact."""
+def test_whole_chunks_where_factors_are_exact_sub_blocks_elsewhere(monkeypatch, diag3):
+    """Chunks of 64 with logits rising by δ a token, so that log_z grows by about 63 δ over a
+    chunk and 15 δ over a sub-block of 16: δ = 1 in the first chunk (about 63, under the limit
+    of 80, each factor within e^±32 about the midway r: one program takes the chunk whole, its
+    own block as dots of the factors u = exp(s - r), v = exp(r - a)), 4.5 in the second (about
+    284 over the chunk, 68 over each sub-block: sub-blocks, each as factors), 7 in the third
+    (105 a sub-block: token by token, or in one step), against the float64 reference with
+    every gradient. The whole-chunk launch alone
+    writes the first chunk only, the sub-blocks' launch the others only (buffers start as NaN).
+    With the limit lifted the whole-chunk launch takes every chunk and the factors of the
+    second and third overflow float32: the limit is what keeps them exact."""
     monkeypatch.setattr(abc_chunk, "DIAG_3D", tuple(abc_chunk.SUB_ROWS) if diag3 else ())
-    xs = make_inputs(B=1, T=128, H=1, M=4)
-    rise = torch.cat((torch.full((64,), 2.6), torch.full((64,), 7.0))).double().to(DEVICE)
+    xs = make_inputs(B=1, T=192, H=1, M=4)
+    rise = torch.cat([torch.full((64,), d) for d in (1.0, 4.5, 7.0)]).double().to(DEVICE)
     xs[3] = (torch.cumsum(rise, 0)[None, :, None, None] + 0.1 * xs[3]).float().double()
     want = run(abc_reference, xs, torch.float64)
-    got = run(abc_chunk_triton, xs, torch.float32, chunk_size=64)
-    assert_all_close(got, want, atol=1e-4, rtol=1e-4)
+    assert_all_close(run(abc_chunk_triton, xs, torch.float32, chunk_size=64), want,
+                     atol=1e-4, rtol=1e-4)
+
+    def output():
+        return abc_chunk_triton(*(x.float() for x in xs[:4]), chunk_size=64,
+                                initial_state=ABCState(*(x.float() for x in xs[4:])))[0]
+
+    launches = abc_chunk._sub_launches
+    for units, written in (("whole", slice(0, 64)), ("rest", slice(64, 192))):
+        monkeypatch.setattr(abc_chunk, "_sub_launches", lambda *a, units=units: [
+            (idx, kw) for idx, kw in launches(*a) if kw["UNITS"] == units])
+        o = output().double()
+        torch.testing.assert_close(o[:, written], want[0][:, written], atol=1e-4, rtol=1e-4)
+        assert o.isnan().sum() == o.numel() - o[:, written].numel()
+    monkeypatch.setattr(abc_chunk, "_sub_launches", launches)
 
     monkeypatch.setattr(abc_chunk, "_FACTOR_SPAN", abc_chunk.tl.constexpr(1e4))
-    o = abc_chunk_triton(*(x.float() for x in xs[:4]), chunk_size=64)[0]
-    assert torch.isfinite(o[:, :64]).all() and not torch.isfinite(o[:, 64:]).all()
+    o = output()
+    assert torch.isfinite(o[:, :64]).all() and not torch.isfinite(o[:, 64:]).any()
 
 
 def test_varlen_matches_each_sequence():
