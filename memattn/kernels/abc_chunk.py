@@ -104,10 +104,11 @@ most 64 along M and D, 4 warps when every tile side is ≤ 32, else 8; the sub-b
 warps and diagonal-block forms are set per kernel (`SUB_WARPS`, `DIAG_3D`; a [BC, BC, BM]
 tile only up to DIAG_3D_MAX numbers, so at BC = 32 and M = 32 the diagonal block is a loop
 unless DIAG_3D_MAX is raised). Loads are upcast to fp32 and the elementwise work (exp,
-log-sum-exp, decays) is fp32; every tl.dot accumulates in fp32. Its operands are fp32 for fp32 inputs (IEEE precision)
-and, for inputs all in bf16 or all in fp16, rounded to that dtype (`HALF_DOTS`; TF32 for
-mixed inputs or with HALF_DOTS off), as flash-linear-attention's kernels and
-memattn/kernels/linear.py do. Sequential loops over chunks are `while` loops (their
+log-sum-exp, decays) is fp32; every tl.dot accumulates in fp32. Its operands are fp32 for
+fp32 inputs (IEEE precision) and, for inputs all in bf16 or all in fp16, rounded to that dtype
+(`HALF_DOTS`; TF32 for mixed inputs or with HALF_DOTS off), as flash-linear-attention's
+kernels and memattn/kernels/linear.py do, but for the dots that hold a block's factors: fp32
+operands, TF32 products (`_factor_dot`). Sequential loops over chunks are `while` loops (their
 count is read from cu_seqlens, which the interpreter cannot take as the bound of a `range`;
 see memattn/kernels/__init__.py). The scans also have a `for` form that compiled Triton
 software-pipelines (STAGES > 0, `STATE_STAGES`, 3); compiled for sm_90 it issues
@@ -174,13 +175,13 @@ FACTOR_DIAG = ("_fwd_output", "_bwd_dq")
 WHOLE_CHUNKS = ("_fwd_output", "_bwd_dq", "_bwd_dkv")
 # Warps of each kernel's whole-chunk launch, when its widest tile side is at most 64 and 128:
 # compiled for sm_90 (bf16, D 64-128, M 32-64; benchmarks/results/sm_90/whole-chunks), 8 warps
-# is the fewest at which `_fwd_output` and `_bwd_dq` spill nothing but 16 bytes a thread in
-# `_bwd_dq` at D = 128, M = 64 (4 warps: up to 208); at 16 a thread has at most 128 registers
-# and most spill.
+# take `_fwd_output` and `_bwd_dq` to 200-255 registers a thread, spilling nothing at M = 32
+# and up to 36 bytes at M = 64 (4 warps: up to 596); at 16 a thread has at most 128 registers
+# and all spill.
 WHOLE_WARPS = {"_fwd_output": (8, 8), "_bwd_dq": (8, 8), "_bwd_dkv": (8, 8)}
 # `_bwd_dkv`'s whole-chunk launch in two, the keys' side then the values' (`SPLIT_DKV` sets
-# the sub-blocks' launch): in one it spills 136-1,020 bytes a thread at 8 warps, each side
-# alone nothing up to D = 128, M = 32 (144 and 4 bytes at D = 128, M = 64).
+# the sub-blocks' launch): in one it spills 160-1,160 bytes a thread at 8 warps, each side
+# alone nothing up to D = 128, M = 32 (56 and 48 bytes at D = 128, M = 64).
 WHOLE_SPLIT_DKV = True
 # Software-pipelining stages of the short scans over chunks (0: the while form); 3 was the
 # fastest for the earlier scans, which did each chunk's whole work in order.
@@ -192,13 +193,11 @@ _INTERPRETED = tl.constexpr(interpreting())
 _NEG = tl.constexpr(-1e30)  # logit of padding: exp(_NEG - x) = 0, logaddexp(x, _NEG) = x
 _POS = tl.constexpr(1e30)  # log-normaliser of padding: exp(x - _POS) = 0
 # A block's own weights are taken as dots of their factors while log_z grows by less than this
-# over it (`_diag_factors`), else token by token. Each factor is then within e^±(span / 2):
-# e^40 is far from float32's and bfloat16's overflow, and the dots' entries above the
-# diagonal, masked after the dot, reach e^80 (times M and the scores), still finite; with
-# float16 operands, e^4 stays below their largest (65,504) and e^-4 above their smallest
-# normal number (6.1e-5), and a factor rounded to 0 loses a weight under e^-12.6.
+# over it (`_diag_factors`), else token by token. Each factor is then within e^±(span / 2),
+# and the dots that hold factors take fp32 operands whatever the inputs (`_factor_dot`): e^40
+# is far from float32's overflow, and the dots' entries above the diagonal, masked after the
+# dot, reach e^80 (times M and the scores), still finite.
 _FACTOR_SPAN = tl.constexpr(80.0)
-_FACTOR_SPAN_FP16 = tl.constexpr(8.0)
 
 
 # --------------------------------------------------------------------------------------
@@ -319,17 +318,27 @@ def _chunk_decay(lc, b_zp, rows, r_ok, i_h, H, M, o_m):
 def _growth(lc, b_zp, first, last, i_h, H, M, o_m):
     """How much a = log_z grows from row `first` to row `last` of one chunk, in the slot where
     it grows most. The weights among those rows are exact as dots of their factors
-    (`_diag_factors`) while it is under _FACTOR_SPAN (_FACTOR_SPAN_FP16 for float16 dots:
-    `_factor_limit`). a grows along the rows, so its first and last rows bound it."""
+    (`_diag_factors`) while it is under _FACTOR_SPAN. a grows along the rows, so its first and
+    last rows bound it."""
     grow = (_log_z_row(lc, b_zp, last, True, i_h, H, M, o_m)
             - _log_z_row(lc, b_zp, first, True, i_h, H, M, o_m))  # 0 in padded slots
     return tl.max(grow, 0)
 
 
 @triton.jit
-def _factor_limit(PREC: tl.constexpr):
-    """The growth of log_z over a block under which its factors are exact (`_diag_factors`)."""
-    return _FACTOR_SPAN_FP16 if PREC == "fp16" else _FACTOR_SPAN
+def _factor_dot(a, b, PREC: tl.constexpr):
+    """a @ b where a or b holds factors of a block's weights (`_diag_factors`, up to e^±40):
+    fp32 operands, TF32 products for half inputs (`_dot`). Half operands would overflow
+    (fp16) or round the weights they form to 8 bits (bf16: measured in the interpreter, which
+    truncates and multiplies TF32 operands in full fp32: bf16 inputs, T = 192, K = V = 64,
+    M = 32, relative L2 error against the float64 reference over 3 seeds, whole chunks with
+    bf16 operands here o 1.2e-2, dq 2.6e-2, dk 2.8e-2, token by token 7.2e-3, 1.4e-2, 1.8e-2,
+    with fp32 operands 6.9e-3, 1.7e-2, 1.8e-2)."""
+    if PREC == "ieee":
+        out = _dot(a, b, "ieee")
+    else:
+        out = _dot(a, b, "tf32")
+    return out
 
 
 @triton.jit
@@ -344,9 +353,9 @@ def _takes(lc, b_zp, t0, bos, eos, i_h, H, M, o_m, BT: tl.constexpr, UNITS: tl.c
         first = bos + (t0 - bos) // BT * BT
         grow = _growth(lc, b_zp, first, tl.minimum(first + BT, eos) - 1, i_h, H, M, o_m)
         if UNITS == "whole":
-            ok = grow < _factor_limit(PREC)
+            ok = grow < _FACTOR_SPAN
         else:
-            ok = grow >= _factor_limit(PREC)
+            ok = grow >= _FACTOR_SPAN
     return ok
 
 
@@ -505,14 +514,14 @@ def _diag_factors(b_s, b_a, r_ok, PREC: tl.constexpr):
     """A block's own weights φ[t, i][m] = exp(s_i[m] - a_t[m]) (i ≤ t) as u_i[m] v_t[m]:
     b_s [R, BM] its logits, b_a [R, BM] its a (_NEG and _POS where masked) -> (u = exp(s - r),
     v = exp(r - a)), r midway between a at its first row and at its last (a grows along the
-    rows). Exact while log_z grows by less than `_factor_limit` over its rows (`_growth`):
+    rows). Exact while log_z grows by less than _FACTOR_SPAN over its rows (`_growth`):
     then u ≤ e^(limit / 2) (s_i ≤ a_i) and e^-(limit / 2) ≤ v ≤ e^(limit / 2), and the block
     is a masked dot of the factors instead of a pass per token."""
     b_lo = tl.min(tl.where(r_ok[:, None], b_a, _POS), 0)  # [BM]
     b_hi = tl.max(tl.where(r_ok[:, None], b_a, _NEG), 0)
     b_r = tl.where(b_lo < b_hi, 0.5 * (b_lo + b_hi), b_lo)  # a padded slot: _POS throughout
     # the cap binds only where inexact
-    b_u = tl.exp(tl.minimum(b_s - b_r[None, :], 0.5 * _factor_limit(PREC)))
+    b_u = tl.exp(tl.minimum(b_s - b_r[None, :], 0.5 * _FACTOR_SPAN))
     return b_u, tl.exp(b_r[None, :] - b_a)
 
 
@@ -548,7 +557,7 @@ def _keys_to_slots(b_x, b_h, decay, y, s, lc, b_zp, b_a, t0, eos, bos, j0, i_s, 
         b_out += _factor_keys(b_xy, s, b_a, rows, eos, i_h, H, M, o_c, o_m, PREC)
     elif OWN == "either":
         if _growth(lc, b_zp, t0, tl.minimum(t0 + BC, eos) - 1, i_h, H, M, o_m) \
-                < _factor_limit(PREC):
+                < _FACTOR_SPAN:
             b_out += _factor_keys(b_xy, s, b_a, rows, eos, i_h, H, M, o_c, o_m, PREC)
         else:
             b_out += _own_keys(b_xy, s, b_a, t0, eos, i_h, H, M, o_c, o_m, BC, DIAG3)
@@ -562,7 +571,7 @@ def _factor_keys(b_xy, s, b_a, rows, eos, i_h, H, M, o_c, o_m, PREC: tl.constexp
     """The own block of `_keys_to_slots` as a masked dot of its factors (`_diag_factors`)."""
     b_u, b_v = _diag_factors(_tile(s, rows, rows < eos, i_h, H, M, o_m, _NEG), b_a, rows < eos,
                              PREC)
-    return b_v * _dot(tl.where(o_c[:, None] >= o_c[None, :], b_xy, 0.0), b_u, PREC)
+    return b_v * _factor_dot(tl.where(o_c[:, None] >= o_c[None, :], b_xy, 0.0), b_u, PREC)
 
 
 @triton.jit
@@ -607,7 +616,7 @@ def _slots_to_values(b_w, b_h, decay, y, s, lc, b_zp, b_a, t0, eos, bos, j0, i_s
         b_out += _factor_values(b_w, y, s, b_a, rows, eos, i_h, H, D, M, o_c, o_d, o_m, PREC)
     elif OWN == "either":
         if _growth(lc, b_zp, t0, tl.minimum(t0 + BC, eos) - 1, i_h, H, M, o_m) \
-                < _factor_limit(PREC):
+                < _FACTOR_SPAN:
             b_out += _factor_values(b_w, y, s, b_a, rows, eos, i_h, H, D, M, o_c, o_d, o_m,
                                     PREC)
         else:
@@ -624,7 +633,7 @@ def _factor_values(b_w, y, s, b_a, rows, eos, i_h, H, D, M, o_c, o_d, o_m, PREC:
     """The own block of `_slots_to_values` as masked dots of its factors (`_diag_factors`)."""
     b_u, b_v = _diag_factors(_tile(s, rows, rows < eos, i_h, H, M, o_m, _NEG), b_a, rows < eos,
                              PREC)
-    b_g = _dot(b_w * b_v, tl.trans(b_u), PREC)  # [BC (t), BC (i)]
+    b_g = _factor_dot(b_w * b_v, tl.trans(b_u), PREC)  # [BC (t), BC (i)]
     return _dot(tl.where(o_c[:, None] >= o_c[None, :], b_g, 0.0),
                 _tile(y, rows, rows < eos, i_h, H, D, o_d, 0.0), PREC)
 
@@ -925,13 +934,15 @@ def _bwd_dkv(q, k, v, s, lc, zprev, zend, p, do, dS, c, dhk, dhv, dhc, dk, dv, d
             if SIDES != 2:
                 b_wdS = b_w * _tile(dS, rows, r_ok, i_h, H, M, o_m, 0.0)  # [BC (t), BM]
                 b_wc = b_w * _tile(c, rows, r_ok, i_h, H, M, o_m, 0.0)
-                b_dk += _dot(tl.where(later, _dot(b_u, tl.trans(b_wdS), PREC), 0.0), b_qs, PREC)
-                b_ds += b_u * (_dot(tl.where(later, b_kq, 0.0), b_wdS, PREC)
-                               - _dot(tl.where(later, 1.0, 0.0), b_wc, PREC))
+                b_dk += _dot(tl.where(later, _factor_dot(b_u, tl.trans(b_wdS), PREC), 0.0),
+                             b_qs, PREC)
+                b_ds += b_u * (_factor_dot(tl.where(later, b_kq, 0.0), b_wdS, PREC)
+                               - _factor_dot(tl.where(later, 1.0, 0.0), b_wc, PREC))
             if SIDES != 1:
                 b_wp = b_w * _tile(p, rows, r_ok, i_h, H, M, o_m, 0.0)
-                b_dv += _dot(tl.where(later, _dot(b_u, tl.trans(b_wp), PREC), 0.0), b_do, PREC)
-                b_ds += b_u * _dot(tl.where(later, b_vdo, 0.0), b_wp, PREC)
+                b_dv += _dot(tl.where(later, _factor_dot(b_u, tl.trans(b_wp), PREC), 0.0),
+                             b_do, PREC)
+                b_ds += b_u * _factor_dot(tl.where(later, b_vdo, 0.0), b_wp, PREC)
         elif DIAG3:  # φ [t, i, m] with t the reading token (the rows of the tiles below)
             b_phi = _diag_phi(s, _log_z(lc, b_zp, rows, r_ok, i_h, H, M, o_m), rows, eos, i_h, H, M,
                               o_c, o_m)

@@ -269,6 +269,28 @@ def test_whole_chunks_where_factors_are_exact_sub_blocks_elsewhere(monkeypatch, 
     assert torch.isfinite(o[:, :64]).all() and not torch.isfinite(o[:, 64:]).any()
 
 
+def test_factor_forms_lose_no_more_than_token_by_token_in_bf16(monkeypatch):
+    """bf16 inputs: the own blocks as dots of their factors (whole chunks, and sub-blocks) are
+    within 1.5x of the token-by-token form's error against the float64 reference, in o and in
+    every gradient (relative L2 error). The factors reach e^±40 and their products are weights:
+    with bf16 operands they were 1.6-1.8x in o, dq and dk (`abc_chunk._factor_dot`)."""
+    xs = make_inputs(B=1, T=128, H=2, K=32, V=32, M=16, dtype=torch.bfloat16, seed=7)
+    xs[0] = (xs[0] * 2).to(torch.bfloat16).double()  # larger scores
+    want = run(abc_reference, xs, torch.float64, with_state=False)
+
+    def errors(whole, factors):
+        monkeypatch.setattr(abc_chunk, "WHOLE_CHUNKS", whole)
+        monkeypatch.setattr(abc_chunk, "FACTOR_DIAG", factors)
+        got = run(abc_chunk_triton, xs, torch.bfloat16, with_state=False, chunk_size=64)
+        return [((a.double() - b).norm() / b.norm()).item() for a, b in zip(got, want)]
+
+    defaults = abc_chunk.WHOLE_CHUNKS, abc_chunk.FACTOR_DIAG
+    tokens = errors((), ())
+    for whole, factors in (defaults, ((), defaults[1])):
+        for name, e, e0 in zip(NAMES, errors(whole, factors), tokens):
+            assert e <= 1.5 * e0, (name, e, e0, whole)
+
+
 def test_varlen_matches_each_sequence():
     """Three packed sequences (1, 19 and 25 tokens), each from its own initial state."""
     bounds = [0, 1, 20, 45]
