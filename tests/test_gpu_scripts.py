@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import math
 import os
 import re
 import subprocess
@@ -326,3 +327,43 @@ def test_profile_sets_each_kernel_against_its_bound():
     text = profile.markdown(res)
     assert f"| `_bwd_dkv` | 2.000 | 1 | 80 % | {bound:.3f} | {100 * bound / 2:.0f} % |" in text
     assert "the op's inputs and outputs alone" in text
+
+
+@pytest.mark.usefixtures("nan_empty")
+def test_whole_chunks_growth_is_the_kernels_test():
+    """benchmarks/whole_chunks.py's growth of log_z over chunks of 64: closed forms (equal
+    logits: a_t = log(t + 1), or log(e^z0 + t + 1) after a memory; GSA: minus the sum of the
+    clamped log gates after a chunk's first token), and the chunks it puts under the limit are
+    those the kernels' whole-chunk launch alone writes (buffers start as NaN)."""
+    pytest.importorskip("triton", reason="the kernels' module imports triton")
+    from memattn.kernels import abc_chunk, kernels_supported
+    from memattn.kernels.gsa_chunk import GATE_FLOOR
+
+    chunks = load("whole_chunks")
+    s = torch.zeros(1, 128, 1, 3)
+    torch.testing.assert_close(chunks.abc_growth(s, None),
+                               torch.tensor([[[math.log(64), math.log(128 / 65)]]]))
+    z0 = torch.full((1, 1, 3), math.log(10.0))
+    torch.testing.assert_close(chunks.abc_growth(s, z0),
+                               torch.tensor([[[math.log(74 / 11), math.log(138 / 75)]]]))
+    g = torch.full((1, 128, 1, 3), -0.1)
+    g[:, 64:] = -50.0  # clamped to GATE_FLOOR
+    torch.testing.assert_close(chunks.gsa_growth(g, GATE_FLOOR),
+                               torch.tensor([[[6.3, -63 * GATE_FLOOR]]]))
+
+    rise = torch.cat((torch.full((64,), 1.0), torch.full((64,), 2.0)))  # about 63, then 126
+    s = torch.cumsum(rise, 0)[None, :, None, None].expand(1, 128, 1, 4).contiguous()
+    growth = chunks.abc_growth(s, None)[0, 0]
+    assert growth[0] < abc_chunk._FACTOR_SPAN.value < growth[1]
+    q, k, v = (torch.randn(1, 128, 1, 16, generator=torch.Generator().manual_seed(i))
+               for i in range(3))
+    if not kernels_supported(q):
+        pytest.skip("the kernels need a GPU or Triton's interpreter")
+    launches = abc_chunk._sub_launches
+    try:
+        abc_chunk._sub_launches = lambda *a: [(i, kw) for i, kw in launches(*a)
+                                              if kw["UNITS"] == "whole"]
+        o = abc_chunk.abc_chunk_triton(q, k, v, s, chunk_size=64)[0]
+    finally:
+        abc_chunk._sub_launches = launches
+    assert torch.isfinite(o[:, :64]).all() and o[:, 64:].isnan().all()
