@@ -173,6 +173,11 @@ FACTOR_DIAG = ("_fwd_output", "_bwd_dq")
 # loaded once; a second launch takes the other chunks in sub-blocks of `SUB_ROWS`, as a kernel
 # not named here takes every chunk.
 WHOLE_CHUNKS = ("_fwd_output", "_bwd_dq", "_bwd_dkv")
+# The dots' precisions (`_precision`) for which they do: bf16 and fp16 inputs. With fp32
+# inputs (IEEE dots, no tensor cores) the whole-chunk kernels compiled for sm_90 at 8 warps
+# spill 1-55 KB a thread where the sub-block ones spill at most 20 bytes at D = 64 and 1.1 KB
+# at D = 128 (M = 32; benchmarks/results/sm_90/whole-chunks-fp32).
+WHOLE_PRECISIONS = ("bf16", "fp16")
 # Warps of each kernel's whole-chunk launch, when its widest tile side is at most 64 and 128:
 # compiled for sm_90 (bf16, D 64-128, M 32-64; benchmarks/results/sm_90/whole-chunks), 8 warps
 # take `_fwd_output` and `_bwd_dq` to 200-255 registers a thread, spilling nothing at M = 32
@@ -1096,16 +1101,18 @@ def _sub_launches(kernel: str, plan: _Plan, K: int, V: int,
                   M: int) -> list[tuple[torch.Tensor, dict]]:
     """The launches of sub-block kernel `kernel`: each its units ([units, 2], `_units`: its
     grid's first axis and its sub_idx argument) and its tile sizes, precision and launch
-    choices. A kernel of `WHOLE_CHUNKS`: the chunks exact as factors whole, then the others'
-    sub-blocks (UNITS "whole", "rest": `_takes`); else every sub-block ("sub")."""
+    choices. A kernel of `WHOLE_CHUNKS` at a precision of `WHOLE_PRECISIONS`: the chunks exact
+    as factors whole, then the others' sub-blocks (UNITS "whole", "rest": `_takes`); else
+    every sub-block ("sub")."""
     rows = _rows(kernel, plan.chunk)
     blocks = {"BK": _pad(K), "BV": _pad(V), "BM": _pad(M), "BT": plan.chunk,
               "PREC": plan.precision}
     either = "either" if kernel in FACTOR_DIAG else "tokens"
+    whole_too = kernel in WHOLE_CHUNKS and plan.precision in WHOLE_PRECISIONS
     sub = (_sub_blocks(plan.bounds, rows, plan.cu.device),
            {**blocks, "BC": rows, "DIAG3": _diag3(kernel, M, rows),
             "OWN": "tokens" if kernel == "_bwd_dkv" else either,
-            "UNITS": "rest" if kernel in WHOLE_CHUNKS else "sub",
+            "UNITS": "rest" if whole_too else "sub",
             "num_warps": _warps(kernel, _pad(K), _pad(V), _pad(M))})
     whole = (plan.chunk_idx, {**blocks, "BC": plan.chunk, "DIAG3": False, "OWN": "factors",
                               "UNITS": "whole",
@@ -1113,7 +1120,7 @@ def _sub_launches(kernel: str, plan: _Plan, K: int, V: int,
     if kernel == "_bwd_dkv":  # the SIDES of each launch (`_bwd_dkv`)
         sub[1]["SIDES"] = (1, 2) if SPLIT_DKV else (0,)
         whole[1]["SIDES"] = (1, 2) if WHOLE_SPLIT_DKV else (0,)
-    return [whole, sub] if kernel in WHOLE_CHUNKS else [sub]
+    return [whole, sub] if whole_too else [sub]
 
 
 def _forward(q, k, v, s, lz0, k0, v0, plan: _Plan, reset: bool = False):

@@ -31,6 +31,9 @@ if DEVICE == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
 pytestmark = pytest.mark.usefixtures("nan_empty")
 
 F32 = {"atol": 2e-5, "rtol": 2e-5}
+# abc_chunk.WHOLE_PRECISIONS widened to every dot precision: the whole-chunk launches run
+# fp32 inputs too, where their math is checked at fp32's tolerances.
+EVERY_PRECISION = ("ieee", "tf32", "bf16", "fp16")
 HALF = {"atol": 4e-2, "rtol": 4e-2}
 
 
@@ -109,6 +112,7 @@ def test_kernel_variants_on_gpu(monkeypatch, stages, sub, half_dots, diag3, spli
     monkeypatch.setattr(abc_chunk, "SPLIT_DKV", split)
     monkeypatch.setattr(abc_chunk, "FACTOR_DIAG", abc_chunk.FACTOR_DIAG if factors else ())
     monkeypatch.setattr(abc_chunk, "WHOLE_CHUNKS", abc_chunk.WHOLE_CHUNKS if whole else ())
+    monkeypatch.setattr(abc_chunk, "WHOLE_PRECISIONS", EVERY_PRECISION)
     xs = make_inputs(B=2, T=300, H=3, K=64, V=40, M=24, seed=4)
     want = run(abc_chunked, xs, torch.float64)
     assert_all_close(run(abc_chunk_triton, xs, torch.float32), want, atol=1e-4, rtol=1e-4)
@@ -175,6 +179,7 @@ def test_kernel_variants(monkeypatch, diag3, split, whole):
     monkeypatch.setattr(abc_chunk, "DIAG_3D", tuple(abc_chunk.SUB_WARPS) if diag3 else ())
     monkeypatch.setattr(abc_chunk, "SPLIT_DKV", split)
     monkeypatch.setattr(abc_chunk, "WHOLE_CHUNKS", abc_chunk.WHOLE_CHUNKS if whole else ())
+    monkeypatch.setattr(abc_chunk, "WHOLE_PRECISIONS", EVERY_PRECISION)
     for kernel in abc_chunk.SUB_WARPS:  # at most DIAG_3D_MAX numbers a tile
         assert abc_chunk._diag3(kernel, 64, 16) == diag3 and not abc_chunk._diag3(kernel, 65, 16)
     check_launch_choices(37, (16, 32), [0, 1, 20, 45])
@@ -244,6 +249,7 @@ def test_whole_chunks_where_factors_are_exact_sub_blocks_elsewhere(monkeypatch, 
     With the limit lifted the whole-chunk launch takes every chunk and the factors of the
     second and third overflow float32: the limit is what keeps them exact."""
     monkeypatch.setattr(abc_chunk, "DIAG_3D", tuple(abc_chunk.SUB_ROWS) if diag3 else ())
+    monkeypatch.setattr(abc_chunk, "WHOLE_PRECISIONS", EVERY_PRECISION)
     xs = make_inputs(B=1, T=192, H=1, M=4)
     rise = torch.cat([torch.full((64,), d) for d in (1.0, 4.5, 7.0)]).double().to(DEVICE)
     xs[3] = (torch.cumsum(rise, 0)[None, :, None, None] + 0.1 * xs[3]).float().double()
@@ -267,6 +273,17 @@ def test_whole_chunks_where_factors_are_exact_sub_blocks_elsewhere(monkeypatch, 
     monkeypatch.setattr(abc_chunk, "_FACTOR_SPAN", abc_chunk.tl.constexpr(1e4))
     o = output()
     assert torch.isfinite(o[:, :64]).all() and not torch.isfinite(o[:, 64:]).any()
+
+
+def test_whole_chunks_for_half_inputs_only():
+    """The sub-block kernels launch over whole chunks, then the rest, for bf16 and fp16 dots;
+    over every sub-block for fp32 inputs (WHOLE_PRECISIONS)."""
+    for precision, units in (("bf16", ["whole", "rest"]), ("fp16", ["whole", "rest"]),
+                             ("ieee", ["sub"]), ("tf32", ["sub"])):
+        plan = abc_chunk._plan([0, 100], 64, 0.25, precision, torch.device(DEVICE))
+        for kernel in abc_chunk.WHOLE_CHUNKS:
+            got = [kw["UNITS"] for _, kw in abc_chunk._sub_launches(kernel, plan, 16, 16, 8)]
+            assert got == units, (precision, kernel)
 
 
 def test_factor_forms_lose_no_more_than_token_by_token_in_bf16(monkeypatch):
