@@ -5,10 +5,10 @@ grows over each chunk of 64 tokens.
         [--models abc-mlp-m32 abc-mlp-m32-recency abc-mlp-m32-forget gsa-m32]
         [--lengths 512 8192] [--sequences 4] [--out benchmarks/results/cpu/whole_chunks]
 
-`memattn.kernels.abc_chunk` takes a chunk in one program, its own block as dots of factors,
-where log_z grows by less than 80 over it (40 if the factors' reference were a at the chunk's
-first token rather than midway along it), and in sub-blocks elsewhere (`WHOLE_CHUNKS`,
-`_growth`, `_diag_factors`). This reads --sequences stretches of each trained model's test
+`memattn.kernels.abc_chunk` takes a chunk of bf16 or fp16 inputs in one program, its own block
+as dots of factors, where log_z grows by less than 80 over it (40 if the factors' reference
+were a at the chunk's first token rather than midway along it), and in sub-blocks elsewhere
+(`WHOLE_CHUNKS`, `WHOLE_PRECISIONS`, `_growth`, `_diag_factors`). This reads --sequences stretches of each trained model's test
 text (the run's own corpus) of every length in --lengths, each read from an empty memory as
 the model reads it (in windows of its max_len, each layer's memory carried on), records every layer's slot logits (ABC_MLP and its write rules: the s the op
 receives) or log gates (gated slot attention), and computes per (sequence, head, chunk) the
