@@ -14,9 +14,9 @@ bf16 on CUDA, forward + backward, inputs [B, T, H, D] as in gpu_kernels.py.
   so that each kernel's launch choices can be taken from the variant that is best for it:
   every chunk in sub-blocks (no whole-chunk launches, `WHOLE_CHUNKS`), the whole-chunk
   launches at 4 or 16 warps (`WHOLE_WARPS`), the backward's whole-chunk dk / dv in one launch
-  (`WHOLE_SPLIT_DKV`), the earlier defaults (8 warps, diagonal
-  blocks as loops, scans as while loops), the blocks of the chunk kernels and the scans
-  (`_fwd_chunks`, `_fwd_scan`, `_bwd_chunks`, `_bwd_scan`) along D capped at 32 and 16, or
+  (`WHOLE_SPLIT_DKV`), the earlier defaults (8 warps, diagonal blocks as loops, scans as
+  while loops), the blocks of the chunk kernels and the scans (`_fwd_chunks`, `_fwd_scan`,
+  `_bwd_chunks`, `_bwd_scan`) along D capped at 32 and 16, or
   along M at 16 and D at 32 (more programs for the scans), 1, 2, 4 or 8 warps for every
   kernel, the scans' chunk loops as while loops or software-pipelined with 2 stages (3 by
   default), sub-blocks of 16 or 32 rows in every sub-block kernel (`SUB_ROWS` sets each
@@ -27,8 +27,8 @@ bf16 on CUDA, forward + backward, inputs [B, T, H, D] as in gpu_kernels.py.
   the diagonal blocks either way), and a sub-block's own block without the dots of its
   factors; each patches `_state_blocks`, `_warps`, `SUB_WARPS`, `SUB_ROWS`, `HALF_DOTS`,
   `DIAG_3D`, `DIAG_3D_MAX`, `FACTOR_DIAG`, `WHOLE_CHUNKS`, `WHOLE_WARPS`, `WHOLE_SPLIT_DKV`,
-  `STATE_STAGES` or `SPLIT_DKV` of `memattn.kernels.abc_chunk` for its run only. `--variants NAME ...` times
-  those alone (default: every one).
+  `STATE_STAGES` or `SPLIT_DKV` of `memattn.kernels.abc_chunk` for its run only.
+  `--variants NAME ...` times those alone (default: every one).
 `--device cpu` runs the same report on the torch form in float32 (no fla, no chunk sizes): a
 check of the script itself on a machine without a GPU.
 On CUDA, each memattn kernel's time is set against its bound from benchmarks/kernel_model.py

@@ -8,15 +8,18 @@ grows over each chunk of 64 tokens.
 `memattn.kernels.abc_chunk` takes a chunk of bf16 or fp16 inputs in one program, its own block
 as dots of factors, where log_z grows by less than 80 over it (40 if the factors' reference
 were a at the chunk's first token rather than midway along it), and in sub-blocks elsewhere
-(`WHOLE_CHUNKS`, `WHOLE_PRECISIONS`, `_growth`, `_diag_factors`). This reads --sequences stretches of each trained model's test
-text (the run's own corpus) of every length in --lengths, each read from an empty memory as
-the model reads it (in windows of its max_len, each layer's memory carried on), records every layer's slot logits (ABC_MLP and its write rules: the s the op
-receives) or log gates (gated slot attention), and computes per (sequence, head, chunk) the
-kernels' test: ABC, a = logaddexp over the logits so far, growth = max over slots of a at the
-chunk's last token minus a at its first; GSA, whose kernels restart log_z at every chunk (its
-gates clamped to memattn.kernels.gsa_chunk.GATE_FLOOR), growth = max over slots of minus the
-sum of the chunk's log gates after its first token. No kernel runs: the figures are the test's
-inputs, on the CPU, fp32. Writes OUT.json and OUT.md.
+(`WHOLE_CHUNKS`, `WHOLE_PRECISIONS`, `_growth`, `_diag_factors`). This reads --sequences
+stretches of each trained model's test text (the run's own corpus) of every length in
+--lengths, each read from an empty memory as the model reads it (in windows of its max_len,
+each layer's memory carried on), records every layer's slot logits (ABC_MLP and its write
+rules: the s the op receives) or log gates (gated slot attention), and computes per
+(sequence, head, chunk) the kernels' test: ABC, a = logaddexp over the logits so far,
+growth = max over slots of a at the chunk's last token minus a at its first; GSA, whose
+kernels restart log_z at every chunk (its gates clamped to
+memattn.kernels.gsa_chunk.GATE_FLOOR), growth = max over slots of minus the sum of the
+chunk's log gates after its first token. Models whose layers differ in attention
+(`model.attention_layers`) are refused. No kernel runs: the figures are the test's inputs,
+on the CPU, fp32. Writes OUT.json and OUT.md.
 """
 
 from __future__ import annotations
@@ -91,6 +94,10 @@ def measure(run: Path, lengths: list[int], sequences: int) -> dict:
     from memattn.train import load_run_corpus, model_from_checkpoint
 
     model, cfg, _ = model_from_checkpoint(run / "checkpoint.safetensors")
+    if cfg.model.attention_layers:  # every layer's op calls are told apart by their order
+        raise SystemExit(f"--models: {run.name} mixes attention kinds by layer "
+                         "(model.attention_layers); this reads models of one kind")
+    n_layers = cfg.model.n_layers
     test = as_tensor(load_run_corpus(cfg).test)
     out = {"model": run.name, "attention": cfg.model.attention.name,
            "train_length": cfg.train.seq_len, "lengths": []}
@@ -100,7 +107,6 @@ def measure(run: Path, lengths: list[int], sequences: int) -> dict:
                              f"than {run.name}'s {len(test):,}")
         idx = test[: sequences * T].view(sequences, T)
         calls = record(model, idx)
-        n_layers = cfg.model.n_layers
         layers = []
         for i in range(n_layers):  # the calls of layer i: every n_layers-th, window by window
             growth = torch.cat([abc_growth(x, z0) if kind == "abc" else gsa_growth(x, GATE_FLOOR)
@@ -120,8 +126,8 @@ def markdown(command: str, models: list[dict]) -> list[str]:
              "Growth of log_z over each chunk of 64 tokens, per (sequence, head, chunk), the "
              "largest over the slots; a chunk is taken whole where it is under the limit "
              "(benchmarks/whole_chunks.py says how it is computed). Test text of each run's "
-             "corpus, each sequence read from an empty memory (past the model's max_len in windows, its "
-             "memory carried on).", "",
+             "corpus, each sequence read from an empty memory (past the model's max_len in "
+             "windows, its memory carried on).", "",
              "| model | T | layer | chunks | median growth | largest | whole, "
              + " | whole, ".join(LIMITS) + " |",
              "|---|---:|---:|---:|---:|---:|" + "---:|" * len(LIMITS)]

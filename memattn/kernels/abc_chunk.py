@@ -320,11 +320,12 @@ def _chunk_decay(lc, b_zp, rows, r_ok, i_h, H, M, o_m):
 
 
 @triton.jit
-def _growth(lc, b_zp, first, last, i_h, H, M, o_m):
-    """How much a = log_z grows from row `first` to row `last` of one chunk, in the slot where
-    it grows most. The weights among those rows are exact as dots of their factors
-    (`_diag_factors`) while it is under _FACTOR_SPAN. a grows along the rows, so its first and
-    last rows bound it."""
+def _growth(lc, b_zp, first, R: tl.constexpr, eos, i_h, H, M, o_m):
+    """How much a = log_z grows over the R rows from `first` of one chunk (those before eos),
+    in the slot where it grows most. The weights among those rows are exact as dots of their
+    factors (`_diag_factors`) while it is under _FACTOR_SPAN. a grows along the rows, so its
+    first and last rows bound it."""
+    last = tl.minimum(first + R, eos) - 1
     grow = (_log_z_row(lc, b_zp, last, True, i_h, H, M, o_m)
             - _log_z_row(lc, b_zp, first, True, i_h, H, M, o_m))  # 0 in padded slots
     return tl.max(grow, 0)
@@ -347,16 +348,14 @@ def _factor_dot(a, b, PREC: tl.constexpr):
 
 
 @triton.jit
-def _takes(lc, b_zp, t0, bos, eos, i_h, H, M, o_m, BT: tl.constexpr, UNITS: tl.constexpr,
-           PREC: tl.constexpr):
+def _takes(lc, b_zp, t0, bos, eos, i_h, H, M, o_m, BT: tl.constexpr, UNITS: tl.constexpr):
     """Whether the program whose rows start at t0 computes them. UNITS "sub": every sub-block
     does; "whole" (one program a chunk): a chunk whose own weights are exact as dots of their
     factors (`_growth` over the chunk); "rest" (sub-blocks): those of the other chunks."""
     if UNITS == "sub":
         ok = t0 >= bos
     else:
-        first = bos + (t0 - bos) // BT * BT
-        grow = _growth(lc, b_zp, first, tl.minimum(first + BT, eos) - 1, i_h, H, M, o_m)
+        grow = _growth(lc, b_zp, bos + (t0 - bos) // BT * BT, BT, eos, i_h, H, M, o_m)
         if UNITS == "whole":
             ok = grow < _FACTOR_SPAN
         else:
@@ -515,13 +514,13 @@ def _diag_phi(s, b_a, rows, eos, i_h, H, M, o_c, o_m):
 
 
 @triton.jit
-def _diag_factors(b_s, b_a, r_ok, PREC: tl.constexpr):
+def _diag_factors(b_s, b_a, r_ok):
     """A block's own weights φ[t, i][m] = exp(s_i[m] - a_t[m]) (i ≤ t) as u_i[m] v_t[m]:
     b_s [R, BM] its logits, b_a [R, BM] its a (_NEG and _POS where masked) -> (u = exp(s - r),
     v = exp(r - a)), r midway between a at its first row and at its last (a grows along the
-    rows). Exact while log_z grows by less than _FACTOR_SPAN over its rows (`_growth`):
-    then u ≤ e^(limit / 2) (s_i ≤ a_i) and e^-(limit / 2) ≤ v ≤ e^(limit / 2), and the block
-    is a masked dot of the factors instead of a pass per token."""
+    rows). Exact while log_z grows by less than _FACTOR_SPAN over its rows (`_growth`): then
+    u ≤ e^(_FACTOR_SPAN / 2) (s_i ≤ a_i) and v within e^±(_FACTOR_SPAN / 2), and the block is
+    a masked dot of the factors instead of a pass per token."""
     b_lo = tl.min(tl.where(r_ok[:, None], b_a, _POS), 0)  # [BM]
     b_hi = tl.max(tl.where(r_ok[:, None], b_a, _NEG), 0)
     b_r = tl.where(b_lo < b_hi, 0.5 * (b_lo + b_hi), b_lo)  # a padded slot: _POS throughout
@@ -561,8 +560,7 @@ def _keys_to_slots(b_x, b_h, decay, y, s, lc, b_zp, b_a, t0, eos, bos, j0, i_s, 
     if OWN == "factors":
         b_out += _factor_keys(b_xy, s, b_a, rows, eos, i_h, H, M, o_c, o_m, PREC)
     elif OWN == "either":
-        if _growth(lc, b_zp, t0, tl.minimum(t0 + BC, eos) - 1, i_h, H, M, o_m) \
-                < _FACTOR_SPAN:
+        if _growth(lc, b_zp, t0, BC, eos, i_h, H, M, o_m) < _FACTOR_SPAN:
             b_out += _factor_keys(b_xy, s, b_a, rows, eos, i_h, H, M, o_c, o_m, PREC)
         else:
             b_out += _own_keys(b_xy, s, b_a, t0, eos, i_h, H, M, o_c, o_m, BC, DIAG3)
@@ -574,8 +572,7 @@ def _keys_to_slots(b_x, b_h, decay, y, s, lc, b_zp, b_a, t0, eos, bos, j0, i_s, 
 @triton.jit
 def _factor_keys(b_xy, s, b_a, rows, eos, i_h, H, M, o_c, o_m, PREC: tl.constexpr):
     """The own block of `_keys_to_slots` as a masked dot of its factors (`_diag_factors`)."""
-    b_u, b_v = _diag_factors(_tile(s, rows, rows < eos, i_h, H, M, o_m, _NEG), b_a, rows < eos,
-                             PREC)
+    b_u, b_v = _diag_factors(_tile(s, rows, rows < eos, i_h, H, M, o_m, _NEG), b_a, rows < eos)
     return b_v * _factor_dot(tl.where(o_c[:, None] >= o_c[None, :], b_xy, 0.0), b_u, PREC)
 
 
@@ -620,8 +617,7 @@ def _slots_to_values(b_w, b_h, decay, y, s, lc, b_zp, b_a, t0, eos, bos, j0, i_s
     if OWN == "factors":
         b_out += _factor_values(b_w, y, s, b_a, rows, eos, i_h, H, D, M, o_c, o_d, o_m, PREC)
     elif OWN == "either":
-        if _growth(lc, b_zp, t0, tl.minimum(t0 + BC, eos) - 1, i_h, H, M, o_m) \
-                < _FACTOR_SPAN:
+        if _growth(lc, b_zp, t0, BC, eos, i_h, H, M, o_m) < _FACTOR_SPAN:
             b_out += _factor_values(b_w, y, s, b_a, rows, eos, i_h, H, D, M, o_c, o_d, o_m,
                                     PREC)
         else:
@@ -636,8 +632,7 @@ def _slots_to_values(b_w, b_h, decay, y, s, lc, b_zp, b_a, t0, eos, bos, j0, i_s
 @triton.jit
 def _factor_values(b_w, y, s, b_a, rows, eos, i_h, H, D, M, o_c, o_d, o_m, PREC: tl.constexpr):
     """The own block of `_slots_to_values` as masked dots of its factors (`_diag_factors`)."""
-    b_u, b_v = _diag_factors(_tile(s, rows, rows < eos, i_h, H, M, o_m, _NEG), b_a, rows < eos,
-                             PREC)
+    b_u, b_v = _diag_factors(_tile(s, rows, rows < eos, i_h, H, M, o_m, _NEG), b_a, rows < eos)
     b_g = _factor_dot(b_w * b_v, tl.trans(b_u), PREC)  # [BC (t), BC (i)]
     return _dot(tl.where(o_c[:, None] >= o_c[None, :], b_g, 0.0),
                 _tile(y, rows, rows < eos, i_h, H, D, o_d, 0.0), PREC)
@@ -677,7 +672,7 @@ def _fwd_output(q, k, v, s, lc, zprev, hk, hv, o, p, lse, cu, boff, sub_idx, sca
     o_v = tl.arange(0, BV)
     o_m = tl.arange(0, BM)
     b_zp = _zprev(zprev, i_g, i_h, H, M, o_m)
-    if _takes(lc, b_zp, t0, bos, eos, i_h, H, M, o_m, BT, UNITS, PREC):
+    if _takes(lc, b_zp, t0, bos, eos, i_h, H, M, o_m, BT, UNITS):
         b_a, decay = _chunk_decay(lc, b_zp, rows, r_ok, i_h, H, M, o_m)
         b_q = _tile(q, rows, r_ok, i_h, H, K, o_k, 0.0) * scale  # [BC, BK]
 
@@ -719,7 +714,7 @@ def _bwd_dq(q, k, v, s, lc, zprev, hk, hv, p, lse, do, dq, dS, c, cu, boff, sub_
     o_v = tl.arange(0, BV)
     o_m = tl.arange(0, BM)
     b_zp = _zprev(zprev, i_g, i_h, H, M, o_m)
-    if _takes(lc, b_zp, t0, bos, eos, i_h, H, M, o_m, BT, UNITS, PREC):
+    if _takes(lc, b_zp, t0, bos, eos, i_h, H, M, o_m, BT, UNITS):
         b_a, decay = _chunk_decay(lc, b_zp, rows, r_ok, i_h, H, M, o_m)
         b_do = _tile(do, rows, r_ok, i_h, H, V, o_v, 0.0)  # [BC, BV]
 
@@ -878,7 +873,7 @@ def _bwd_dkv(q, k, v, s, lc, zprev, zend, p, do, dS, c, dhk, dhv, dhc, dk, dv, d
     o_v = tl.arange(0, BV)
     o_m = tl.arange(0, BM)
     b_zp = _zprev(zprev, i_g, i_h, H, M, o_m)
-    if _takes(lc, b_zp, t0, bos, eos, i_h, H, M, o_m, BT, UNITS, PREC):
+    if _takes(lc, b_zp, t0, bos, eos, i_h, H, M, o_m, BT, UNITS):
         b_s = _tile(s, rows, r_ok, i_h, H, M, o_m, _NEG)  # [BC, BM]
         if SIDES != 2:
             b_k = _tile(k, rows, r_ok, i_h, H, K, o_k, 0.0)  # [BC, BK]
@@ -934,7 +929,7 @@ def _bwd_dkv(q, k, v, s, lc, zprev, zend, p, do, dS, c, dhk, dhv, dhc, dk, dv, d
             b_do = _tile(do, rows, r_ok, i_h, H, V, o_v, 0.0)  # [BC, BV]
             b_vdo = _dot(b_v, tl.trans(b_do), PREC)
         if OWN == "factors":
-            b_u, b_w = _diag_factors(b_s, _log_z(lc, b_zp, rows, r_ok, i_h, H, M, o_m), r_ok, PREC)
+            b_u, b_w = _diag_factors(b_s, _log_z(lc, b_zp, rows, r_ok, i_h, H, M, o_m), r_ok)
             later = o_c[None, :] >= o_c[:, None]  # [i, t]: token t reads token i
             if SIDES != 2:
                 b_wdS = b_w * _tile(dS, rows, r_ok, i_h, H, M, o_m, 0.0)  # [BC (t), BM]

@@ -214,11 +214,11 @@ def check_launch_choices(T: int, chunks: tuple[int, ...], bounds: list[int], *, 
     ({"_fwd_output": 16, "_bwd_dq": 32, "_bwd_dkv": 16}, True)])
 def test_sub_blocks_of_32_rows(monkeypatch, rows, diag3):
     """SUB_ROWS: sub-blocks of 32 rows (every chunk in sub-blocks), in every sub-block kernel
-    or in some (each kernel splits the chunk its own way), their diagonal blocks as loops or in one step (DIAG_3D_MAX
-    raised to hold [32, 32, 16]); chunks of 32 (one sub-block) and 64 (two), lengths that are
-    not multiples of 32 (75; packed 1, 39 and 67), fp32, and where the diagonal blocks are taken
-    in one step also bf16 and logits of 1e3 (the loops' slow interpretation takes those at 16
-    rows, test_kernel_variants)."""
+    or in some (each kernel splits the chunk its own way), their diagonal blocks as loops or
+    in one step (DIAG_3D_MAX raised to hold [32, 32, 16]); chunks of 32 (one sub-block) and
+    64 (two), lengths that are not multiples of 32 (75; packed 1, 39 and 67), fp32, and where
+    the diagonal blocks are taken in one step also bf16 and logits of 1e3 (the loops' slow
+    interpretation takes those at 16 rows, test_kernel_variants)."""
     monkeypatch.setattr(abc_chunk, "SUB_ROWS", rows)
     monkeypatch.setattr(abc_chunk, "WHOLE_CHUNKS", ())
     monkeypatch.setattr(abc_chunk, "DIAG_3D", tuple(rows) if diag3 else ())
@@ -244,8 +244,7 @@ def test_whole_chunks_where_factors_are_exact_sub_blocks_elsewhere(monkeypatch, 
     own block as dots of the factors u = exp(s - r), v = exp(r - a)), 4.5 in the second (about
     284 over the chunk, 68 over each sub-block: sub-blocks, each as factors), 7 in the third
     (105 a sub-block: token by token, or in one step), against the float64 reference with
-    every gradient. The whole-chunk launch alone
-    writes the first chunk only, the sub-blocks' launch the others only (buffers start as NaN).
+    every gradient. The whole-chunk launch alone writes the first chunk only, the sub-blocks' launch the others only (buffers start as NaN).
     With the limit lifted the whole-chunk launch takes every chunk and the factors of the
     second and third overflow float32: the limit is what keeps them exact."""
     monkeypatch.setattr(abc_chunk, "DIAG_3D", tuple(abc_chunk.SUB_ROWS) if diag3 else ())
