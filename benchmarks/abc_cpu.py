@@ -38,7 +38,7 @@ from research.bench.timing import ENV, median_times, reexec_tuned
 B, H, D, M = 4, 8, 64, 32
 NOTES = [
     "- s ~ N(0, 1): every chunk takes the fast path of the chunked form. Logits that jump by",
-    "  40 or more inside a chunk send that chunk through the exact path, slower (about 2x",
+    "  80 or more inside a chunk send that chunk through the exact path, slower (about 2x",
     "  for the whole call when every chunk does, as with s of size 1e4).",
     "- Environment: with OpenMP workers spinning (the default) on vCPUs that share one core,",
     "  each small parallel region can stall for milliseconds; ABC, made of many mid-sized ops,",

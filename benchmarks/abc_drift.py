@@ -10,8 +10,8 @@ s = N(0, 1) + drift · (token index). LM (with --run, a trained abc-lm run folde
 checkpoint is there): one training step (forward, backward) of that model on 16 random
 sequences of 512. Each figure the median of --repeats calls after a warm-up call, the two
 settings interleaved (`memattn.ops.abc.chunked._HALVE_DOWN_TO` = 16, the default, or 1024,
-which turns halving off). A drift below 40 / 31 a token (log_z growing by less than 40 in
-each half of a chunk of 64) leaves every chunk of 64 on the fast path: the two settings then run the same code, and their difference is the noise of
+which turns halving off). A drift below 80 / 63 a token (log_z growing by less than 80 over
+a chunk of 64) leaves every chunk of 64 on the fast path: the two settings then run the same code, and their difference is the noise of
 the timing. Writes OUT.json and OUT.md.
 """
 

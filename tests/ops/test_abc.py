@@ -376,11 +376,11 @@ def test_abc_one_jump_among_calm_chunks(where, value):
     assert_same(got, want, **F64)
 
 
-@pytest.mark.parametrize("drift, exact", [(1.5, False), (5.0, True)])
+@pytest.mark.parametrize("drift, exact", [(1.5, False), (6.0, True)])
 def test_drifting_logits_halve_the_chunks(monkeypatch, drift, exact):
-    """Logits growing `drift` a token, as a trained recency rate makes them: in a half chunk of
-    32 tokens the normaliser grows by more than 40 (the exact path's threshold), in one of 16
-    it does not at 1.5 a token, and in one of 8 it still does at 5. The op halves its chunks
+    """Logits growing `drift` a token, as a trained recency rate makes them: over a chunk of
+    64 tokens the normaliser grows by more than 80 (the exact path's threshold), over one of 32
+    it does not at 1.5 a token, and over one of 16 it still does at 6. The op halves its chunks
     (down to 16) and takes the exact path only where that is not enough; both match the
     float64 reference (outputs, final state, gradients)."""
     import memattn.ops.abc.chunked as chunked
@@ -398,8 +398,8 @@ def test_drifting_logits_halve_the_chunks(monkeypatch, drift, exact):
 
 
 def test_float32_gradients_at_the_fast_paths_edge(monkeypatch):
-    """Logits drifting so that the normaliser grows by just under the fast path's threshold in
-    each half of a chunk: every chunk takes the fast path (none the exact path), where 1 / z
+    """Logits drifting so that the normaliser grows by just under the fast path's threshold over
+    a chunk: every chunk takes the fast path (none the exact path), where 1 / z
     reaches nearly e^threshold and its gradient, −1 / z², must stay inside float32. Outputs,
     final state and gradients in float32 are within 1e-3 of the float64 reference (relative to
     each tensor's largest entry; the recurrent form's error here is 1e-4); a threshold of e^60
@@ -410,7 +410,7 @@ def test_float32_gradients_at_the_fast_paths_edge(monkeypatch):
     monkeypatch.setattr(chunked, "_Exact", lambda q, *a: taken.append(q.shape[1]) or
                         real_exact(q, *a))
     T, C = 192, 64
-    drift = (-math.log(chunked._MIN_Z) - 2.0) / (C // 2)  # a token
+    drift = (-2 * math.log(chunked._MIN_Z) - 2.0) / (C - 1)  # a token
     q, k, v, s = inputs(T=T, M=3, seed=9)
     s = s * 0.1 + drift * torch.arange(T, dtype=s.dtype)[:, None, None]
     want = run_with_grads(abc_reference, *(x.requires_grad_() for x in (q, k, v, s)), None)

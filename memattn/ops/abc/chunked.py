@@ -14,13 +14,13 @@ General ABC (`bounded_memory_chunked`): w[t, i, m] = φ[i, m] does not depend on
 chunk is two masked matmuls and the boundary memories are a cumulative sum.
 
 ABC_MLP (`abc_chunked`): w[t, i, m] = exp(s[i, m] - log_z[t, m]), log_z = logcumsumexp(s).
-Relative to the normaliser r at the middle of the chunk (log_z after its first half),
+Relative to r, midway between log_z at the chunk's first token and at its last,
 write_i = exp(s_i - r) and z_t = exp(log_z_t - r) (a cumulative sum of write), so
 w[t, i] = write_i / z_t: one masked matmul per pass, rows scaled by 1 / z_t. That is exact
 while z_t and write_i stay far from overflow and 1 / z_t too, i.e. while log_z grows by less
-than 40 in each half of the chunk, the usual case (logits that drift, as trained forget rates
-make them, grow it by up to 80 over the chunk). A chunk where it grows more (a logit jumping
-by 40 or more, as with s of ±1e4) is computed again by `_Exact`: each pair i < t is split through a boundary b with i ≤ b ≤ t,
+than 80 over the chunk (each side of r within 40), the usual case (logits that drift, as
+trained forget rates make them, grow it by up to 80 over a chunk of 64). A chunk where it
+grows more (a logit jumping by 80 or more, as with s of ±1e4) is computed again by `_Exact`: each pair i < t is split through a boundary b with i ≤ b ≤ t,
 w[t, i] = exp(s_i - log_z_b) · exp(log_z_b - log_z_t), both factors ≤ 1 however large |s|;
 halving the chunk gives the boundaries, log2(C) levels of small matmuls, no [C, C, M] tensor.
 The boundary memories are a cumulative sum relative to the final normaliser while log_z
@@ -41,7 +41,7 @@ from memattn.ops.contract import compute_dtype, default_scale
 
 # Logit of the padding tokens after the end: exp(pad - log_z) = 0, logaddexp(log_z, pad) = log_z.
 _PAD_LOGIT = -1e30
-# Smallest exp(log_z_t - r) read by the fast path (r: log_z at the chunk's middle), and the
+# Smallest exp(log_z_t - r) read by the fast path (r: midway along log_z over the chunk), and the
 # inverse of the largest: e^±40 stay far from overflow, and a write weight exp(s_i - r) lost to
 # underflow (< 1e-38 in float32) weighs < e^40 · 1e-38 in any w[t, i].
 _MIN_Z = math.exp(-40.0)
@@ -53,7 +53,8 @@ _LOG_MAX_Z = -math.log(_MIN_Z)  # the same bound in log space: how far log_z may
 # trained 6,000 steps of 512 characters (results/long-stream), sent 123 of the 1,024 chunks of
 # 32 of its first layer to the exact path; halving them to 16 made its training step 6-9 %
 # faster in two quiet runs (1.22 to 1.11 s, 1.34 to 1.27 s; halving wherever any chunk is exact
-# was slower, 1.37-1.38 s).
+# was slower, 1.37-1.38 s). Both measured with r = log_z after the chunk's first half, which let
+# log_z grow by 40 on each side of it rather than by 80 over the chunk.
 _HALVE_AT = 32
 _HALVE_DOWN_TO = 16
 
@@ -108,8 +109,8 @@ def abc_chunked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, s: torch.Tens
 
     Returns o [B, Tq, H, V] in q's dtype and, if asked, the ABCState after the last token.
     Causal inputs are processed in chunks of `chunk_size` (a power of two) tokens, memory
-    O(T · (K + V + C + M)) per head; chunks whose normaliser grows by 40 or more in one of
-    their halves (a logit jumping by that much) take the slower exact path, and where many would, the chunks are halved
+    O(T · (K + V + C + M)) per head; chunks whose normaliser grows by 80 or more (a logit
+    jumping by that much) take the slower exact path, and where many would, the chunks are halved
     first (down to 16 tokens). Not causal, the closed form over the sequence.
     """
     _check_chunk_size(chunk_size)
@@ -145,7 +146,7 @@ def abc_chunked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, s: torch.Tens
     mem0 = torch.cat((k0, v0), dim=-1) if k0 is not None else local.new_zeros(B, H, M, K + V)
     keep = torch.exp(log_z_prev - log_z_end)  # [B, H, N, M]
     mem_prev, mem = _boundary_memories(mem0, local, keep, log_z_prev, log_z_end)
-    mem_kept = torch.exp(log_z_prev - log_z_mid)[..., None] * mem_prev  # relative to the middle
+    mem_kept = torch.exp(log_z_prev - log_z_mid)[..., None] * mem_prev  # relative to r
     causal_mask = torch.ones(C, C, dtype=torch.bool, device=q.device).tril()  # i ≤ t
 
     # Pass 1, keys -> slots.
@@ -174,22 +175,21 @@ def abc_chunked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, s: torch.Tens
 
 def _normalisers(sc: torch.Tensor, log_z0: torch.Tensor | None):
     """Chunked logits sc [B, H, N, C, M] (and the initial log-normaliser [B, H, M] or None) ->
-    log_z after each chunk, before it and at its middle r [B, H, N, M], and the indices
+    log_z after each chunk, before it and r, midway along it [B, H, N, M], and the indices
     (b, h, n) of the chunks that the fast path cannot take."""
     log_z_end = torch.logcumsumexp(torch.logsumexp(sc, dim=3), dim=2)
     if log_z0 is not None:
         log_z_end = torch.logaddexp(log_z0[:, :, None], log_z_end)
     start = log_z0 if log_z0 is not None else torch.full_like(log_z_end[:, :, 0], -torch.inf)
     log_z_prev = torch.cat((start[:, :, None], log_z_end[:, :, :-1]), dim=2)
-    # r: log_z after the chunk's first half (its first token when C = 1)
-    log_z_mid = torch.logaddexp(log_z_prev, torch.logsumexp(sc[:, :, :, :max(1, sc.shape[3] // 2)], dim=3))
     # The fast path reads z_t = exp(log_z_t - r) and w[t, i] = write_i / z_t, exact while
-    # _MIN_Z ≤ z_t ≤ 1 / _MIN_Z; z grows along the chunk, so its first token and its last
-    # (log_z_end) tell. The chunks where it is not (`bad`) are computed again by _Exact.
-    # Worked out in log space from [B, H, N, M] tensors, so that a chunk length the caller
-    # then halves costs no pass over the chunk's weights.
+    # _MIN_Z ≤ z_t ≤ 1 / _MIN_Z; z grows along the chunk, so r midway between its first token's
+    # log_z and its last's (log_z_end) allows the most growth, 2 · _LOG_MAX_Z. The chunks that
+    # grow more (`bad`) are computed again by _Exact. Worked out in log space from [B, H, N, M]
+    # tensors, so that a chunk length the caller then halves costs no pass over the chunk's weights.
     log_z_first = torch.logaddexp(log_z_prev, sc[:, :, :, 0])
-    bad = (log_z_first - log_z_mid < -_LOG_MAX_Z) | (log_z_end - log_z_mid > _LOG_MAX_Z)
+    log_z_mid = 0.5 * (log_z_first + log_z_end)  # r
+    bad = log_z_end - log_z_first > 2 * _LOG_MAX_Z
     return log_z_end, log_z_prev, log_z_mid, bad.any(-1).nonzero(as_tuple=True)
 
 
