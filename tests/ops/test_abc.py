@@ -397,10 +397,12 @@ def test_drifting_logits_halve_the_chunks(monkeypatch, drift, exact):
     assert taken == ([16] if exact else [])  # the exact path, on chunks of 16, or none
 
 
-def test_float32_gradients_at_the_fast_paths_edge(monkeypatch):
+@pytest.mark.parametrize("first_half", [0.5, 0.85])
+def test_float32_gradients_at_the_fast_paths_edge(monkeypatch, first_half):
     """Logits drifting so that the normaliser grows by just under the fast path's threshold over
-    a chunk: every chunk takes the fast path (none the exact path), where 1 / z
-    reaches nearly e^threshold and its gradient, −1 / z², must stay inside float32. Outputs,
+    a chunk, a share `first_half` of it in the chunk's first half (0.85: 66 of 78, more than a
+    threshold of 40 on each side of the middle token would allow): every chunk of 64 takes the
+    fast path (none the exact path, no halving), where 1 / z reaches nearly e^threshold and its gradient, −1 / z², must stay inside float32. Outputs,
     final state and gradients in float32 are within 1e-3 of the float64 reference (relative to
     each tensor's largest entry; the recurrent form's error here is 1e-4); a threshold of e^60
     fails here (1 / z² overflows)."""
@@ -409,10 +411,13 @@ def test_float32_gradients_at_the_fast_paths_edge(monkeypatch):
     taken, real_exact = [], chunked._Exact
     monkeypatch.setattr(chunked, "_Exact", lambda q, *a: taken.append(q.shape[1]) or
                         real_exact(q, *a))
+    monkeypatch.setattr(chunked, "_HALVE_DOWN_TO", 64)
     T, C = 192, 64
-    drift = (-2 * math.log(chunked._MIN_Z) - 2.0) / (C - 1)  # a token
+    growth = -2 * math.log(chunked._MIN_Z) - 2.0  # from a chunk's first token to its last
+    half = (torch.arange(T) % C + C - 1) % C < C // 2  # the steps into a first-half token
+    step = torch.where(half, first_half * growth / (C // 2), (1 - first_half) * growth / (C // 2 - 1))
     q, k, v, s = inputs(T=T, M=3, seed=9)
-    s = s * 0.1 + drift * torch.arange(T, dtype=s.dtype)[:, None, None]
+    s = s * 0.1 + step.to(s.dtype).cumsum(0)[:, None, None]
     want = run_with_grads(abc_reference, *(x.requires_grad_() for x in (q, k, v, s)), None)
     o, final, grads = run_with_grads(functools.partial(abc_chunked, chunk_size=C),
                                      *(x.detach().float().requires_grad_() for x in (q, k, v, s)), None)
