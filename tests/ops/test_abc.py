@@ -402,10 +402,10 @@ def test_float32_gradients_at_the_fast_paths_edge(monkeypatch, first_half):
     """Logits drifting so that the normaliser grows by just under the fast path's threshold over
     a chunk, a share `first_half` of it in the chunk's first half (0.85: 66 of 78, more than a
     threshold of 40 on each side of the middle token would allow): every chunk of 64 takes the
-    fast path (none the exact path, no halving), where 1 / z reaches nearly e^threshold and its gradient, −1 / z², must stay inside float32. Outputs,
-    final state and gradients in float32 are within 1e-3 of the float64 reference (relative to
-    each tensor's largest entry; the recurrent form's error here is 1e-4); a threshold of e^60
-    fails here (1 / z² overflows)."""
+    fast path (none the exact path, no halving), where 1 / z reaches nearly e^threshold and its
+    gradient, −1 / z², must stay inside float32. Outputs, final state and gradients in float32
+    are within 1e-3 of the float64 reference (relative to each tensor's largest entry; the
+    recurrent form's error here is 1e-4); a threshold of e^60 fails here (1 / z² overflows)."""
     import memattn.ops.abc.chunked as chunked
 
     taken, real_exact = [], chunked._Exact
@@ -414,7 +414,7 @@ def test_float32_gradients_at_the_fast_paths_edge(monkeypatch, first_half):
     monkeypatch.setattr(chunked, "_HALVE_DOWN_TO", 64)
     T, C = 192, 64
     growth = -2 * math.log(chunked._MIN_Z) - 2.0  # from a chunk's first token to its last
-    half = (torch.arange(T) % C + C - 1) % C < C // 2  # the steps into a first-half token
+    half = (torch.arange(T) - 1) % C < C // 2  # the steps into tokens 1 .. C / 2 of a chunk
     step = torch.where(half, first_half * growth / (C // 2), (1 - first_half) * growth / (C // 2 - 1))
     q, k, v, s = inputs(T=T, M=3, seed=9)
     s = s * 0.1 + step.to(s.dtype).cumsum(0)[:, None, None]

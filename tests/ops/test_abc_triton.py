@@ -244,9 +244,10 @@ def test_whole_chunks_where_factors_are_exact_sub_blocks_elsewhere(monkeypatch, 
     own block as dots of the factors u = exp(s - r), v = exp(r - a)), 4.5 in the second (about
     284 over the chunk, 68 over each sub-block: sub-blocks, each as factors), 7 in the third
     (105 a sub-block: token by token, or in one step), against the float64 reference with
-    every gradient. The whole-chunk launch alone writes the first chunk only, the sub-blocks' launch the others only (buffers start as NaN).
-    With the limit lifted the whole-chunk launch takes every chunk and the factors of the
-    second and third overflow float32: the limit is what keeps them exact."""
+    every gradient. The whole-chunk launch alone writes the first chunk only, the sub-blocks'
+    launch the others only (buffers start as NaN). With the limit lifted the whole-chunk
+    launch takes every chunk and the factors of the second and third overflow float32: the
+    limit is what keeps them exact."""
     monkeypatch.setattr(abc_chunk, "DIAG_3D", tuple(abc_chunk.SUB_ROWS) if diag3 else ())
     monkeypatch.setattr(abc_chunk, "WHOLE_PRECISIONS", EVERY_PRECISION)
     xs = make_inputs(B=1, T=192, H=1, M=4)
